@@ -1,0 +1,15 @@
+//! Change records and where they come from.
+//!
+//! trigger.dev publishes one small JSON [`ChangeRecord`] per run change to the Redis channel
+//! `realtime:env:{<envId>}` (trigger-facts §5). This module decodes them tolerantly
+//! ([`record`]), subscribes per environment ([`source`]: Redis classic pub/sub, or an in-memory
+//! source for tests), coalesces bursts per environment on the leading edge ([`coalesce`]), and
+//! publishes records the way trigger.dev's webapp does ([`publish`]).
+
+pub mod coalesce;
+pub mod publish;
+pub mod record;
+pub mod source;
+
+pub use record::ChangeRecord;
+pub use source::{ChangeSource, SourceEvent};

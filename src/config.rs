@@ -1,0 +1,280 @@
+//! One typed configuration: defaults (identical to `config/default.toml`) ← TOML file ←
+//! `RUNFEED_<SECTION>__<KEY>` environment variables ← command-line flags.
+//!
+//! Every tunable of trigger.dev's native realtime backend is a key here with the reference
+//! default (behaviours.md §0.2; `REALTIME_BACKEND_NATIVE_<NAME>` → `[section] name`).
+
+use std::path::Path;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub database: DatabaseConfig,
+    pub redis: RedisConfig,
+    pub feeds: FeedsConfig,
+    pub router: RouterConfig,
+    pub caches: CachesConfig,
+    pub replica_lag: ReplicaLagConfig,
+}
+
+/// `[server]`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Listen address (`--listen`, `RUNFEED_LISTEN`).
+    pub listen: String,
+    /// Secret that signs shape handles. Set the same value on every instance of a fleet; unset
+    /// = a random secret per process (handles then die with the process: clients get a 409
+    /// must-refetch and re-snapshot after a restart).
+    pub handle_secret: Option<String>,
+    /// How long in-flight polls get to finish on shutdown, ms.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { listen: "127.0.0.1:3030".into(), handle_secret: None, shutdown_grace_ms: 2_000 }
+    }
+}
+
+/// `[database]`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// The primary (`--database-url`, `DATABASE_URL`).
+    pub url: String,
+    /// The read replica (`--replica-url`, `DATABASE_READ_REPLICA_URL`); defaults to the primary.
+    pub replica_url: Option<String>,
+    /// Hydrate from the primary (reference `RUN_READS_FROM_PRIMARY`, default off).
+    pub run_reads_from_primary: bool,
+    /// Connections per pool.
+    pub max_connections: u32,
+    /// Per-query timeout, ms.
+    pub statement_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: "postgres://postgres@127.0.0.1:5432/runfeed_demo".into(),
+            replica_url: None,
+            run_reads_from_primary: false,
+            max_connections: 16,
+            statement_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// `[redis]`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisConfig {
+    /// The Redis carrying change records (`--redis-url`, `REDIS_URL`).
+    pub url: String,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig { url: "redis://127.0.0.1:6379".into() }
+    }
+}
+
+/// `[feeds]`: the HTTP feeds (reference `LIVE_POLL_*`, `MAX_LIST_RESULTS`, …).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FeedsConfig {
+    /// Live long-poll hold before the backstop re-read, ms (`LIVE_POLL_TIMEOUT_MS`, 20 000).
+    pub live_poll_timeout_ms: u64,
+    /// Uniform ± jitter ratio on the hold (`LIVE_POLL_JITTER_RATIO`, 0.15 → 17–23 s).
+    pub live_poll_jitter_ratio: f64,
+    /// Cap on runs in a tag or batch feed (`MAX_LIST_RESULTS`, 1 000).
+    pub max_list_results: usize,
+    /// A wake that yields no delta keeps holding (`HOLD_ON_EMPTY`, true).
+    pub hold_on_empty: bool,
+    /// Tag feed `createdAt` lookback ceiling, ms (`REALTIME_MAXIMUM_CREATED_AT_FILTER_AGE_IN_MS`, 24 h).
+    pub maximum_created_at_filter_age_ms: u64,
+    /// The `createdAt` floor is rounded down to this bucket, ms; 0 = exact (`RUNSET_CREATED_AT_BUCKET_MS`, 60 000).
+    pub runset_created_at_bucket_ms: u64,
+    /// Concurrent cold run-set resolves per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
+    pub resolve_admission_limit: usize,
+    /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
+    pub default_concurrency_limit: u64,
+}
+
+impl Default for FeedsConfig {
+    fn default() -> Self {
+        FeedsConfig {
+            live_poll_timeout_ms: 20_000,
+            live_poll_jitter_ratio: 0.15,
+            max_list_results: 1_000,
+            hold_on_empty: true,
+            maximum_created_at_filter_age_ms: 86_400_000,
+            runset_created_at_bucket_ms: 60_000,
+            resolve_admission_limit: 16,
+            default_concurrency_limit: 100_000,
+        }
+    }
+}
+
+/// `[router]`: change routing (reference `ENV_WAKE_COALESCE_WINDOW_MS`, `REPLAY_*`, `UNSUBSCRIBE_LINGER_MS`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Leading-edge coalescing window per environment, ms; 0 = none (250).
+    pub env_wake_coalesce_window_ms: u64,
+    /// How long buffered change records stay replayable, ms; 0 disables replay (2 000).
+    pub replay_window_ms: u64,
+    /// Cap on buffered records per environment (512).
+    pub replay_max_runs: usize,
+    /// Keep an environment subscribed this long after its last feed leaves, ms (5 000).
+    pub unsubscribe_linger_ms: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            env_wake_coalesce_window_ms: 250,
+            replay_window_ms: 2_000,
+            replay_max_runs: 512,
+            unsubscribe_linger_ms: 5_000,
+        }
+    }
+}
+
+/// `[caches]` (reference `RUN_CACHE_*`, `RUNSET_CACHE_*`, `WORKING_SET_*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CachesConfig {
+    /// Single-run read-through cache TTL, ms (250); 0 disables (single-flight remains).
+    pub run_cache_ttl_ms: u64,
+    /// Single-run cache entries (5 000).
+    pub run_cache_max_entries: u64,
+    /// Run-set resolve cache TTL, ms (1 000).
+    pub runset_cache_ttl_ms: u64,
+    /// Run-set resolve cache entries (5 000).
+    pub runset_cache_max_entries: u64,
+    /// Run-set resolve cache budget, bytes of serialized rows (64 MiB). Bounds memory where the
+    /// reference only bounds entry counts.
+    pub runset_cache_max_bytes: u64,
+    /// Per-connection feed state TTL (working sets, replay cursors), ms (300 000).
+    pub working_set_ttl_ms: u64,
+    /// Per-connection feed states kept (10 000).
+    pub working_set_max_entries: u64,
+    /// Resource / environment lookup cache TTL for authentication and URL ids, ms (1 000).
+    pub lookup_cache_ttl_ms: u64,
+}
+
+impl Default for CachesConfig {
+    fn default() -> Self {
+        CachesConfig {
+            run_cache_ttl_ms: 250,
+            run_cache_max_entries: 5_000,
+            runset_cache_ttl_ms: 1_000,
+            runset_cache_max_entries: 5_000,
+            runset_cache_max_bytes: 64 * 1024 * 1024,
+            working_set_ttl_ms: 300_000,
+            working_set_max_entries: 10_000,
+            lookup_cache_ttl_ms: 1_000,
+        }
+    }
+}
+
+/// `[replica_lag]`: read-your-writes gate (reference `REPLICA_LAG_*`, `STALE_HYDRATE_RETRIES`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicaLagConfig {
+    pub gate_enabled: bool,
+    pub sample_interval_ms: u64,
+    pub idle_after_ms: u64,
+    pub window_ms: u64,
+    pub default_ms: u64,
+    pub margin_ms: u64,
+    pub max_delay_ms: u64,
+    pub stale_hydrate_retries: u32,
+    pub observed_floor_ttl_ms: u64,
+}
+
+impl Default for ReplicaLagConfig {
+    fn default() -> Self {
+        ReplicaLagConfig {
+            gate_enabled: true,
+            sample_interval_ms: 250,
+            idle_after_ms: 30_000,
+            window_ms: 5_000,
+            default_ms: 30,
+            margin_ms: 10,
+            max_delay_ms: 1_000,
+            stale_hydrate_retries: 3,
+            observed_floor_ttl_ms: 60_000,
+        }
+    }
+}
+
+/// The configuration could not be loaded or is invalid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config: {0}")]
+    Load(#[from] Box<figment::Error>),
+    #[error("config: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Defaults ← `file` (if given) ← `RUNFEED_<SECTION>__<KEY>` env vars, then validated.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut fig = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::Invalid(format!("config file {} not found", path.display())));
+            }
+            fig = fig.merge(Toml::file(path));
+        }
+        fig = fig.merge(Env::prefixed("RUNFEED_").split("__").ignore(&["listen"]));
+        let config: Config = fig.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges that would make the server misbehave.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let f = &self.feeds;
+        if !(0.0..1.0).contains(&f.live_poll_jitter_ratio) {
+            return Err(ConfigError::Invalid("feeds.live_poll_jitter_ratio must be in [0, 1)".into()));
+        }
+        if f.live_poll_timeout_ms == 0 {
+            return Err(ConfigError::Invalid("feeds.live_poll_timeout_ms must be > 0".into()));
+        }
+        if f.max_list_results == 0 {
+            return Err(ConfigError::Invalid("feeds.max_list_results must be > 0".into()));
+        }
+        if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::Invalid(format!("server.listen {:?} is not an address", self.server.listen)));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_toml_equals_builtin_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
+        let from_file: Config = Figment::new().merge(Toml::file(&path)).extract().expect("config/default.toml parses");
+        assert_eq!(from_file, Config::default());
+    }
+
+    #[test]
+    fn invalid_jitter_is_rejected() {
+        let mut c = Config::default();
+        c.feeds.live_poll_jitter_ratio = 1.5;
+        assert!(c.validate().is_err());
+    }
+}

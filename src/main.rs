@@ -1,0 +1,24 @@
+//! The `runfeed` binary: parses the command line and runs one command.
+
+use clap::Parser;
+use runfeed::cli::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    runfeed::telemetry::init_logging();
+    let result = match cli.command {
+        Command::Serve(args) => runfeed::app::serve(args).await,
+        Command::Migrate(args) => runfeed::cli::migrate::run(args).await,
+        Command::Publish(args) => runfeed::cli::publish::run(args).await,
+        Command::Token(args) => runfeed::cli::token::run(args).await,
+        Command::Demo(args) => runfeed::cli::demo::run(args).await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("runfeed: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

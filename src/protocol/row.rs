@@ -1,0 +1,90 @@
+//! One hydrated run and its serialized wire form.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+/// One `"TaskRun"` row as read from Postgres, typed. Timestamps are epoch milliseconds (UTC;
+/// the columns are `timestamp(3) without time zone` holding UTC, trigger-facts §1.1).
+///
+/// Columns that the reader did not fetch because the feed skips them hold their type's default
+/// (empty string, 0, `None`); the serializer never emits them (see [`crate::protocol::ColumnSet`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRow {
+    pub id: String,
+    pub task_identifier: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub started_at_ms: Option<i64>,
+    pub delay_until_ms: Option<i64>,
+    pub queued_at_ms: Option<i64>,
+    pub expired_at_ms: Option<i64>,
+    pub completed_at_ms: Option<i64>,
+    pub friendly_id: String,
+    pub number: i32,
+    pub is_test: bool,
+    /// `"TaskRunStatus"` enum label, e.g. `EXECUTING`.
+    pub status: String,
+    pub usage_duration_ms: i32,
+    pub cost_in_cents: f64,
+    pub base_cost_in_cents: f64,
+    pub ttl: Option<String>,
+    pub payload: String,
+    pub payload_type: String,
+    pub metadata: Option<String>,
+    pub metadata_type: String,
+    pub output: Option<String>,
+    pub output_type: String,
+    /// `text[]`, nullable with no default: `None` and `Some(vec![])` both go on the wire as null.
+    pub run_tags: Option<Vec<String>>,
+    /// `jsonb`; emitted as compact JSON text in jsonb key order.
+    pub error: Option<serde_json::Value>,
+    pub realtime_streams: Option<Vec<String>>,
+    /// Internal `"BatchTaskRun".id` (not a wire column; used for routing and scope checks).
+    pub batch_id: Option<String>,
+}
+
+/// What the router and the feeds need to know about a run regardless of the column set:
+/// identity, version, and membership (for the tag feed's authoritative re-check).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunMeta {
+    /// Internal run id (`"TaskRun".id`).
+    pub id: String,
+    pub updated_at_ms: i64,
+    pub created_at_ms: i64,
+    /// `runTags`, `[]` when null.
+    pub tags: Vec<String>,
+    /// Internal batch id.
+    pub batch_id: Option<String>,
+}
+
+impl RunMeta {
+    /// The meta of a hydrated row.
+    pub fn of(row: &RunRow) -> Self {
+        RunMeta {
+            id: row.id.clone(),
+            updated_at_ms: row.updated_at_ms,
+            created_at_ms: row.created_at_ms,
+            tags: row.run_tags.clone().unwrap_or_default(),
+            batch_id: row.batch_id.clone(),
+        }
+    }
+}
+
+/// A run serialized ONCE for one column set and shared (by `Arc`) by every feed that carries it.
+///
+/// `fragment` is the change message up to the operation value:
+/// `{"key":"\"public\".\"TaskRun\"/\"<id>\"","value":{…},"headers":{"operation":"` —
+/// the body builder appends `insert"}}` or `update"}}` from static bytes, so the row's bytes are
+/// never copied per feed.
+#[derive(Debug, Clone)]
+pub struct SerializedRow {
+    pub meta: Arc<RunMeta>,
+    pub fragment: Bytes,
+    /// 64-bit hash of the serialized value: two versions with the same `updatedAt` millisecond
+    /// but different content are still told apart (the reference suppresses the second).
+    pub value_hash: u64,
+    /// The value contains `"status":"DEQUEUED"`, so legacy API versions need the
+    /// `DEQUEUED → EXECUTING` rewrite (trigger-facts §3, `rewriteBodyForLegacyApiVersion`).
+    pub dequeued: bool,
+}

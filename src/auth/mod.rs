@@ -1,31 +1,65 @@
-//! Bearer → environment + ability (trigger-facts §2). STUB: the auth helper implements.
+//! Bearer → environment + ability (trigger-facts §2; `internal-packages/rbac/src/bearerCredentials.ts`
+//! `BearerCredentialResolver.authenticate`).
+//!
+//! - [`Authenticator`]: `Authorization` (+ `x-trigger-branch`) → [`Principal`], with a short-lived
+//!   cache of environment lookups.
+//! - [`scope`]: the scope grammar ([`parse_scope`]), the ability, and each route's resources.
+//! - [`jwt`]: public access token probe, verification (jose semantics) and minting.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::{EnvStore, StoreError};
+use moka::future::Cache;
 
-/// The authenticated environment.
+use crate::store::{EnvRecord, EnvStore, StoreError};
+
+pub mod jwt;
+pub mod scope;
+
+pub use jwt::{is_public_jwt, verify_public_token, VerifyFailure, JWT_AUDIENCE, JWT_ISSUER};
+pub use scope::{batch_route_resources, parse_scope, run_route_resources, runs_list_resources};
+
+/// The authenticated environment. For a branch environment reached with the parent's secret key
+/// and `x-trigger-branch`, this is the CHILD (its id and type; organization and project from the
+/// parent, which are the same).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AuthedEnv {
+    /// Internal `"RuntimeEnvironment".id`; every run/batch lookup is scoped to it.
     pub id: String,
     pub organization_id: String,
     pub project_id: String,
+    /// `PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`.
     pub env_type: String,
 }
 
-/// One parsed scope `action:type[:id]` (only the first two colons separate).
+impl AuthedEnv {
+    fn of(env: &EnvRecord) -> Self {
+        AuthedEnv {
+            id: env.id.clone(),
+            organization_id: env.organization_id.clone(),
+            project_id: env.project_id.clone(),
+            env_type: env.env_type.clone(),
+        }
+    }
+}
+
+/// One parsed scope `action:type[:id]` (only the first two colons separate; see [`parse_scope`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scope {
+    /// `read`, `write`, `*`, `admin`, … (never empty).
     pub action: String,
+    /// Resource type (`runs`, `tasks`, `tags`, `batch`, `all`, …); `None` when absent or empty.
     pub kind: Option<String>,
+    /// Resource id (friendly id, raw tag, task identifier); may contain colons.
     pub id: Option<String>,
 }
 
 /// What a credential may do: a secret key may do anything; a public token only its scopes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ability {
+    /// Secret (root) key: `permissiveAbility`, every check passes.
     All,
+    /// Public token: the parsed `scopes` claim ([`Ability::from_scopes`]).
     Scopes(Vec<Scope>),
 }
 
@@ -33,67 +67,467 @@ pub enum Ability {
 /// task identifiers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Resource<'a> {
+    /// `runs` | `tasks` | `tags` | `batch`.
     pub kind: &'a str,
+    /// `None` = the type as a whole (e.g. `{runs}` on the list route).
     pub id: Option<&'a str>,
 }
 
 impl Ability {
-    /// Whether any of `resources` may be read (`anyResource` semantics; empty → false).
+    /// Whether any of `resources` may be read (`checkAuth(ability, "read", anyResource([...]))`;
+    /// for scopes an empty list → false; [`Ability::All`] → always true). See [`Scope::grants`].
     pub fn can_read_any(&self, resources: &[Resource<'_>]) -> bool {
-        let _ = resources;
-        unimplemented!("auth helper")
+        self.can_any("read", resources)
     }
 }
 
 /// An authenticated request.
 #[derive(Clone, Debug)]
 pub struct Principal {
+    /// The environment every lookup is scoped to.
     pub env: AuthedEnv,
+    /// What the credential may read.
     pub ability: Ability,
     /// The JWT's `realtime.skipColumns` claim; when present it REPLACES the URL parameter.
     pub skip_columns: Option<Vec<String>>,
 }
 
-/// Why authentication failed; every variant is a 401 with [`AuthError::message`] as the body.
+/// Why authentication failed. Every variant except [`AuthError::Store`] is a 401 whose body is
+/// `{"error": <Display text>}` (the exact trigger.dev strings); `Store` is a database failure
+/// (500 `{"error":"Internal Server Error"}`).
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
+    /// No `Authorization` header, or nothing left after stripping `Bearer ` and trimming.
     #[error("Invalid or Missing API key")]
     Missing,
+    /// Secret-key path: no environment for the key (nor an unexpired revoked key), or the
+    /// project is deleted. Also any non-`pub` JWT, `pk_…` and additional (`tr_*_sk_…`) keys.
     #[error("Invalid API key")]
     InvalidApiKey,
+    /// Public token failed verification (signature, even after the revoked-key retry; expiry;
+    /// `iss`/`aud`; malformed).
     #[error("Public Access Token is invalid")]
     InvalidPublicToken,
+    /// Public token whose `sub` is not a non-empty string, or names no environment / an
+    /// environment of a deleted project (bearerCredentials.ts returns this different text before
+    /// verification).
+    #[error("Invalid Public Access Token")]
+    PublicTokenEnvNotFound,
+    /// PREVIEW secret key without a usable `x-trigger-branch` header.
     #[error("x-trigger-branch header required for preview env")]
     BranchRequired,
+    /// PREVIEW (or DEVELOPMENT with a non-`default` branch) and no non-archived child env has
+    /// that `branchName`.
     #[error("No matching branch env")]
     NoMatchingBranch,
+    /// The environment lookup itself failed.
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
+impl AuthError {
+    /// The HTTP status: 500 for [`AuthError::Store`], 401 otherwise.
+    pub fn status(&self) -> u16 {
+        match self {
+            AuthError::Store(_) => 500,
+            _ => 401,
+        }
+    }
+}
+
+
+pub use jwt::mint_public_token;
+
+/// Upper bound on entries per lookup cache (keys are bearer-controlled, so the caches must be
+/// bounded).
+const CACHE_MAX_ENTRIES: u64 = 10_000;
+
+/// The per-lookup caches (found AND not-found results are cached; errors are not).
+struct Caches {
+    by_api_key: Cache<String, Option<EnvRecord>>,
+    by_revoked_key: Cache<String, Option<EnvRecord>>,
+    by_id: Cache<String, Option<EnvRecord>>,
+    branch: Cache<(String, String), Option<EnvRecord>>,
+    revoked_keys: Cache<String, Vec<String>>,
+}
+
+impl Caches {
+    fn new(ttl: Duration) -> Self {
+        fn build<K, V>(ttl: Duration) -> Cache<K, V>
+        where
+            K: std::hash::Hash + Eq + Send + Sync + 'static,
+            V: Clone + Send + Sync + 'static,
+        {
+            Cache::builder().max_capacity(CACHE_MAX_ENTRIES).time_to_live(ttl).build()
+        }
+        Caches {
+            by_api_key: build(ttl),
+            by_revoked_key: build(ttl),
+            by_id: build(ttl),
+            branch: build(ttl),
+            revoked_keys: build(ttl),
+        }
+    }
+}
+
+/// A cached lookup: single-flighted by moka (`try_get_with`); an error is not cached and is
+/// handed back to the caller (rebuilt when other waiters share it).
+async fn cached<K, V, F>(cache: Option<&Cache<K, V>>, key: K, fetch: F) -> Result<V, StoreError>
+where
+    K: std::hash::Hash + Eq + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = Result<V, StoreError>>,
+{
+    match cache {
+        None => fetch.await,
+        Some(cache) => cache.try_get_with(key, fetch).await.map_err(|shared| {
+            Arc::try_unwrap(shared).unwrap_or_else(|shared| StoreError {
+                op: shared.op,
+                source: sqlx::Error::Protocol(shared.source.to_string()),
+            })
+        }),
+    }
+}
+
+/// `sanitizeBranchName` (`packages/core/src/v3/utils/gitBranch.ts`): empty → `None`; strips
+/// `refs/heads/`, `refs/remotes/`, `refs/tags/`, `refs/pull/`, `refs/merge/`, `refs/release/`;
+/// any other `refs/…` → `None`; anything else is kept verbatim (no trimming).
+pub fn sanitize_branch_name(raw: Option<&str>) -> Option<&str> {
+    let raw = raw.filter(|r| !r.is_empty())?;
+    for prefix in ["refs/heads/", "refs/remotes/", "refs/tags/", "refs/pull/", "refs/merge/", "refs/release/"] {
+        if let Some(rest) = raw.strip_prefix(prefix) {
+            return Some(rest);
+        }
+    }
+    if raw.starts_with("refs/") {
+        return None;
+    }
+    Some(raw)
+}
+
+/// `isAdditionalApiKey` (`packages/core/src/v3/apiKeys.ts`): `^tr_(dev|stg|prod|preview)_sk_[0-9a-zA-Z]{24}$`.
+pub fn is_additional_api_key(token: &str) -> bool {
+    ["tr_dev_sk_", "tr_stg_sk_", "tr_prod_sk_", "tr_preview_sk_"].iter().any(|prefix| {
+        token
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.len() == 24 && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
+    })
+}
+
+/// The bearer token of an `Authorization` value: a leading `Bearer ` (case-sensitive, exactly one
+/// space) stripped, then trimmed; empty → `None`.
+pub fn bearer_token(authorization: Option<&str>) -> Option<&str> {
+    let raw = authorization?;
+    let token = raw.strip_prefix("Bearer ").unwrap_or(raw).trim();
+    (!token.is_empty()).then_some(token)
+}
+
 /// Authenticates bearers against an [`EnvStore`], caching environment lookups briefly.
 pub struct Authenticator {
-    _store: Arc<dyn EnvStore>,
+    store: Arc<dyn EnvStore>,
+    caches: Option<Caches>,
 }
 
 impl Authenticator {
-    /// `cache_ttl`: how long environment/key lookups are reused (0 disables).
+    /// `cache_ttl`: how long environment/key lookups (by api key, by revoked key, by env id, by
+    /// branch, revoked keys of an env) are reused, found or not (0 disables caching). At most
+    /// 10 000 entries per lookup kind.
     pub fn new(store: Arc<dyn EnvStore>, cache_ttl: Duration) -> Self {
-        let _ = cache_ttl;
-        Authenticator { _store: store }
+        let caches = (!cache_ttl.is_zero()).then(|| Caches::new(cache_ttl));
+        Authenticator { store, caches }
     }
 
-    /// Authenticates the raw `Authorization` header value and optional `x-trigger-branch`.
+    /// Authenticates the raw `Authorization` header value and optional `x-trigger-branch`
+    /// (trigger-facts §2.2–2.3):
+    ///
+    /// 1. [`bearer_token`]; none → [`AuthError::Missing`].
+    /// 2. A JWT whose unverified payload has `pub: true` → public token path: `sub` → env by id
+    ///    (none / deleted project → [`AuthError::PublicTokenEnvNotFound`]), verify with the
+    ///    signing key (`parent_api_key ?? api_key`), on a signature mismatch only retry each
+    ///    unexpired revoked key of the signing env; failure → [`AuthError::InvalidPublicToken`].
+    ///    Ability = the `scopes` claim; `realtime.skipColumns` → [`Principal::skip_columns`].
+    ///    The branch header is ignored (`sub` already names the branch env).
+    /// 3. Otherwise a secret key: env by `apiKey`, else by an unexpired `RevokedApiKey`; none or
+    ///    deleted project → [`AuthError::InvalidApiKey`]; then branch resolution (PREVIEW needs a
+    ///    branch; PREVIEW, or DEVELOPMENT with a branch other than `default`, pivots to the
+    ///    non-archived child with that `branchName`). Ability = [`Ability::All`].
+    ///
+    /// Additional API keys (`tr_*_sk_…`, the `api_keys` table) are rejected with
+    /// [`AuthError::InvalidApiKey`], as trigger.dev does while its `additionalApiKeyLookupEnabled`
+    /// flag is off (the default).
     pub async fn authenticate(&self, authorization: Option<&str>, branch: Option<&str>) -> Result<Principal, AuthError> {
-        let _ = (authorization, branch);
-        unimplemented!("auth helper")
+        let token = bearer_token(authorization).ok_or(AuthError::Missing)?;
+        if let Some(payload) = jwt::unverified_payload(token) {
+            if payload.get("pub") == Some(&serde_json::Value::Bool(true)) {
+                let sub = payload.get("sub").and_then(|v| v.as_str()).unwrap_or_default();
+                return self.authenticate_public_token(token, sub).await;
+            }
+        }
+        self.authenticate_secret_key(token, branch).await
+    }
+
+    async fn authenticate_public_token(&self, token: &str, sub: &str) -> Result<Principal, AuthError> {
+        if sub.is_empty() {
+            return Err(AuthError::PublicTokenEnvNotFound);
+        }
+        let env = match self.env_by_id(sub).await? {
+            Some(env) if !env.project_deleted => env,
+            _ => return Err(AuthError::PublicTokenEnvNotFound),
+        };
+        let signing_key = env.parent_api_key.as_deref().unwrap_or(&env.api_key);
+        let now = jwt::now_s();
+        let claims = match jwt::verify_public_token(token, signing_key, now) {
+            Ok(claims) => claims,
+            Err(VerifyFailure::Invalid) => return Err(AuthError::InvalidPublicToken),
+            Err(VerifyFailure::Signature) => {
+                let signing_env_id = match (&env.parent_api_key, &env.parent_environment_id) {
+                    (Some(_), Some(parent_id)) => parent_id.as_str(),
+                    _ => env.id.as_str(),
+                };
+                let mut verified = None;
+                for key in self.revoked_keys(signing_env_id).await? {
+                    if let Ok(claims) = jwt::verify_public_token(token, &key, now) {
+                        verified = Some(claims);
+                        break;
+                    }
+                }
+                verified.ok_or(AuthError::InvalidPublicToken)?
+            }
+        };
+        Ok(Principal {
+            env: AuthedEnv::of(&env),
+            ability: Ability::from_scopes(&jwt::scopes_claim(&claims)),
+            skip_columns: jwt::skip_columns_claim(&claims),
+        })
+    }
+
+    async fn authenticate_secret_key(&self, token: &str, branch: Option<&str>) -> Result<Principal, AuthError> {
+        if is_additional_api_key(token) {
+            return Err(AuthError::InvalidApiKey);
+        }
+        let env = match self.env_by_api_key(token).await? {
+            Some(env) => Some(env),
+            None => self.env_by_revoked_key(token).await?,
+        };
+        let env = match env {
+            Some(env) if !env.project_deleted => env,
+            _ => return Err(AuthError::InvalidApiKey),
+        };
+        let branch = sanitize_branch_name(branch);
+        let is_preview = env.env_type == "PREVIEW";
+        let is_dev = env.env_type == "DEVELOPMENT";
+        if is_preview && branch.is_none() {
+            return Err(AuthError::BranchRequired);
+        }
+        let mut authed = AuthedEnv::of(&env);
+        if is_preview || is_dev {
+            if let Some(branch) = branch.filter(|b| !(is_dev && *b == "default")) {
+                let child = self.branch_env(&env.id, branch).await?.ok_or(AuthError::NoMatchingBranch)?;
+                authed.id = child.id;
+                authed.env_type = child.env_type;
+            }
+        }
+        Ok(Principal { env: authed, ability: Ability::All, skip_columns: None })
+    }
+
+    async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        let cache = self.caches.as_ref().map(|c| &c.by_api_key);
+        cached(cache, key.to_string(), self.store.env_by_api_key(key)).await
+    }
+
+    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        let cache = self.caches.as_ref().map(|c| &c.by_revoked_key);
+        cached(cache, key.to_string(), self.store.env_by_revoked_key(key)).await
+    }
+
+    async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+        let cache = self.caches.as_ref().map(|c| &c.by_id);
+        cached(cache, id.to_string(), self.store.env_by_id(id)).await
+    }
+
+    async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
+        let cache = self.caches.as_ref().map(|c| &c.branch);
+        let key = (parent_id.to_string(), branch.to_string());
+        cached(cache, key, self.store.branch_env(parent_id, branch)).await
+    }
+
+    async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+        let cache = self.caches.as_ref().map(|c| &c.revoked_keys);
+        cached(cache, env_id.to_string(), self.store.revoked_keys(env_id)).await
     }
 }
 
-/// Mints a public access token as the trigger.dev SDK does (HS256 with the environment's
-/// signing key, `pub: true`, `sub` = env id, `iss`/`aud`, `exp` = now + ttl, `scopes`, optional
-/// `realtime.skipColumns`).
-pub fn mint_public_token(signing_key: &str, env_id: &str, scopes: &[String], ttl: Duration, skip_columns: Option<&[String]>) -> String {
-    let _ = (signing_key, env_id, scopes, ttl, skip_columns);
-    unimplemented!("auth helper")
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_trait::async_trait;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    #[test]
+    fn bearer_token_strips_exact_prefix_and_trims() {
+        assert_eq!(bearer_token(Some("Bearer tr_dev_x")), Some("tr_dev_x"));
+        assert_eq!(bearer_token(Some("Bearer   tr_dev_x  ")), Some("tr_dev_x"));
+        assert_eq!(bearer_token(Some("tr_dev_x")), Some("tr_dev_x"));
+        // Case-sensitive prefix: `bearer x` is kept whole (and then fails as a key).
+        assert_eq!(bearer_token(Some("bearer x")), Some("bearer x"));
+        assert_eq!(bearer_token(Some("Bearer ")), None);
+        assert_eq!(bearer_token(Some("Bearer    ")), None);
+        assert_eq!(bearer_token(Some("")), None);
+        assert_eq!(bearer_token(None), None);
+    }
+
+    #[test]
+    fn sanitize_branch_name_matches_git_branch_ts() {
+        assert_eq!(sanitize_branch_name(Some("refs/heads/feature/x")), Some("feature/x"));
+        assert_eq!(sanitize_branch_name(Some("refs/pull/12/merge")), Some("12/merge"));
+        assert_eq!(sanitize_branch_name(Some("refs/other/x")), None);
+        assert_eq!(sanitize_branch_name(Some("main")), Some("main"));
+        assert_eq!(sanitize_branch_name(Some("")), None);
+        assert_eq!(sanitize_branch_name(None), None);
+    }
+
+    #[test]
+    fn additional_api_key_shape() {
+        assert!(is_additional_api_key("tr_dev_sk_abcdefghijklmnopqrstuvwx"));
+        assert!(is_additional_api_key("tr_preview_sk_ABCDEFGHIJKLMNOPQRSTUV12"));
+        assert!(!is_additional_api_key("tr_dev_abcdefghijklmnopqrstuvwx"));
+        assert!(!is_additional_api_key("tr_dev_sk_short"));
+    }
+
+    /// In-memory [`EnvStore`] counting lookups.
+    #[derive(Default)]
+    struct MemEnvs {
+        envs: Mutex<Vec<EnvRecord>>,
+        revoked: Mutex<Vec<(String, String)>>,
+        lookups: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl EnvStore for MemEnvs {
+        async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            Ok(self.envs.lock().unwrap().iter().find(|e| e.api_key == key).cloned())
+        }
+        async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            let env_id = self.revoked.lock().unwrap().iter().find(|(_, k)| k == key).map(|(e, _)| e.clone());
+            Ok(env_id.and_then(|id| self.envs.lock().unwrap().iter().find(|e| e.id == id).cloned()))
+        }
+        async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            Ok(self.envs.lock().unwrap().iter().find(|e| e.id == id).cloned())
+        }
+        async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            Ok(self
+                .envs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| {
+                    e.parent_environment_id.as_deref() == Some(parent_id)
+                        && e.branch_name.as_deref() == Some(branch)
+                        && !e.archived
+                })
+                .cloned())
+        }
+        async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            Ok(self.revoked.lock().unwrap().iter().filter(|(e, _)| e == env_id).map(|(_, k)| k.clone()).collect())
+        }
+    }
+
+    fn env(id: &str, env_type: &str, key: &str) -> EnvRecord {
+        EnvRecord {
+            id: id.into(),
+            env_type: env_type.into(),
+            organization_id: "org".into(),
+            project_id: "proj".into(),
+            api_key: key.into(),
+            parent_environment_id: None,
+            parent_api_key: None,
+            branch_name: None,
+            archived: false,
+            project_deleted: false,
+        }
+    }
+
+    fn store_with(envs: Vec<EnvRecord>) -> Arc<MemEnvs> {
+        let store = MemEnvs::default();
+        *store.envs.lock().unwrap() = envs;
+        Arc::new(store)
+    }
+
+    #[tokio::test]
+    async fn cache_reuses_found_and_not_found_lookups() {
+        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
+        let auth = Authenticator::new(store.clone(), Duration::from_secs(60));
+        for _ in 0..3 {
+            assert!(auth.authenticate(Some("Bearer tr_prod_key"), None).await.is_ok());
+        }
+        assert_eq!(store.lookups.load(Ordering::SeqCst), 1);
+        for _ in 0..3 {
+            assert!(matches!(auth.authenticate(Some("Bearer nope"), None).await, Err(AuthError::InvalidApiKey)));
+        }
+        // by api key + by revoked key, once each.
+        assert_eq!(store.lookups.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn zero_ttl_disables_the_cache() {
+        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
+        let auth = Authenticator::new(store.clone(), Duration::ZERO);
+        for _ in 0..3 {
+            assert!(auth.authenticate(Some("Bearer tr_prod_key"), None).await.is_ok());
+        }
+        assert_eq!(store.lookups.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn missing_bearer_is_missing() {
+        let auth = Authenticator::new(store_with(vec![]), Duration::ZERO);
+        assert!(matches!(auth.authenticate(None, None).await, Err(AuthError::Missing)));
+        assert!(matches!(auth.authenticate(Some("Bearer  "), None).await, Err(AuthError::Missing)));
+    }
+
+    #[tokio::test]
+    async fn development_branch_pivots_except_default() {
+        let mut child = env("env_child", "PREVIEW", "tr_dev_childkey");
+        child.parent_environment_id = Some("env_dev".into());
+        child.branch_name = Some("feat".into());
+        let store = store_with(vec![env("env_dev", "DEVELOPMENT", "tr_dev_key"), child]);
+        let auth = Authenticator::new(store, Duration::ZERO);
+        let p = auth.authenticate(Some("Bearer tr_dev_key"), None).await.unwrap();
+        assert_eq!(p.env.id, "env_dev");
+        let p = auth.authenticate(Some("Bearer tr_dev_key"), Some("default")).await.unwrap();
+        assert_eq!(p.env.id, "env_dev");
+        let p = auth.authenticate(Some("Bearer tr_dev_key"), Some("refs/heads/feat")).await.unwrap();
+        assert_eq!(p.env.id, "env_child");
+        assert_eq!(p.env.env_type, "PREVIEW");
+        assert!(matches!(
+            auth.authenticate(Some("Bearer tr_dev_key"), Some("nope")).await,
+            Err(AuthError::NoMatchingBranch)
+        ));
+    }
+
+    #[tokio::test]
+    async fn production_ignores_branch_header() {
+        let store = store_with(vec![env("env_p", "PRODUCTION", "tr_prod_key")]);
+        let auth = Authenticator::new(store, Duration::ZERO);
+        let p = auth.authenticate(Some("Bearer tr_prod_key"), Some("whatever")).await.unwrap();
+        assert_eq!(p.env.id, "env_p");
+        assert_eq!(p.ability, Ability::All);
+        assert_eq!(p.skip_columns, None);
+    }
+
+    #[tokio::test]
+    async fn public_token_with_unknown_sub_is_invalid_public_access_token() {
+        let auth = Authenticator::new(store_with(vec![]), Duration::ZERO);
+        let token = mint_public_token("tr_dev_key", "env_missing", &[], Duration::from_secs(60), None).unwrap();
+        let err = auth.authenticate(Some(&format!("Bearer {token}")), None).await.unwrap_err();
+        assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
+        assert_eq!(err.to_string(), "Invalid Public Access Token");
+        assert_eq!(err.status(), 401);
+    }
 }

@@ -11,5 +11,7 @@ pub mod publish;
 pub mod record;
 pub mod source;
 
-pub use record::ChangeRecord;
-pub use source::{ChangeSource, SourceEvent};
+pub use coalesce::Coalescer;
+pub use publish::{publish_once, PublishError, Publisher};
+pub use record::{channel_name, env_of_channel, ChangeRecord};
+pub use source::{ChangeSource, MemoryChangeSource, RedisChangeSource, SourceError, SourceEvent};

@@ -1,4 +1,15 @@
-//! The change-record codec (`runChangeNotifier.server.ts`). STUB: the changes helper implements.
+//! The change-record codec (trigger.dev `services/realtime/runChangeNotifier.server.ts`,
+//! trigger-facts §5, behaviours NTF-01 and NTF-13..15).
+//!
+//! Wire form, as the webapp's `JSON.stringify` writes it:
+//!
+//! ```text
+//! {"v":1,"runId":"<run>","envId":"<env>","tags":["a","b"],"batchId":"<batch>"|null,"updatedAtMs":1717750000000}
+//! ```
+//!
+//! `tags`, `batchId` and `updatedAtMs` appear only when the publish site supplied them.
+
+use serde_json::{Map, Value};
 
 /// One change record. Ids are INTERNAL ids (`"TaskRun".id`, `"RuntimeEnvironment".id`,
 /// `"BatchTaskRun".id`).
@@ -6,6 +17,7 @@
 pub struct ChangeRecord {
     /// Record version; 1 for everything trigger publishes, 0 for degraded decodes.
     pub v: u32,
+    /// Internal `"TaskRun".id`; for a degraded decode the whole raw message.
     pub run_id: String,
     /// May be `""` (degraded decode); the channel name is authoritative.
     pub env_id: String,
@@ -31,26 +43,403 @@ pub fn env_of_channel(channel: &str) -> Option<&str> {
 }
 
 impl ChangeRecord {
+    /// A degraded ("partial", `v` 0, `env_id` "") record whose run id is the whole raw text
+    /// (lossy UTF-8), as the webapp's decoder produces for a bare-string frame (NTF-14/15).
+    fn degraded(payload: &[u8]) -> ChangeRecord {
+        ChangeRecord {
+            v: 0,
+            run_id: String::from_utf8_lossy(payload).into_owned(),
+            ..ChangeRecord::default()
+        }
+    }
+
     /// Decodes a wire message; never fails. A message that does not start with `{`, is not
     /// valid JSON, or lacks a string `runId` becomes a partial record whose `run_id` is the whole
     /// text, `v` 0 and `env_id` "" (NTF-13..15).
+    ///
+    /// For a JSON object: `v` is any JSON number (truncated, clamped to `u32`, default 0);
+    /// `envId` a string (default ""); `tags` an array of strings (anything else, including an
+    /// array holding a non-string, decodes as `None` = partial, so a tag feed hydrates rather than
+    /// trusting a malformed list); `batchId` a string (`null`/absent/other → `None`);
+    /// `updatedAtMs` any JSON number (floats truncated toward zero, saturating) else `None`.
+    /// Unknown keys (`createdAtMs`, `status`) are ignored.
     pub fn decode(payload: &[u8]) -> ChangeRecord {
-        let _ = payload;
-        unimplemented!("changes helper")
+        if payload.first() != Some(&b'{') {
+            return ChangeRecord::degraded(payload);
+        }
+        let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) else {
+            return ChangeRecord::degraded(payload);
+        };
+        let Some(run_id) = obj.get("runId").and_then(Value::as_str) else {
+            return ChangeRecord::degraded(payload);
+        };
+        ChangeRecord {
+            v: obj.get("v").and_then(number_as_u32).unwrap_or(0),
+            run_id: run_id.to_owned(),
+            env_id: obj
+                .get("envId")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned(),
+            tags: obj.get("tags").and_then(string_array),
+            batch_id: obj
+                .get("batchId")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            updated_at_ms: obj.get("updatedAtMs").and_then(number_as_i64),
+        }
     }
 
     /// Encodes exactly as the webapp's `JSON.stringify`: keys `v`, `runId`, `envId`, then
     /// `tags`, `batchId`, `updatedAtMs` when present (`batchId` written as `null` when the record
     /// is full and has no batch, as `run.batchId` would be).
+    ///
+    /// `v` is always written as `1`: the webapp's notifier stamps the version on publish
+    /// (NTF-02), whatever the in-memory record says. Strings are escaped by `serde_json`.
     pub fn encode(&self) -> String {
-        unimplemented!("changes helper")
+        // `preserve_order` is enabled on serde_json, so the map keeps insertion order.
+        let mut obj = Map::new();
+        obj.insert("v".into(), Value::from(1u32));
+        obj.insert("runId".into(), Value::from(self.run_id.as_str()));
+        obj.insert("envId".into(), Value::from(self.env_id.as_str()));
+        if let Some(tags) = &self.tags {
+            obj.insert("tags".into(), Value::from(tags.clone()));
+            obj.insert(
+                "batchId".into(),
+                self.batch_id.as_deref().map_or(Value::Null, Value::from),
+            );
+        } else if let Some(batch_id) = &self.batch_id {
+            obj.insert("batchId".into(), Value::from(batch_id.as_str()));
+        }
+        if let Some(ms) = self.updated_at_ms {
+            obj.insert("updatedAtMs".into(), Value::from(ms));
+        }
+        Value::Object(obj).to_string()
     }
 
     /// Merges a later record for the same run into this one instead of replacing it: the
     /// highest watermark wins, a full record's tags beat a partial's (later full beats earlier
     /// full), a known batch id is kept. Never loses what either record knew.
+    ///
+    /// Precisely: `v` = max; `updated_at_ms` = max (`None` < any `Some`); `tags` = later's if
+    /// later is full, else this one's; `batch_id` = later's if `Some`, else this one's; `env_id`
+    /// = later's unless it is `""`. `run_id` is kept (the caller keys by run id). This refines
+    /// the webapp's coalescer (NTF-16), which replaces the pending record wholesale and so can
+    /// drop a watermark or a full tag set when a lifecycle-bus record (no `updatedAtMs`) follows
+    /// a terminal one.
     pub fn merge_from(&mut self, later: ChangeRecord) {
-        let _ = later;
-        unimplemented!("changes helper")
+        self.v = self.v.max(later.v);
+        self.updated_at_ms = self.updated_at_ms.max(later.updated_at_ms);
+        if later.tags.is_some() {
+            self.tags = later.tags;
+        }
+        if later.batch_id.is_some() {
+            self.batch_id = later.batch_id;
+        }
+        if !later.env_id.is_empty() {
+            self.env_id = later.env_id;
+        }
+    }
+
+    /// Whether the record is "full" (carries its tag set, even empty) rather than "partial".
+    pub fn is_full(&self) -> bool {
+        self.tags.is_some()
+    }
+}
+
+/// A JSON number as `u32`: truncated toward zero, clamped to `0..=u32::MAX`.
+fn number_as_u32(v: &Value) -> Option<u32> {
+    if let Some(u) = v.as_u64() {
+        return Some(u32::try_from(u).unwrap_or(u32::MAX));
+    }
+    // Negative integers and floats: `as` saturates (and maps NaN to 0, which JSON cannot carry).
+    v.as_f64().map(|f| f as u32)
+}
+
+/// A JSON number as `i64`: integers exactly, floats truncated toward zero (saturating).
+fn number_as_i64(v: &Value) -> Option<i64> {
+    v.as_i64().or_else(|| v.as_f64().map(|f| f as i64))
+}
+
+/// An array of strings; `None` for anything else (including an array with a non-string).
+fn string_array(v: &Value) -> Option<Vec<String>> {
+    v.as_array()?
+        .iter()
+        .map(|t| t.as_str().map(str::to_owned))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn full(run: &str) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run.into(),
+            env_id: "env_1".into(),
+            tags: Some(vec!["a".into()]),
+            batch_id: Some("batch_1".into()),
+            updated_at_ms: Some(1_000),
+        }
+    }
+
+    #[test]
+    fn channel_name_and_back() {
+        assert_eq!(channel_name("env_1"), "realtime:env:{env_1}");
+        assert_eq!(env_of_channel("realtime:env:{env_1}"), Some("env_1"));
+        assert_eq!(env_of_channel("realtime:env:env_1"), None);
+        assert_eq!(env_of_channel("other:{env_1}"), None);
+    }
+
+    /// NTF-13: all known fields copied; missing `v` → 0, missing `envId` → "".
+    #[test]
+    fn ntf13_decode_copies_fields() {
+        let r = ChangeRecord::decode(
+            br#"{"v":1,"runId":"run_1","envId":"env_1","tags":["a","b"],"batchId":"batch_1","updatedAtMs":1717750000123}"#,
+        );
+        assert_eq!(
+            r,
+            ChangeRecord {
+                v: 1,
+                run_id: "run_1".into(),
+                env_id: "env_1".into(),
+                tags: Some(vec!["a".into(), "b".into()]),
+                batch_id: Some("batch_1".into()),
+                updated_at_ms: Some(1_717_750_000_123),
+            }
+        );
+
+        let r = ChangeRecord::decode(br#"{"runId":"run_1"}"#);
+        assert_eq!(
+            r,
+            ChangeRecord {
+                run_id: "run_1".into(),
+                ..Default::default()
+            }
+        );
+        assert!(!r.is_full());
+    }
+
+    /// NTF-13: present-but-empty tags = full; `batchId: null` = None; float watermark truncated.
+    #[test]
+    fn ntf13_full_vs_partial_and_null_batch() {
+        let r = ChangeRecord::decode(
+            br#"{"v":1,"runId":"r","envId":"e","tags":[],"batchId":null,"updatedAtMs":12.9}"#,
+        );
+        assert_eq!(r.tags, Some(vec![]));
+        assert!(r.is_full());
+        assert_eq!(r.batch_id, None);
+        assert_eq!(r.updated_at_ms, Some(12));
+
+        // Wrong types degrade per field, not per record.
+        let r = ChangeRecord::decode(
+            br#"{"v":"1","runId":"r","envId":7,"tags":"a","batchId":3,"updatedAtMs":"5"}"#,
+        );
+        assert_eq!(
+            r,
+            ChangeRecord {
+                run_id: "r".into(),
+                ..Default::default()
+            }
+        );
+        let r = ChangeRecord::decode(br#"{"runId":"r","tags":["a",1]}"#);
+        assert_eq!(r.tags, None);
+        let r = ChangeRecord::decode(br#"{"runId":"r","v":-3}"#);
+        assert_eq!(r.v, 0);
+        let r = ChangeRecord::decode(br#"{"runId":"r","v":1e20}"#);
+        assert_eq!(r.v, u32::MAX);
+    }
+
+    /// NTF-13: tags containing commas (and quotes, unicode) survive a round trip.
+    #[test]
+    fn ntf13_tags_with_commas_round_trip() {
+        let r = ChangeRecord {
+            tags: Some(vec!["a,b".into(), "c\"d".into(), "é,ü".into(), "".into()]),
+            ..full("run_1")
+        };
+        assert_eq!(ChangeRecord::decode(r.encode().as_bytes()), r);
+    }
+
+    /// NTF-14: a bare string degrades to a partial record with the whole text as run id.
+    #[test]
+    fn ntf14_bare_string() {
+        let r = ChangeRecord::decode(b"run_abc");
+        assert_eq!(
+            r,
+            ChangeRecord {
+                v: 0,
+                run_id: "run_abc".into(),
+                ..Default::default()
+            }
+        );
+        assert!(!r.is_full());
+        // Leading whitespace is not `{`: bare string, like the webapp's `startsWith("{")`.
+        assert_eq!(
+            ChangeRecord::decode(b" {\"runId\":\"x\"}").run_id,
+            " {\"runId\":\"x\"}"
+        );
+        assert_eq!(ChangeRecord::decode(b"").run_id, "");
+        // Invalid UTF-8 is decoded lossily.
+        assert_eq!(ChangeRecord::decode(b"r\xffn").run_id, "r\u{fffd}n");
+    }
+
+    /// NTF-15: `{`-prefixed but invalid JSON, or no string runId, degrades too.
+    #[test]
+    fn ntf15_invalid_json_or_missing_run_id() {
+        for raw in [
+            &br#"{"runId":"r""#[..],
+            br#"{not json"#,
+            br#"{"envId":"e"}"#,
+            br#"{"runId":5,"envId":"e"}"#,
+            br#"{"runId":null}"#,
+            br#"{"runId":"r"} trailing"#,
+        ] {
+            let r = ChangeRecord::decode(raw);
+            let text = String::from_utf8_lossy(raw).into_owned();
+            assert_eq!(
+                r,
+                ChangeRecord {
+                    v: 0,
+                    run_id: text,
+                    ..Default::default()
+                },
+                "{raw:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn encode_key_order_like_json_stringify() {
+        assert_eq!(
+            full("run_1").encode(),
+            r#"{"v":1,"runId":"run_1","envId":"env_1","tags":["a"],"batchId":"batch_1","updatedAtMs":1000}"#
+        );
+        // Lifecycle-bus record: full, no batch, no watermark (PUB-03).
+        let r = ChangeRecord {
+            batch_id: None,
+            updated_at_ms: None,
+            ..full("run_1")
+        };
+        assert_eq!(
+            r.encode(),
+            r#"{"v":1,"runId":"run_1","envId":"env_1","tags":["a"],"batchId":null}"#
+        );
+        // Partial record: only what is known.
+        let r = ChangeRecord {
+            v: 0,
+            run_id: "r".into(),
+            ..Default::default()
+        };
+        assert_eq!(r.encode(), r#"{"v":1,"runId":"r","envId":""}"#);
+        let r = ChangeRecord {
+            run_id: "r".into(),
+            batch_id: Some("b".into()),
+            updated_at_ms: Some(-5),
+            ..Default::default()
+        };
+        assert_eq!(
+            r.encode(),
+            r#"{"v":1,"runId":"r","envId":"","batchId":"b","updatedAtMs":-5}"#
+        );
+    }
+
+    #[test]
+    fn merge_keeps_highest_watermark_and_known_fields() {
+        // Terminal record (watermark) followed by a lifecycle-bus record (no watermark).
+        let mut a = full("r");
+        a.merge_from(ChangeRecord {
+            updated_at_ms: None,
+            batch_id: None,
+            ..full("r")
+        });
+        assert_eq!(a.updated_at_ms, Some(1_000));
+        assert_eq!(a.batch_id, Some("batch_1".into()));
+
+        // Later watermark wins when higher.
+        let mut a = full("r");
+        a.merge_from(ChangeRecord {
+            updated_at_ms: Some(2_000),
+            ..full("r")
+        });
+        assert_eq!(a.updated_at_ms, Some(2_000));
+        let mut a = ChangeRecord {
+            updated_at_ms: Some(3_000),
+            ..full("r")
+        };
+        a.merge_from(full("r"));
+        assert_eq!(a.updated_at_ms, Some(3_000));
+    }
+
+    #[test]
+    fn merge_tags_full_beats_partial() {
+        // Later full beats earlier full.
+        let mut a = full("r");
+        a.merge_from(ChangeRecord {
+            tags: Some(vec!["a".into(), "b".into()]),
+            ..full("r")
+        });
+        assert_eq!(a.tags, Some(vec!["a".into(), "b".into()]));
+        // Later partial keeps earlier full tags.
+        let mut a = full("r");
+        a.merge_from(ChangeRecord::decode(b"r"));
+        assert_eq!(a.tags, Some(vec!["a".into()]));
+        assert_eq!(a.v, 1);
+        assert_eq!(a.env_id, "env_1");
+        // Later full beats earlier partial.
+        let mut a = ChangeRecord::decode(b"r");
+        a.merge_from(full("r"));
+        assert_eq!(a, full("r"));
+        // Later known batch id wins; empty later tags are still a full set.
+        let mut a = full("r");
+        a.merge_from(ChangeRecord {
+            tags: Some(vec![]),
+            batch_id: Some("b2".into()),
+            ..full("r")
+        });
+        assert_eq!(a.tags, Some(vec![]));
+        assert_eq!(a.batch_id, Some("b2".into()));
+    }
+
+    fn arb_record() -> impl Strategy<Value = ChangeRecord> {
+        (
+            any::<String>(),
+            any::<String>(),
+            proptest::option::of(proptest::collection::vec(any::<String>(), 0..4)),
+            proptest::option::of(any::<String>()),
+            proptest::option::of(any::<i64>()),
+        )
+            .prop_map(
+                |(run_id, env_id, tags, batch_id, updated_at_ms)| ChangeRecord {
+                    v: 1,
+                    run_id,
+                    env_id,
+                    tags,
+                    batch_id,
+                    updated_at_ms,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let r = ChangeRecord::decode(&bytes);
+            // Whatever came in, the result is a record we can re-encode.
+            let _ = r.encode();
+        }
+
+        #[test]
+        fn decode_never_panics_on_json_ish(s in r#"\{("(v|runId|envId|tags|batchId|updatedAtMs)":(-?[0-9.e]{1,6}|"[a-z,]*"|null|\[("[a-z]*",?)*\]|true),?){0,6}\}?"#) {
+            let _ = ChangeRecord::decode(s.as_bytes());
+        }
+
+        #[test]
+        fn encode_decode_round_trip(r in arb_record()) {
+            prop_assert_eq!(ChangeRecord::decode(r.encode().as_bytes()), r);
+        }
     }
 }

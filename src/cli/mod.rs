@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 pub mod demo;
+pub mod fixtures;
 pub mod migrate;
 pub mod publish;
 pub mod token;

@@ -1,6 +1,11 @@
-//! `runfeed publish`. STUB (cli helper).
+//! `runfeed publish`: publishes one change record exactly as trigger.dev's webapp does
+//! (`PUBLISH realtime:env:{<envId>} <json>`, trigger-facts §5).
 
+use anyhow::Context;
 use clap::Args;
+
+use crate::changes::publish::Publisher;
+use crate::changes::ChangeRecord;
 
 /// `runfeed publish --env ENV_ID --run RUN_ID [--tags a,b] [--batch BATCH_ID] [--updated-at-ms N]`.
 #[derive(Debug, Args, Clone)]
@@ -13,7 +18,8 @@ pub struct PublishArgs {
     /// Internal run id.
     #[arg(long)]
     pub run: String,
-    /// The run's tags, comma-separated (absent = a partial record without tags).
+    /// The run's tags, comma-separated (absent = a partial record without tags; `--tags ''` = a
+    /// full record with no tags).
     #[arg(long)]
     pub tags: Option<String>,
     /// Internal batch id.
@@ -24,8 +30,42 @@ pub struct PublishArgs {
     pub updated_at_ms: Option<i64>,
 }
 
-/// Publishes one record.
+/// Splits a `--tags` value: `""` is the empty tag list, otherwise the value split on `,`.
+pub fn parse_tags(value: &str) -> Vec<String> {
+    if value.is_empty() {
+        Vec::new()
+    } else {
+        value.split(',').map(str::to_string).collect()
+    }
+}
+
+/// The record `args` describe (`v` 1, as every webapp publish site stamps it).
+pub fn record_of(args: &PublishArgs) -> ChangeRecord {
+    ChangeRecord {
+        v: 1,
+        run_id: args.run.clone(),
+        env_id: args.env.clone(),
+        tags: args.tags.as_deref().map(parse_tags),
+        batch_id: args.batch.clone(),
+        updated_at_ms: args.updated_at_ms,
+    }
+}
+
+/// Publishes one record and reports the channel, payload and receiver count on stderr.
 pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
-    let _ = args;
-    anyhow::bail!("not implemented yet")
+    let record = record_of(&args);
+    let publisher = Publisher::connect(&args.redis.redis_url)
+        .await
+        .with_context(|| format!("connect to Redis at {}", args.redis.redis_url))?;
+    let receivers = publisher
+        .publish(&record)
+        .await
+        .with_context(|| format!("publish to {}", crate::changes::record::channel_name(&record.env_id)))?;
+    eprintln!(
+        "runfeed publish: {} <- {} ({receivers} receiver{})",
+        crate::changes::record::channel_name(&record.env_id),
+        record.encode(),
+        if receivers == 1 { "" } else { "s" }
+    );
+    Ok(())
 }

@@ -1,1 +1,376 @@
-//! TODO
+//! The three feed kinds (run, tag, batch) behind one request path: snapshot, catch-up, live
+//! long-poll with router wakes, cold re-check and backstop (behaviours §1.9–1.13).
+//!
+//! Per connection (environment + handle) the server records, for every offset it hands out,
+//! what that response left the client with: a working set and a replay cursor
+//! ([`ConnState`]). The next poll looks up the offset the client ECHOES, so a lost response is
+//! simply answered again. States expire (working-set TTL) and are bounded in number.
+
+pub mod diff;
+pub mod sets;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use moka::sync::Cache;
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::config::{CachesConfig, FeedsConfig};
+use crate::protocol::body::{FragmentBody, Operation};
+use crate::protocol::cursor::{next_cursor, next_seq};
+use crate::protocol::encode::schema_header;
+use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
+use crate::protocol::headers::ElectricHeaders;
+use crate::protocol::offset::{Offset, OffsetParam};
+use crate::protocol::{ColumnSet, SerializedRow};
+use crate::router::{FeedFilter, Registration, ReplayCursor, Router};
+use crate::store::RunStore;
+
+pub use diff::{Known, Pending, Version, WorkingSet};
+pub use sets::{ReadError, RunSet, Sets, Target};
+
+/// What a feed request asks for, after authentication, resource lookup and scope checks.
+#[derive(Clone, Debug)]
+pub struct FeedRequest {
+    /// Internal environment id.
+    pub env_id: String,
+    pub target: Target,
+    pub cols: ColumnSet,
+    pub offset: OffsetParam,
+    /// `handle` (or legacy `shape_id`).
+    pub handle: Option<String>,
+    /// `live=true`.
+    pub live: bool,
+    /// The client's `cursor` parameter.
+    pub cursor: Option<String>,
+    /// `x-trigger-api-version` is not the current one: rewrite `DEQUEUED` to `EXECUTING`.
+    pub legacy_api_version: bool,
+}
+
+/// A successful (2xx) feed answer.
+#[derive(Debug)]
+pub struct FeedReply {
+    pub headers: ElectricHeaders,
+    pub body: FragmentBody,
+    /// Rows carried (for logs and metrics).
+    pub rows: usize,
+}
+
+/// Why a feed request did not produce a 200.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedError {
+    /// The handle was not issued by this server for this feed and environment (or the state
+    /// it needs is gone): 409 must-refetch with a fresh handle.
+    #[error("must refetch")]
+    MustRefetch { handle: String },
+    /// `offset` other than -1 without a handle.
+    #[error("offset {0} requires a handle")]
+    HandleRequired(String),
+    /// The store failed or was too slow: 503 (the client retries with backoff).
+    #[error("store unavailable: {0}")]
+    Unavailable(#[from] ReadError),
+}
+
+/// What the server recorded for one offset it handed out.
+#[derive(Debug)]
+pub struct ConnState {
+    /// What the client has after that response.
+    pub ws: WorkingSet,
+    /// Where the client's view of the change stream ends.
+    pub cursor: ReplayCursor,
+    /// The offset this response answered; dropped once the client presents this one.
+    pub prev: Option<Offset>,
+}
+
+type ConnKey = (String, String, Offset);
+
+/// The feeds service.
+pub struct Feeds {
+    cfg: FeedsConfig,
+    router: Router,
+    handles: HandleKey,
+    sets: Sets,
+    conns: Cache<ConnKey, Arc<ConnState>>,
+}
+
+impl Feeds {
+    /// The service over `store` and `router`, handles signed with `handles`.
+    pub fn new(cfg: FeedsConfig, caches: &CachesConfig, store: Arc<dyn RunStore>, router: Router, handles: HandleKey) -> Feeds {
+        let conns = Cache::builder()
+            .max_capacity(caches.working_set_max_entries.saturating_mul(2))
+            .time_to_live(Duration::from_millis(caches.working_set_ttl_ms.max(1)))
+            .build();
+        Feeds { sets: Sets::new(store, router.clone(), &cfg, caches), cfg, router, handles, conns }
+    }
+
+    /// The readers (resource lookups for the HTTP layer).
+    pub fn sets(&self) -> &Sets {
+        &self.sets
+    }
+
+    /// The router.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Answers one feed request. Live polls hold up to the configured hold (±jitter); dropping
+    /// the future (client gone) releases everything at once.
+    pub async fn serve(&self, req: FeedRequest) -> Result<FeedReply, FeedError> {
+        let offset = match req.offset {
+            OffsetParam::Initial => return self.snapshot(&req).await,
+            OffsetParam::At(offset) => offset,
+        };
+        let Some(handle) = req.handle.as_deref() else {
+            return Err(FeedError::HandleRequired(offset.to_string()));
+        };
+        let claims = self.verify(&req, handle)?;
+        let target = self.resume_target(&req.target, &claims);
+        if req.live {
+            self.live(&req, handle, &target, offset).await
+        } else {
+            self.catch_up(&req, handle, &target, offset).await
+        }
+    }
+
+    fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {
+        let (kind, target) = match &req.target {
+            Target::Run { run_id } => (FeedKind::Run, run_id.clone()),
+            Target::Tag { tags, .. } => (FeedKind::Tag, filter_digest(tags)),
+            Target::Batch { batch_id } => (FeedKind::Batch, batch_id.clone()),
+        };
+        HandleClaims {
+            kind,
+            env_id: req.env_id.clone(),
+            target,
+            floor_ms,
+            columns: req.cols.bits(),
+            nonce: rand::rng().random(),
+        }
+    }
+
+    fn verify(&self, req: &FeedRequest, handle: &str) -> Result<HandleClaims, FeedError> {
+        let expected = self.claims_for(req, None);
+        match self.handles.verify(handle) {
+            Ok(claims)
+                if claims.kind == expected.kind
+                    && claims.env_id == expected.env_id
+                    && claims.target == expected.target
+                    && claims.columns == expected.columns =>
+            {
+                Ok(claims)
+            }
+            _ => {
+                let floor = match &req.target {
+                    Target::Tag { floor_ms, .. } => Some(*floor_ms),
+                    _ => None,
+                };
+                Err(FeedError::MustRefetch { handle: self.handles.mint(&self.claims_for(req, floor)) })
+            }
+        }
+    }
+
+    /// Tag feeds resume with the floor pinned in the handle, re-clamped to the max age (TAG-04).
+    fn resume_target(&self, target: &Target, claims: &HandleClaims) -> Target {
+        match (target, claims.floor_ms) {
+            (Target::Tag { tags, floor_ms }, Some(pinned)) => {
+                // `floor_ms` from the request is "now − max age" clamped (the HTTP layer
+                // computes it from createdAt); the pinned one wins unless it is older than
+                // the max age.
+                let min_floor = self.min_floor_ms();
+                let _ = floor_ms;
+                Target::Tag { tags: tags.clone(), floor_ms: bucket(pinned.max(min_floor), self.cfg.runset_created_at_bucket_ms) }
+            }
+            _ => target.clone(),
+        }
+    }
+
+    fn min_floor_ms(&self) -> i64 {
+        now_ms() - i64::try_from(self.cfg.maximum_created_at_filter_age_ms).unwrap_or(i64::MAX / 2)
+    }
+
+    fn hold(&self) -> Duration {
+        let base = self.cfg.live_poll_timeout_ms as f64;
+        let r = self.cfg.live_poll_jitter_ratio;
+        let factor = 1.0 - r + rand::rng().random::<f64>() * 2.0 * r;
+        Duration::from_millis((base * factor).max(1.0) as u64)
+    }
+
+    fn reply(&self, req: &FeedRequest, handle: String, offset: Offset, changes: &[(Operation, SerializedRow)], schema: bool) -> FeedReply {
+        let refs: Vec<(Operation, &SerializedRow)> = changes.iter().map(|(op, row)| (*op, row)).collect();
+        let body = if refs.is_empty() {
+            FragmentBody::up_to_date()
+        } else {
+            FragmentBody::changes_then_up_to_date(&refs, req.legacy_api_version)
+        };
+        FeedReply {
+            headers: ElectricHeaders {
+                handle,
+                offset: Some(offset.to_string()),
+                cursor: Some(next_cursor(req.cursor.as_deref()).to_string()),
+                schema: schema.then(|| schema_header(req.cols)),
+                up_to_date: true,
+            },
+            body,
+            rows: changes.len(),
+        }
+    }
+
+    fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
+        self.conns.insert((req.env_id.clone(), handle.to_string(), offset), Arc::new(state));
+    }
+
+    fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Option<Arc<ConnState>> {
+        let state = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset))?;
+        if let Some(prev) = state.prev {
+            // The client has moved past `prev`: its state can go.
+            self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
+        }
+        Some(state)
+    }
+
+    fn known(&self, req: &FeedRequest, state: Option<&ConnState>, offset: Offset) -> Known {
+        match (state, &req.target) {
+            (Some(s), _) => Known::Set(s.ws.clone()),
+            (None, Target::Run { .. }) => Known::Floor(offset.ms),
+            (None, _) => Known::Nothing,
+        }
+    }
+
+    /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01, TAG-01..03,
+    /// BAT-02).
+    async fn snapshot(&self, req: &FeedRequest) -> Result<FeedReply, FeedError> {
+        let target = match &req.target {
+            Target::Tag { tags, floor_ms } => Target::Tag { tags: tags.clone(), floor_ms: bucket(*floor_ms, self.cfg.runset_created_at_bucket_ms) },
+            other => other.clone(),
+        };
+        let floor = match &target {
+            Target::Tag { floor_ms, .. } => Some(*floor_ms),
+            _ => None,
+        };
+        let handle = self.handles.mint(&self.claims_for(req, floor));
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
+        let set = self.sets.read_shared(&req.env_id, &target, req.cols, deadline).await?;
+        let mut pending = Pending::default();
+        pending.extend(set.rows.iter().cloned());
+        let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
+        let offset = Offset { ms: max_ms(0, &changes), seq: next_seq() };
+        self.record(req, &handle, offset, ConnState { ws: pending.next_working_set(&Known::Nothing), cursor: set.cursor, prev: None });
+        Ok(self.reply(req, handle, offset, &changes, true))
+    }
+
+    /// Non-live request with a handle (catch-up, prefetch, resume after pause): answered at
+    /// once with what the client is missing, never held (protocol §4.5–4.6).
+    async fn catch_up(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
+        let state = self.lookup(req, handle, offset);
+        let known = self.known(req, state.as_deref(), offset);
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
+        let set = self.sets.read_shared(&req.env_id, target, req.cols, deadline).await?;
+        // The cached read may predate records the client has not seen: replay them too.
+        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, Some(set.cursor)).await;
+        let mut pending = Pending::default();
+        pending.extend(set.rows.iter().cloned());
+        if !reg.covered() {
+            let fresh = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await?;
+            pending.extend(fresh.rows.iter().cloned());
+        }
+        Ok(self.respond(req, handle, offset, &known, pending, &reg, true))
+    }
+
+    fn respond(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, mut pending: Pending, reg: &Registration, schema: bool) -> FeedReply {
+        // Cursor first, then the final drain: a delivery in between is in this response or
+        // after the cursor.
+        let cursor = reg.cursor();
+        pending.extend(reg.take().rows);
+        let changes = pending.changes(known);
+        let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
+        let ws = pending.next_working_set(known);
+        self.record(req, handle, next, ConnState { ws, cursor, prev: Some(offset) });
+        self.reply(req, handle.to_string(), next, &changes, schema)
+    }
+
+    /// `live=true`: hold until the router delivers a change the client does not have, or the
+    /// hold expires (then the backstop re-reads).
+    async fn live(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
+        let deadline = Instant::now() + self.hold();
+        let state = self.lookup(req, handle, offset);
+        let known = self.known(req, state.as_deref(), offset);
+        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, state.as_ref().map(|s| s.cursor)).await;
+        let mut pending = Pending::default();
+        pending.extend(reg.take().rows);
+        if !reg.covered() || matches!(known, Known::Nothing) {
+            // Cold path: the change stream cannot vouch for the gap; read the store now that
+            // the feed is registered (anything after this read reaches the inbox).
+            if let Ok(set) = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
+                pending.extend(set.rows.iter().cloned());
+            }
+        }
+        loop {
+            if !pending.changes(&known).is_empty() {
+                return Ok(self.respond(req, handle, offset, &known, pending, &reg, false));
+            }
+            tokio::select! {
+                wake = reg.wake() => {
+                    pending.extend(wake.rows);
+                    if wake.recheck {
+                        if let Ok(set) = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
+                            pending.extend(set.rows.iter().cloned());
+                        }
+                    }
+                    if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
+                        return Ok(self.respond(req, handle, offset, &known, pending, &reg, false));
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        // Backstop: a change the stream never announced (lost publish) surfaces here.
+        let backstop_deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
+        match self.sets.read_shared(&req.env_id, target, req.cols, backstop_deadline).await {
+            Ok(set) => pending.extend(set.rows.iter().cloned()),
+            Err(err) => tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date"),
+        }
+        Ok(self.respond(req, handle, offset, &known, pending, &reg, false))
+    }
+}
+
+fn filter_of(target: &Target) -> FeedFilter {
+    match target {
+        Target::Run { run_id } => FeedFilter::Run { run_id: run_id.clone() },
+        Target::Tag { tags, floor_ms } => FeedFilter::Tag { tags: tags.clone(), floor_ms: *floor_ms },
+        Target::Batch { batch_id } => FeedFilter::Batch { batch_id: batch_id.clone() },
+    }
+}
+
+fn max_ms(floor: i64, changes: &[(Operation, SerializedRow)]) -> i64 {
+    changes.iter().map(|(_, r)| r.meta.updated_at_ms).fold(floor.max(0), i64::max)
+}
+
+/// Rounds `ms` down to a multiple of `bucket_ms` (0 = unchanged) (TAG-01).
+pub fn bucket(ms: i64, bucket_ms: u64) -> i64 {
+    match i64::try_from(bucket_ms) {
+        Ok(b) if b > 0 => ms - ms.rem_euclid(b),
+        _ => ms,
+    }
+}
+
+/// Wall-clock epoch milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_01_floor_is_bucketed_to_whole_minutes() {
+        let t = 1_700_000_030_500; // …:30.500
+        assert_eq!(bucket(t, 60_000) % 60_000, 0);
+        assert!(bucket(t, 60_000) <= t && t - bucket(t, 60_000) < 60_000);
+        assert_eq!(bucket(t, 0), t);
+    }
+}

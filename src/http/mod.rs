@@ -1,1 +1,317 @@
-//! TODO
+//! HTTP: axum routes, request parsing, status mapping and CORS (trigger-facts §2.1, protocol
+//! §5–§6, §10).
+//!
+//! Check order per trigger.dev's `createLoaderApiRoute`: authenticate (401) → parse (400; 422
+//! for clients without `x-trigger-electric-version`, which loop on 400) → find the resource in
+//! the authenticated environment (404) → scopes (403) → feed (200 / 409 / 503).
+
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Json;
+use serde_json::json;
+use tower_http::cors::{AllowHeaders, Any, CorsLayer};
+
+use crate::auth::{Authenticator, Principal, Resource};
+use crate::feeds::{now_ms, FeedError, FeedReply, FeedRequest, Feeds, Target};
+use crate::protocol::body::FragmentBody;
+use crate::protocol::headers::ElectricHeaders;
+use crate::protocol::offset::OffsetParam;
+use crate::protocol::params::{parse_duration_ms, parse_tags};
+use crate::protocol::ColumnSet;
+
+/// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
+/// legacy `DEQUEUED → EXECUTING` rewrite (trigger-facts §3).
+pub const CURRENT_API_VERSION: &str = "2025-07-16";
+
+/// Shared state of the HTTP layer.
+#[derive(Clone)]
+pub struct AppState {
+    pub feeds: Arc<Feeds>,
+    pub auth: Arc<Authenticator>,
+    /// Tag feed lookback ceiling, ms.
+    pub max_created_at_age_ms: u64,
+}
+
+/// The axum application: the three feed routes, `/healthz`, JSON 404s, CORS on everything.
+pub fn app(state: AppState) -> axum::Router {
+    let cors = CorsLayer::new()
+        .allow_origin(Any)
+        .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS])
+        // `Authorization` cannot be wildcarded (Fetch spec): mirror what the preflight asks for.
+        .allow_headers(AllowHeaders::mirror_request())
+        .expose_headers(Any)
+        .max_age(std::time::Duration::from_secs(86_400));
+    axum::Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/realtime/v1/runs/{run_id}", get(run_feed))
+        .route("/realtime/v1/runs", get(tag_feed))
+        .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "Not found") })
+        .with_state(state)
+        .layer(cors)
+}
+
+/// What every feed request carries besides its path.
+struct Ctx {
+    /// No `x-trigger-electric-version`: legacy header names, and 422 instead of 400.
+    legacy_client: bool,
+    legacy_api_version: bool,
+    params: Params,
+}
+
+#[derive(Default)]
+struct Params {
+    offset: Option<String>,
+    handle: Option<String>,
+    live: bool,
+    cursor: Option<String>,
+    tags: Option<String>,
+    created_at: Option<String>,
+    skip_columns: Option<String>,
+}
+
+impl Params {
+    /// Query parameters; a repeated key keeps its last value (`Object.fromEntries`); unknown
+    /// keys (`log`, `expired_handle`, `table`, …) are ignored.
+    fn parse(raw: Option<&str>) -> Params {
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or("")).unwrap_or_default();
+        let mut p = Params::default();
+        let mut shape_id = None;
+        for (k, v) in pairs {
+            match k.as_str() {
+                "offset" => p.offset = Some(v),
+                "handle" => p.handle = Some(v),
+                "shape_id" => shape_id = Some(v),
+                "live" => p.live = v == "true",
+                "cursor" => p.cursor = Some(v),
+                "tags" => p.tags = Some(v),
+                "createdAt" => p.created_at = Some(v),
+                "skipColumns" => p.skip_columns = Some(v),
+                _ => {}
+            }
+        }
+        p.handle = p.handle.or(shape_id).filter(|h| !h.is_empty());
+        p
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principal, Ctx), Response> {
+    let legacy_client = header(headers, "x-trigger-electric-version").is_none_or(str::is_empty);
+    let legacy_api_version = header(headers, "x-trigger-api-version") != Some(CURRENT_API_VERSION);
+    let principal = state
+        .auth
+        .authenticate(header(headers, "authorization"), header(headers, "x-trigger-branch"))
+        .await
+        .map_err(|err| {
+            let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::UNAUTHORIZED);
+            if status.is_server_error() {
+                tracing::error!(error = %err, "authentication lookup failed");
+                error(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable")
+            } else {
+                error(status, &err.to_string())
+            }
+        })?;
+    Ok((principal, Ctx { legacy_client, legacy_api_version, params: Params::default() }))
+}
+
+fn bad_request(ctx: &Ctx, message: &str) -> Response {
+    let status = if ctx.legacy_client { StatusCode::UNPROCESSABLE_ENTITY } else { StatusCode::BAD_REQUEST };
+    error(status, message)
+}
+
+/// `{"error": message}` with JSON content type.
+fn error(status: StatusCode, message: &str) -> Response {
+    let mut response = (status, Json(json!({ "error": message }))).into_response();
+    response.headers_mut().insert("cache-control", HeaderValue::from_static("no-store"));
+    response
+}
+
+fn forbidden() -> Response {
+    let mut response = (
+        StatusCode::FORBIDDEN,
+        Json(json!({"error": "Unauthorized", "code": "unauthorized", "param": "access_token", "type": "authorization"})),
+    )
+        .into_response();
+    response.headers_mut().insert("cache-control", HeaderValue::from_static("no-store"));
+    response
+}
+
+fn unavailable(err: &dyn std::fmt::Display) -> Response {
+    tracing::error!(error = %err, "store unavailable");
+    error(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable")
+}
+
+/// Offset/handle validity shared by the three routes.
+fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, Response> {
+    let offset = OffsetParam::parse(ctx.params.offset.as_deref()).map_err(|e| bad_request(ctx, &e.to_string()))?;
+    if let OffsetParam::At(o) = offset {
+        if ctx.params.handle.is_none() {
+            return Err(bad_request(ctx, &format!("offset {o} requires a handle")));
+        }
+    }
+    Ok(offset)
+}
+
+fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
+    match &principal.skip_columns {
+        Some(claim) => ColumnSet::from_skip_list(claim),
+        None => {
+            let raw = ctx.params.skip_columns.as_deref().unwrap_or("");
+            let list: Vec<&str> = raw.split(',').collect();
+            ColumnSet::from_skip_list(&list)
+        }
+    }
+}
+
+async fn run_feed(State(state): State<AppState>, Path(run_id): Path<String>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+    let (principal, mut ctx) = match authenticate(&state, &headers).await {
+        Ok(ok) => ok,
+        Err(response) => return response,
+    };
+    ctx.params = Params::parse(query.as_deref());
+    let offset = match parse_offset(&ctx) {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let run = match state.feeds.sets().find_run(&principal.env.id, &run_id).await {
+        Ok(Some(run)) => run,
+        Ok(None) => return not_found(false),
+        Err(err) => return unavailable(&err),
+    };
+    let mut resources = vec![
+        Resource { kind: "runs", id: Some(&run.friendly_id) },
+        Resource { kind: "tasks", id: Some(&run.task_identifier) },
+    ];
+    resources.extend(run.tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_str()) }));
+    if let Some(batch) = &run.batch_friendly_id {
+        resources.push(Resource { kind: "batch", id: Some(batch) });
+    }
+    if !principal.ability.can_read_any(&resources) {
+        return forbidden();
+    }
+    let target = Target::Run { run_id: run.id.clone() };
+    serve(&state, &principal, &ctx, target, offset).await
+}
+
+async fn tag_feed(State(state): State<AppState>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+    let (principal, mut ctx) = match authenticate(&state, &headers).await {
+        Ok(ok) => ok,
+        Err(response) => return response,
+    };
+    ctx.params = Params::parse(query.as_deref());
+    let offset = match parse_offset(&ctx) {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let tags = match parse_tags(ctx.params.tags.as_deref()) {
+        Ok(tags) => tags,
+        Err(err) => return bad_request(&ctx, &err.to_string()),
+    };
+    let max_age = state.max_created_at_age_ms;
+    let lookback = match ctx.params.created_at.as_deref() {
+        None => max_age,
+        Some(raw) => match parse_duration_ms(raw) {
+            Some(ms) => ms.min(max_age),
+            None => return bad_request(&ctx, &format!("Invalid createdAt {raw:?}: expected a duration like 1h, 30m, 2d")),
+        },
+    };
+    let floor_ms = now_ms() - i64::try_from(lookback).unwrap_or(i64::MAX / 2);
+    let mut resources = vec![Resource { kind: "runs", id: None }, Resource { kind: "tags", id: None }];
+    resources.extend(tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_str()) }));
+    if !principal.ability.can_read_any(&resources) {
+        return forbidden();
+    }
+    serve(&state, &principal, &ctx, Target::Tag { tags, floor_ms }, offset).await
+}
+
+async fn batch_feed(State(state): State<AppState>, Path(batch_id): Path<String>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+    let (principal, mut ctx) = match authenticate(&state, &headers).await {
+        Ok(ok) => ok,
+        Err(response) => return response,
+    };
+    ctx.params = Params::parse(query.as_deref());
+    let offset = match parse_offset(&ctx) {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let batch = match state.feeds.sets().find_batch(&principal.env.id, &batch_id).await {
+        Ok(Some(batch)) => batch,
+        Ok(None) => return not_found(true),
+        Err(err) => return unavailable(&err),
+    };
+    let resources = [Resource { kind: "batch", id: Some(&batch.friendly_id) }, Resource { kind: "runs", id: None }];
+    if !principal.ability.can_read_any(&resources) {
+        return forbidden();
+    }
+    serve(&state, &principal, &ctx, Target::Batch { batch_id: batch.id.clone() }, offset).await
+}
+
+fn not_found(should_retry: bool) -> Response {
+    let mut response = error(StatusCode::NOT_FOUND, "Not found");
+    let value = if should_retry { "true" } else { "false" };
+    response.headers_mut().insert(HeaderName::from_static("x-should-retry"), HeaderValue::from_static(value));
+    response
+}
+
+async fn serve(state: &AppState, principal: &Principal, ctx: &Ctx, target: Target, offset: OffsetParam) -> Response {
+    let req = FeedRequest {
+        env_id: principal.env.id.clone(),
+        target,
+        cols: columns(principal, ctx),
+        offset,
+        handle: ctx.params.handle.clone(),
+        live: ctx.params.live,
+        cursor: ctx.params.cursor.clone(),
+        legacy_api_version: ctx.legacy_api_version,
+    };
+    match state.feeds.serve(req).await {
+        Ok(reply) => ok(reply, ctx.legacy_client),
+        Err(FeedError::MustRefetch { handle }) => must_refetch(&handle, ctx.legacy_client),
+        Err(FeedError::HandleRequired(offset)) => bad_request(ctx, &format!("offset {offset} requires a handle")),
+        Err(FeedError::Unavailable(err)) => unavailable(&err),
+    }
+}
+
+fn ok(reply: FeedReply, legacy_client: bool) -> Response {
+    let mut response = Response::new(axum::body::Body::from(reply.body));
+    let headers = response.headers_mut();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    headers.insert("cache-control", HeaderValue::from_static("no-store"));
+    reply.headers.apply(headers, legacy_client);
+    response
+}
+
+fn must_refetch(handle: &str, legacy_client: bool) -> Response {
+    let mut response = Response::new(axum::body::Body::from(FragmentBody::must_refetch()));
+    *response.status_mut() = StatusCode::CONFLICT;
+    let headers = response.headers_mut();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    headers.insert("cache-control", HeaderValue::from_static("no-store"));
+    ElectricHeaders { handle: handle.to_string(), ..ElectricHeaders::default() }.apply(headers, legacy_client);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn req_01_params_last_value_wins_and_shape_id_is_the_legacy_handle() {
+        let p = Params::parse(Some("offset=1_2&offset=3_4&shape_id=h&live=true&cursor=&log=full&expired_handle=x"));
+        assert_eq!(p.offset.as_deref(), Some("3_4"));
+        assert_eq!(p.handle.as_deref(), Some("h"));
+        assert!(p.live);
+        assert_eq!(p.cursor.as_deref(), Some(""));
+        let p = Params::parse(Some("live=1&handle="));
+        assert!(!p.live, "live only when exactly true");
+        assert_eq!(p.handle, None);
+    }
+}

@@ -1,14 +1,113 @@
-//! Live cursors (`electric-cursor`): strictly increasing per process, only cache-busting. STUB.
+//! Live cursors (`electric-cursor`) and response sequence numbers.
+//!
+//! The cursor only makes consecutive live URLs distinct for HTTP caches (protocol.md §4.3); per
+//! Electric 1.6.4 each response's cursor must be strictly greater than the request's. Sequence
+//! numbers are the `seq` part of offsets (behaviours TOK-03). Both counters start at the wall
+//! clock in microseconds (≈ 1.7e15, below 2^53 so JavaScript reads them exactly) so a restarted
+//! process does not reissue recent values.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::LazyLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Client cursors further than this ahead of our own counter are answered (still strictly
+/// greater) but do not ratchet the process-wide counter, so a crafted huge cursor cannot push
+/// every later cursor to `u64::MAX`. 2^40 µs ≈ 12.7 days: far more than any clock skew between
+/// instances whose cursors a client might carry over.
+const MAX_RATCHET: u64 = 1 << 40;
+
+static SEQ: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(now_micros()));
+static CURSOR: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(now_micros()));
+
+fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2))
+        .unwrap_or(0)
+}
 
 /// Returns the next cursor value, strictly greater than every value returned before by this
 /// process and than `client_cursor` when that parses as an integer (Electric 1.6.4 rule).
+///
+/// Exception (anti-abuse): a client cursor more than ~12.7 days (2^40) ahead of the process
+/// counter gets `client + 1` (saturating) without advancing the counter for later calls.
+/// Negative or non-integer client cursors are ignored.
 pub fn next_cursor(client_cursor: Option<&str>) -> u64 {
-    let _ = client_cursor;
-    unimplemented!("protocol helper")
+    let client = client_cursor.and_then(|c| c.trim().parse::<u64>().ok());
+    let mut prev = CURSOR.load(Ordering::Relaxed);
+    loop {
+        let base = match client {
+            Some(c) if c > prev && c - prev > MAX_RATCHET => return c.saturating_add(1),
+            Some(c) => c.max(prev),
+            None => prev,
+        };
+        let next = base.saturating_add(1);
+        match CURSOR.compare_exchange_weak(prev, next, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return next,
+            Err(actual) => prev = actual,
+        }
+    }
 }
 
 /// Returns a fresh response sequence number (strictly increasing per process, seeded from the
 /// wall clock so restarts do not reuse recent values). Used as the `seq` part of offsets.
 pub fn next_seq() -> u64 {
-    unimplemented!("protocol helper")
+    SEQ.fetch_add(1, Ordering::AcqRel).wrapping_add(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tok_03_seq_strictly_increasing_and_clock_seeded() {
+        let a = next_seq();
+        let b = next_seq();
+        assert!(b > a);
+        // seeded from µs since epoch: after 2020-01-01, below 2^53
+        assert!(a > 1_577_836_800_000_000);
+        assert!(a < 1 << 53);
+    }
+
+    #[test]
+    fn tok_03_seq_unique_across_threads() {
+        let handles: Vec<_> = (0..4)
+            .map(|_| std::thread::spawn(|| (0..1000).map(|_| next_seq()).collect::<Vec<_>>()))
+            .collect();
+        let mut all = Vec::new();
+        for h in handles {
+            let v = h.join().expect("thread");
+            assert!(v.windows(2).all(|w| w[1] > w[0]));
+            all.extend(v);
+        }
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n);
+    }
+
+    #[test]
+    fn cursor_strictly_greater_than_previous_and_client() {
+        let a = next_cursor(None);
+        let b = next_cursor(Some("not-a-number"));
+        assert!(b > a);
+        let c = next_cursor(Some(&(b + 1000).to_string()));
+        assert!(c > b + 1000);
+        let d = next_cursor(Some("5"));
+        assert!(d > c);
+        let e = next_cursor(Some("-3"));
+        assert!(e > d);
+    }
+
+    #[test]
+    fn huge_client_cursor_does_not_ratchet() {
+        let before = next_cursor(None);
+        let huge = next_cursor(Some(&u64::MAX.to_string()));
+        assert_eq!(huge, u64::MAX);
+        let big = u64::MAX / 2;
+        assert_eq!(next_cursor(Some(&big.to_string())), big + 1);
+        let after = next_cursor(None);
+        assert!(after > before);
+        assert!(after < before + MAX_RATCHET);
+    }
 }

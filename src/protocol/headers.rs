@@ -1,6 +1,49 @@
-//! Electric response headers, modern vs legacy names (protocol §1, §3.2, §8). STUB.
+//! Electric response headers, modern vs legacy names (protocol §1, §3.2, §8).
+//!
+//! Modern clients (request carried `x-trigger-electric-version`, trigger-facts §3) get
+//! `electric-handle` / `electric-offset` / `electric-cursor` / `electric-schema` /
+//! `electric-up-to-date`; legacy clients get `electric-shape-id` / `electric-chunk-last-offset` /
+//! `electric-cursor` + `electric-next-cursor` / `electric-schema` / `electric-chunk-up-to-date`
+//! (+ `electric-up-to-date`), and never the modern handle/offset names (behaviours HDR-02).
 
+use http::header::{HeaderName, HeaderValue};
 use http::HeaderMap;
+
+/// `electric-handle` (modern).
+pub const ELECTRIC_HANDLE: HeaderName = HeaderName::from_static("electric-handle");
+/// `electric-offset` (modern).
+pub const ELECTRIC_OFFSET: HeaderName = HeaderName::from_static("electric-offset");
+/// `electric-cursor` (both).
+pub const ELECTRIC_CURSOR: HeaderName = HeaderName::from_static("electric-cursor");
+/// `electric-schema` (both).
+pub const ELECTRIC_SCHEMA: HeaderName = HeaderName::from_static("electric-schema");
+/// `electric-up-to-date` (both; only presence matters to clients, protocol §3.3).
+pub const ELECTRIC_UP_TO_DATE: HeaderName = HeaderName::from_static("electric-up-to-date");
+/// `electric-shape-id` (legacy handle).
+pub const ELECTRIC_SHAPE_ID: HeaderName = HeaderName::from_static("electric-shape-id");
+/// `electric-chunk-last-offset` (legacy offset).
+pub const ELECTRIC_CHUNK_LAST_OFFSET: HeaderName =
+    HeaderName::from_static("electric-chunk-last-offset");
+/// `electric-next-cursor` (legacy cursor, 0.6.3).
+pub const ELECTRIC_NEXT_CURSOR: HeaderName = HeaderName::from_static("electric-next-cursor");
+/// `electric-chunk-up-to-date` (legacy up-to-date, read by the 0.6.3 prefetcher).
+pub const ELECTRIC_CHUNK_UP_TO_DATE: HeaderName =
+    HeaderName::from_static("electric-chunk-up-to-date");
+
+/// Value of the up-to-date headers. Clients test presence only; a non-empty value survives
+/// proxies that drop empty headers.
+const UP_TO_DATE_VALUE: HeaderValue = HeaderValue::from_static("true");
+
+fn put(headers: &mut HeaderMap, name: HeaderName, value: &str) {
+    match HeaderValue::from_str(value) {
+        Ok(v) => {
+            headers.insert(name, v);
+        }
+        Err(_) => {
+            tracing::debug!(header = %name, "skipping electric header with a non-visible-ASCII value")
+        }
+    }
+}
 
 /// The Electric headers of one 2xx (or 409) response.
 #[derive(Clone, Debug, Default)]
@@ -20,8 +63,130 @@ impl ElectricHeaders {
     /// `electric-shape-id`/`electric-chunk-last-offset`/`electric-next-cursor`/
     /// `electric-chunk-up-to-date` replace the modern `electric-handle`/`electric-offset` (the
     /// modern names are absent), cursor is sent under both names.
+    ///
+    /// Existing values under the same names are replaced. A value that is not a valid header
+    /// value (never the case for handles/offsets/cursors this server mints) is skipped with a
+    /// debug log instead of panicking.
     pub fn apply(&self, headers: &mut HeaderMap, legacy: bool) {
-        let _ = (headers, legacy);
-        unimplemented!("protocol helper")
+        if legacy {
+            headers.remove(&ELECTRIC_HANDLE);
+            headers.remove(&ELECTRIC_OFFSET);
+            put(headers, ELECTRIC_SHAPE_ID, &self.handle);
+            if let Some(offset) = &self.offset {
+                put(headers, ELECTRIC_CHUNK_LAST_OFFSET, offset);
+            }
+            if let Some(cursor) = &self.cursor {
+                put(headers, ELECTRIC_CURSOR, cursor);
+                put(headers, ELECTRIC_NEXT_CURSOR, cursor);
+            }
+        } else {
+            put(headers, ELECTRIC_HANDLE, &self.handle);
+            if let Some(offset) = &self.offset {
+                put(headers, ELECTRIC_OFFSET, offset);
+            }
+            if let Some(cursor) = &self.cursor {
+                put(headers, ELECTRIC_CURSOR, cursor);
+            }
+        }
+        if let Some(schema) = &self.schema {
+            put(headers, ELECTRIC_SCHEMA, schema);
+        }
+        if self.up_to_date {
+            headers.insert(ELECTRIC_UP_TO_DATE, UP_TO_DATE_VALUE);
+            if legacy {
+                headers.insert(ELECTRIC_CHUNK_UP_TO_DATE, UP_TO_DATE_VALUE);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ElectricHeaders {
+        ElectricHeaders {
+            handle: "t.abc.def".into(),
+            offset: Some("1717667130123_7".into()),
+            cursor: Some("42".into()),
+            schema: Some(r#"{"id":{"type":"text"}}"#.into()),
+            up_to_date: true,
+        }
+    }
+
+    fn get<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+        h.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    #[test]
+    fn hdr_02_modern_names() {
+        let mut h = HeaderMap::new();
+        sample().apply(&mut h, false);
+        assert_eq!(get(&h, "electric-handle"), Some("t.abc.def"));
+        assert_eq!(get(&h, "electric-offset"), Some("1717667130123_7"));
+        assert_eq!(get(&h, "electric-cursor"), Some("42"));
+        assert_eq!(
+            get(&h, "electric-schema"),
+            Some(r#"{"id":{"type":"text"}}"#)
+        );
+        assert!(h.contains_key("electric-up-to-date"));
+        for legacy in [
+            "electric-shape-id",
+            "electric-chunk-last-offset",
+            "electric-next-cursor",
+            "electric-chunk-up-to-date",
+        ] {
+            assert!(!h.contains_key(legacy), "{legacy}");
+        }
+    }
+
+    #[test]
+    fn hdr_02_legacy_names() {
+        let mut h = HeaderMap::new();
+        h.insert("electric-handle", HeaderValue::from_static("stale"));
+        sample().apply(&mut h, true);
+        assert_eq!(get(&h, "electric-shape-id"), Some("t.abc.def"));
+        assert_eq!(
+            get(&h, "electric-chunk-last-offset"),
+            Some("1717667130123_7")
+        );
+        assert_eq!(get(&h, "electric-cursor"), Some("42"));
+        assert_eq!(get(&h, "electric-next-cursor"), Some("42"));
+        assert_eq!(
+            get(&h, "electric-schema"),
+            Some(r#"{"id":{"type":"text"}}"#)
+        );
+        assert!(h.contains_key("electric-chunk-up-to-date"));
+        assert!(h.contains_key("electric-up-to-date"));
+        assert!(!h.contains_key("electric-handle"));
+        assert!(!h.contains_key("electric-offset"));
+    }
+
+    #[test]
+    fn optional_headers_absent_when_none() {
+        let mut h = HeaderMap::new();
+        ElectricHeaders {
+            handle: "h".into(),
+            ..Default::default()
+        }
+        .apply(&mut h, false);
+        assert_eq!(get(&h, "electric-handle"), Some("h"));
+        assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn invalid_values_are_skipped_not_panicking() {
+        let mut h = HeaderMap::new();
+        ElectricHeaders {
+            handle: "bad\nvalue".into(),
+            offset: Some("0_0".into()),
+            cursor: Some("\u{0}".into()),
+            schema: None,
+            up_to_date: false,
+        }
+        .apply(&mut h, false);
+        assert!(!h.contains_key("electric-handle"));
+        assert!(!h.contains_key("electric-cursor"));
+        assert_eq!(get(&h, "electric-offset"), Some("0_0"));
     }
 }

@@ -1,1 +1,603 @@
-//! TODO
+//! The per-instance change router (reference `EnvChangeRouter`, seeds/000).
+//!
+//! Per environment it keeps an inverted index of the feeds currently held by a poll (by run id,
+//! tag and batch id), a replay buffer of recent change records and a lingering subscription.
+//! Each coalesced batch of records is routed through the index; the matched runs are hydrated
+//! with ONE store query per column set and serialized ONCE per (run, column set); the shared
+//! rows are pushed into each matching feed's inbox and the feed is woken.
+//!
+//! Where it differs from the reference (behaviours §4):
+//! - records get a per-environment arrival sequence; a connection's replay cursor is the
+//!   sequence through which every record was routed ([`ReplayCursor`]), so nothing that arrived
+//!   before a response but was not in it is skipped (item 2);
+//! - replay coverage starts when the source confirms the subscription, and a subscriber
+//!   reconnect invalidates every cursor and asks held feeds to re-check (items 5, 6);
+//! - a match for a feed that is registered but busy (cold re-check, building a response) is
+//!   parked in its inbox instead of dropped;
+//! - partial records are classified for batch feeds too (item 10).
+
+mod buffer;
+mod filter;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify};
+
+pub use buffer::{Eviction, ReplayBuffer};
+pub use filter::FeedFilter;
+
+use crate::changes::coalesce::Coalescer;
+use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
+use crate::config::RouterConfig;
+use crate::protocol::encode::serialize_row;
+use crate::protocol::{ColumnSet, SerializedRow};
+use crate::store::RunStore;
+
+/// Where a connection's view of an environment's change stream ends: every record with a
+/// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
+/// "no usable position" (subscription not confirmed yet, or unknown).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ReplayCursor {
+    pub epoch: u64,
+    pub seq: u64,
+}
+
+/// Counters the router keeps (tests, benchmarks and, later, metrics read them).
+#[derive(Debug, Default)]
+pub struct RouterStats {
+    /// Store hydrate calls made by the router (live and replay).
+    pub hydrates: AtomicU64,
+    /// Rows those hydrates returned.
+    pub hydrated_rows: AtomicU64,
+    /// Coalesced batches routed.
+    pub batches: AtomicU64,
+    /// Σ (feed, row) deliveries.
+    pub deliveries: AtomicU64,
+    /// Replays that delivered rows / found nothing to deliver after hydrating.
+    pub replays_delivered: AtomicU64,
+    pub replays_empty: AtomicU64,
+    /// Replay-buffer evictions by reason.
+    pub evictions_window: AtomicU64,
+    pub evictions_cap: AtomicU64,
+    /// Hydrate failures (logged; the feed's backstop covers them).
+    pub hydrate_errors: AtomicU64,
+}
+
+/// What a woken feed finds in its inbox.
+#[derive(Debug, Default)]
+pub struct Wake {
+    /// Matched rows (already checked against the feed's filter), in arrival order; a run may
+    /// appear more than once (the later version last).
+    pub rows: Vec<SerializedRow>,
+    /// The change stream had a gap (subscriber reconnect): re-check from the store.
+    pub recheck: bool,
+}
+
+impl Wake {
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty() && !self.recheck
+    }
+}
+
+struct Slot {
+    filter: FeedFilter,
+    cols: ColumnSet,
+    inbox: Mutex<Wake>,
+    notify: Notify,
+}
+
+impl Slot {
+    fn push(&self, rows: Vec<SerializedRow>, recheck: bool) {
+        let mut inbox = lock(&self.inbox);
+        inbox.rows.extend(rows);
+        inbox.recheck |= recheck;
+    }
+
+    fn take(&self) -> Wake {
+        std::mem::take(&mut *lock(&self.inbox))
+    }
+}
+
+#[derive(Default)]
+struct EnvState {
+    epoch: u64,
+    active: bool,
+    last_seq: u64,
+    /// Batches being routed: first seq → last seq.
+    in_flight: BTreeMap<u64, u64>,
+    buffer: ReplayBuffer,
+    feeds: HashMap<u64, Arc<Slot>>,
+    by_run: HashMap<String, HashSet<u64>>,
+    by_tag: HashMap<String, HashSet<u64>>,
+    by_batch: HashMap<String, HashSet<u64>>,
+    tag_feeds: HashSet<u64>,
+    unfiltered_tag_feeds: HashSet<u64>,
+    batch_feeds: HashSet<u64>,
+    linger_generation: u64,
+}
+
+impl EnvState {
+    fn routed_through(&self) -> u64 {
+        match self.in_flight.keys().next() {
+            Some(first) => first - 1,
+            None => self.last_seq,
+        }
+    }
+
+    fn cursor(&self) -> ReplayCursor {
+        ReplayCursor { epoch: if self.active { self.epoch } else { 0 }, seq: self.routed_through() }
+    }
+
+    fn index(&mut self, id: u64, filter: &FeedFilter) {
+        match filter {
+            FeedFilter::Run { run_id } => {
+                self.by_run.entry(run_id.clone()).or_default().insert(id);
+            }
+            FeedFilter::Batch { batch_id } => {
+                self.by_batch.entry(batch_id.clone()).or_default().insert(id);
+                self.batch_feeds.insert(id);
+            }
+            FeedFilter::Tag { tags, .. } => {
+                self.tag_feeds.insert(id);
+                if tags.is_empty() {
+                    self.unfiltered_tag_feeds.insert(id);
+                }
+                for tag in tags {
+                    self.by_tag.entry(tag.clone()).or_default().insert(id);
+                }
+            }
+        }
+    }
+
+    fn deindex(&mut self, id: u64, filter: &FeedFilter) {
+        fn remove(index: &mut HashMap<String, HashSet<u64>>, key: &str, id: u64) {
+            if let Some(set) = index.get_mut(key) {
+                set.remove(&id);
+                if set.is_empty() {
+                    index.remove(key);
+                }
+            }
+        }
+        match filter {
+            FeedFilter::Run { run_id } => remove(&mut self.by_run, run_id, id),
+            FeedFilter::Batch { batch_id } => {
+                remove(&mut self.by_batch, batch_id, id);
+                self.batch_feeds.remove(&id);
+            }
+            FeedFilter::Tag { tags, .. } => {
+                self.tag_feeds.remove(&id);
+                self.unfiltered_tag_feeds.remove(&id);
+                for tag in tags {
+                    remove(&mut self.by_tag, tag, id);
+                }
+            }
+        }
+    }
+
+    /// Feed ids that are candidates for `record` (deduplicated).
+    fn candidates(&self, record: &ChangeRecord) -> HashSet<u64> {
+        let mut out = HashSet::new();
+        if let Some(ids) = self.by_run.get(&record.run_id) {
+            out.extend(ids);
+        }
+        match (&record.batch_id, &record.tags) {
+            (Some(batch), _) => {
+                if let Some(ids) = self.by_batch.get(batch) {
+                    out.extend(ids);
+                }
+            }
+            (None, None) => out.extend(&self.batch_feeds),
+            (None, Some(_)) => {}
+        }
+        match &record.tags {
+            Some(tags) => {
+                for tag in tags {
+                    if let Some(ids) = self.by_tag.get(tag) {
+                        out.extend(ids);
+                    }
+                }
+                out.extend(&self.unfiltered_tag_feeds);
+            }
+            None => out.extend(&self.tag_feeds),
+        }
+        out
+    }
+}
+
+struct Env {
+    id: String,
+    state: Mutex<EnvState>,
+}
+
+struct Inner {
+    cfg: RouterConfig,
+    source: Arc<dyn ChangeSource>,
+    store: Arc<dyn RunStore>,
+    envs: Mutex<HashMap<String, Arc<Env>>>,
+    next_epoch: AtomicU64,
+    next_feed_id: AtomicU64,
+    stats: RouterStats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock only means another task panicked mid-update; the state is still the best
+    // we have, and refusing to serve would turn one bug into an outage.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The router. Cheap to clone.
+#[derive(Clone)]
+pub struct Router {
+    inner: Arc<Inner>,
+}
+
+impl Router {
+    /// Starts a router fed by `events` (from the change source `source`), hydrating through
+    /// `store`. Spawns its pump and dispatch tasks on the current tokio runtime.
+    pub fn start(
+        cfg: RouterConfig,
+        source: Arc<dyn ChangeSource>,
+        store: Arc<dyn RunStore>,
+        mut events: mpsc::UnboundedReceiver<SourceEvent>,
+    ) -> Router {
+        let inner = Arc::new(Inner {
+            cfg: cfg.clone(),
+            source,
+            store,
+            envs: Mutex::new(HashMap::new()),
+            next_epoch: AtomicU64::new(1),
+            next_feed_id: AtomicU64::new(1),
+            stats: RouterStats::default(),
+        });
+        let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<(String, Vec<ChangeRecord>)>();
+        let coalescer = Coalescer::new(Duration::from_millis(cfg.env_wake_coalesce_window_ms), batch_tx);
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let Some(inner) = weak.upgrade() else { break };
+                match event {
+                    SourceEvent::Record { env_id, record } => {
+                        if lock(&inner.envs).contains_key(&env_id) {
+                            coalescer.push(&env_id, record);
+                        }
+                    }
+                    SourceEvent::Reconnected => inner.on_gap(),
+                }
+            }
+        });
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            while let Some((env_id, records)) = batch_rx.recv().await {
+                let Some(inner) = weak.upgrade() else { break };
+                tokio::spawn(async move { inner.route_batch(&env_id, records).await });
+            }
+        });
+        Router { inner }
+    }
+
+    /// Registers a held feed and replays the buffered records it has not seen (those after
+    /// `cursor`; everything buffered when the cursor is unknown or from another subscription).
+    /// The replay is awaited, so its rows are in the inbox when this returns.
+    ///
+    /// [`Registration::covered`] tells whether the change stream provably covers the gap since
+    /// `cursor`; when false the caller must re-check from the store (cold path).
+    pub async fn register(
+        &self,
+        env_id: &str,
+        filter: FeedFilter,
+        cols: ColumnSet,
+        cursor: Option<ReplayCursor>,
+    ) -> Registration {
+        let env = self.inner.ensure_env(env_id);
+        let id = self.inner.next_feed_id.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot { filter: filter.clone(), cols, inbox: Mutex::new(Wake::default()), notify: Notify::new() });
+        let replay_enabled = self.inner.cfg.replay_window_ms > 0;
+        let (mut covered, replay_ids) = {
+            let mut state = lock(&env.state);
+            state.feeds.insert(id, slot.clone());
+            state.index(id, &filter);
+            let same_epoch = cursor.is_some_and(|c| state.active && c.epoch == state.epoch);
+            let from = match cursor {
+                Some(c) if same_epoch => c.seq,
+                _ => 0,
+            };
+            let covered = !replay_enabled || (same_epoch && state.buffer.covers(from));
+            let ids: Vec<String> = state
+                .buffer
+                .since(from)
+                .filter(|b| filter.is_candidate(&b.record))
+                .map(|b| b.record.run_id.clone())
+                .collect();
+            (covered, ids)
+        };
+        let mut registration = Registration { inner: self.inner.clone(), env, id, slot, covered: false };
+        if replay_enabled && !replay_ids.is_empty() {
+            match self.inner.hydrate(env_id, &replay_ids, cols).await {
+                Ok(rows) => {
+                    let rows: Vec<SerializedRow> =
+                        rows.into_values().filter(|r| filter.accepts(&r.meta)).collect();
+                    let counter = if rows.is_empty() { &self.inner.stats.replays_empty } else { &self.inner.stats.replays_delivered };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    registration.slot.push(rows, false);
+                }
+                Err(()) => covered = false,
+            }
+        }
+        registration.covered = covered;
+        registration
+    }
+
+    /// Makes sure `env_id` is subscribed (a snapshot's next live poll will need it) and returns
+    /// the cursor a snapshot taken NOW may hand out. Take it before reading the store.
+    pub fn touch(&self, env_id: &str) -> ReplayCursor {
+        let env = self.inner.ensure_env(env_id);
+        let cursor = {
+            let state = lock(&env.state);
+            state.cursor()
+        };
+        self.inner.schedule_teardown_if_idle(&env);
+        cursor
+    }
+
+    /// Router counters.
+    pub fn stats(&self) -> &RouterStats {
+        &self.inner.stats
+    }
+
+    /// Held feeds by kind `(run, tag, batch)`.
+    pub fn held_feeds(&self) -> (usize, usize, usize) {
+        let envs: Vec<Arc<Env>> = lock(&self.inner.envs).values().cloned().collect();
+        let mut counts = (0, 0, 0);
+        for env in envs {
+            let state = lock(&env.state);
+            for slot in state.feeds.values() {
+                match slot.filter {
+                    FeedFilter::Run { .. } => counts.0 += 1,
+                    FeedFilter::Tag { .. } => counts.1 += 1,
+                    FeedFilter::Batch { .. } => counts.2 += 1,
+                }
+            }
+        }
+        counts
+    }
+
+    /// Environments currently routed (including lingering ones).
+    pub fn active_envs(&self) -> usize {
+        lock(&self.inner.envs).len()
+    }
+}
+
+impl Inner {
+    fn env(&self, env_id: &str) -> Option<Arc<Env>> {
+        lock(&self.envs).get(env_id).cloned()
+    }
+
+    fn ensure_env(&self, env_id: &str) -> Arc<Env> {
+        let mut envs = lock(&self.envs);
+        if let Some(env) = envs.get(env_id) {
+            // New interest cancels a pending teardown.
+            lock(&env.state).linger_generation += 1;
+            return env.clone();
+        }
+        let env = Arc::new(Env {
+            id: env_id.to_string(),
+            state: Mutex::new(EnvState { epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed), active: true, ..EnvState::default() }),
+        });
+        envs.insert(env_id.to_string(), env.clone());
+        drop(envs);
+        self.source.subscribe(env_id);
+        env
+    }
+
+    fn on_gap(&self) {
+        let envs: Vec<Arc<Env>> = lock(&self.envs).values().cloned().collect();
+        for env in envs {
+            let slots: Vec<Arc<Slot>> = {
+                let mut state = lock(&env.state);
+                state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+                state.feeds.values().cloned().collect()
+            };
+            for slot in slots {
+                slot.push(Vec::new(), true);
+                slot.notify.notify_one();
+            }
+        }
+    }
+
+    fn deregister(self: &Arc<Self>, env: &Arc<Env>, id: u64) {
+        let idle = {
+            let mut state = lock(&env.state);
+            if let Some(slot) = state.feeds.remove(&id) {
+                state.deindex(id, &slot.filter);
+            }
+            state.feeds.is_empty()
+        };
+        if idle {
+            self.schedule_teardown_if_idle(env);
+        }
+    }
+
+    fn schedule_teardown_if_idle(self: &Arc<Self>, env: &Arc<Env>) {
+        let generation = {
+            let mut state = lock(&env.state);
+            if !state.feeds.is_empty() {
+                return;
+            }
+            state.linger_generation += 1;
+            state.linger_generation
+        };
+        let linger = Duration::from_millis(self.cfg.unsubscribe_linger_ms);
+        let weak = Arc::downgrade(self);
+        let env = env.clone();
+        let teardown = move |inner: &Inner| {
+            let mut envs = lock(&inner.envs);
+            let still_idle = {
+                let state = lock(&env.state);
+                state.feeds.is_empty() && state.linger_generation == generation
+            };
+            if still_idle && envs.get(&env.id).is_some_and(|e| Arc::ptr_eq(e, &env)) {
+                envs.remove(&env.id);
+                drop(envs);
+                inner.source.unsubscribe(&env.id);
+            }
+        };
+        if linger.is_zero() {
+            teardown(self);
+            return;
+        }
+        tokio::spawn(async move {
+            tokio::time::sleep(linger).await;
+            if let Some(inner) = weak.upgrade() {
+                teardown(&inner);
+            }
+        });
+    }
+
+    /// One store query for `ids`, each row serialized once. `Err(())` after logging a failure.
+    async fn hydrate(&self, env_id: &str, ids: &[String], cols: ColumnSet) -> Result<HashMap<String, SerializedRow>, ()> {
+        self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
+        match self.store.hydrate(env_id, ids, cols).await {
+            Ok(rows) => {
+                self.stats.hydrated_rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
+                Ok(rows.iter().map(|row| (row.id.clone(), serialize_row(row, cols))).collect())
+            }
+            Err(err) => {
+                self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(env_id, error = %err, "router hydrate failed; feeds fall back to their backstop");
+                Err(())
+            }
+        }
+    }
+
+    async fn route_batch(self: &Arc<Self>, env_id: &str, records: Vec<ChangeRecord>) {
+        let Some(env) = self.env(env_id) else { return };
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        let window = Duration::from_millis(self.cfg.replay_window_ms);
+        let now = Instant::now();
+        // 1. Sequence, buffer and route through the index (under the env lock, no awaits).
+        let (first_seq, matches, groups) = {
+            let mut state = lock(&env.state);
+            let first_seq = state.last_seq + 1;
+            let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<String>)> = HashMap::new();
+            let mut groups: HashMap<ColumnSet, BTreeSet<String>> = HashMap::new();
+            for record in &records {
+                state.last_seq += 1;
+                for id in state.candidates(record) {
+                    if let Some(slot) = state.feeds.get(&id) {
+                        groups.entry(slot.cols).or_default().insert(record.run_id.clone());
+                        matches.entry(id).or_insert_with(|| (slot.clone(), BTreeSet::new())).1.insert(record.run_id.clone());
+                    }
+                }
+            }
+            if !window.is_zero() {
+                let cap = self.cfg.replay_max_runs;
+                let mut seq = first_seq;
+                for record in records {
+                    for eviction in state.buffer.insert(seq, record, now, window, cap) {
+                        let counter = match eviction {
+                            Eviction::Window => &self.stats.evictions_window,
+                            Eviction::Cap => &self.stats.evictions_cap,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    }
+                    seq += 1;
+                }
+            }
+            let last = state.last_seq;
+            state.in_flight.insert(first_seq, last);
+            (first_seq, matches, groups)
+        };
+        // Whatever happens below, the batch leaves the in-flight set.
+        struct Done<'a>(&'a Env, u64);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.state).in_flight.remove(&self.1);
+            }
+        }
+        let done = Done(&env, first_seq);
+        if matches.is_empty() {
+            return;
+        }
+        // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
+        let hydrated = futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
+            let ids: Vec<String> = ids.into_iter().collect();
+            (cols, self.hydrate(env_id, &ids, cols).await.unwrap_or_default())
+        }))
+        .await;
+        let hydrated: HashMap<ColumnSet, HashMap<String, SerializedRow>> = hydrated.into_iter().collect();
+        // 3. Deliver to inboxes, mark the batch routed, then wake (so a woken feed's response
+        //    cursor already covers this batch and its next poll does not replay it).
+        let mut woken = Vec::new();
+        let mut deliveries = 0u64;
+        for (_, (slot, run_ids)) in matches {
+            let Some(rows_by_id) = hydrated.get(&slot.cols) else { continue };
+            let rows: Vec<SerializedRow> = run_ids
+                .iter()
+                .filter_map(|id| rows_by_id.get(id))
+                .filter(|row| slot.filter.accepts(&row.meta))
+                .cloned()
+                .collect();
+            if !rows.is_empty() {
+                deliveries += rows.len() as u64;
+                slot.push(rows, false);
+                woken.push(slot);
+            }
+        }
+        self.stats.deliveries.fetch_add(deliveries, Ordering::Relaxed);
+        drop(done);
+        for slot in woken {
+            slot.notify.notify_one();
+        }
+    }
+}
+
+/// A feed held by one poll. Dropping it deregisters the feed (client gone, poll answered).
+pub struct Registration {
+    inner: Arc<Inner>,
+    env: Arc<Env>,
+    id: u64,
+    slot: Arc<Slot>,
+    covered: bool,
+}
+
+impl Registration {
+    /// Whether the change stream provably covers the gap since the presented cursor (else the
+    /// caller must re-check from the store).
+    pub fn covered(&self) -> bool {
+        self.covered
+    }
+
+    /// Waits until the inbox holds rows or a re-check request, and drains it.
+    pub async fn wake(&self) -> Wake {
+        loop {
+            let wake = self.slot.take();
+            if !wake.is_empty() {
+                return wake;
+            }
+            self.slot.notify.notified().await;
+        }
+    }
+
+    /// Drains the inbox without waiting.
+    pub fn take(&self) -> Wake {
+        self.slot.take()
+    }
+
+    /// The cursor a response built NOW may hand out. Call it BEFORE the final [`Self::take`]
+    /// so rows delivered in between are either in the response or after the cursor.
+    pub fn cursor(&self) -> ReplayCursor {
+        lock(&self.env.state).cursor()
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.inner.deregister(&self.env, self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests;

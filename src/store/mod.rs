@@ -1,12 +1,23 @@
-//! Postgres access (sqlx). STUB: signatures fixed; the store helper implements them.
+//! Postgres access (sqlx runtime API only: no compile-time-checked macros, so the crate builds
+//! without a database).
 //!
 //! Reads go to the read replica; lookups that must not 404 spuriously (run/batch by friendly
 //! id, run by id for a snapshot) fall back to the primary on a miss (fix ae96b6c in trigger.dev).
 //! `runfeed serve` never writes.
+//!
+//! - [`RunStore`] / [`EnvStore`]: the seams the router, feeds and auth code against.
+//! - [`PgStore`] (`pg.rs`): the Postgres implementation (primary + replica pools, query counter).
+//! - `sql.rs`: SQL text per column set and row decoding into [`RunRow`].
+//! - [`migrate`]: applies `migrations/` (trigger-facts §1 schema subset).
 
 use async_trait::async_trait;
 
 use crate::protocol::{ColumnSet, RunRow};
+
+mod pg;
+mod sql;
+
+pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_STATEMENT_TIMEOUT_MS};
 
 /// A database failure, with the operation it happened in.
 #[derive(Debug, thiserror::Error)]
@@ -97,37 +108,13 @@ pub trait EnvStore: Send + Sync + 'static {
     async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError>;
 }
 
-/// The Postgres implementation: a primary pool and a replica pool (the same URL when no replica
-/// is configured). Counts the queries it issues ([`PgStore::query_count`]).
-pub struct PgStore {
-    _priv: (),
-}
-
-impl PgStore {
-    /// Connects both pools (lazily; the first query connects).
-    pub fn connect_lazy(primary_url: &str, replica_url: Option<&str>) -> Result<PgStore, StoreError> {
-        let _ = (primary_url, replica_url);
-        unimplemented!("store helper")
-    }
-
-    /// Runs a trivial query on both pools (readiness).
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        unimplemented!("store helper")
-    }
-
-    /// Total queries issued by this store so far (tests and the bench count hydrates with it).
-    pub fn query_count(&self) -> u64 {
-        unimplemented!("store helper")
-    }
-
-    /// The primary pool (CLI commands: migrate, demo, token).
-    pub fn primary(&self) -> &sqlx::PgPool {
-        unimplemented!("store helper")
-    }
-}
-
 /// Applies `migrations/` (the trigger.dev tables runfeed reads) to `pool`. Idempotent.
+///
+/// The migrator records applied versions in `_sqlx_migrations`, so a second run is a no-op; the
+/// SQL itself also tolerates pre-existing trigger.dev objects (`IF NOT EXISTS`, guarded enum
+/// creation), so it can be pointed at a database that already holds the real tables.
+///
+/// Errors: [`sqlx::migrate::MigrateError`] (connection, SQL, or a changed already-applied file).
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    let _ = pool;
-    unimplemented!("store helper")
+    sqlx::migrate!("./migrations").run(pool).await
 }

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Local demo: services, build, migrate, `runfeed serve` on 127.0.0.1:3030 in the background and
+# `runfeed demo` in the foreground (a seeded environment plus a live workload). Ctrl-C stops both.
+#   bash scripts/dev.sh
+# Env: RUNFEED_DEV_PORT (default 3030), RUNFEED_DEV_DB (default runfeed_demo),
+#      RUNFEED_PROFILE=release for an optimised build (default: debug, which builds much faster
+#      on a fresh machine and shares its artifacts with scripts/test.sh).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+PORT="${RUNFEED_DEV_PORT:-3030}"
+BASE_URL="http://127.0.0.1:${PORT}"
+DATABASE_URL="postgres://postgres@127.0.0.1:5432/${RUNFEED_DEV_DB:-runfeed_demo}"
+REDIS_URL="redis://127.0.0.1:6379"
+PROFILE="${RUNFEED_PROFILE:-debug}"
+LOG="$ROOT/target/dev-serve.log"
+
+say() { printf '\n==> %s\n' "$*"; }
+
+say "services (postgres, redis)"
+bash scripts/services.sh
+
+say "cargo build ($PROFILE)"
+if [ "$PROFILE" = release ]; then cargo build --release --locked; else cargo build --locked; fi
+BIN="$ROOT/target/$PROFILE/runfeed"
+
+say "npm ci (tests/e2e: the real clients, for tests/e2e/watch.mjs)"
+if [ ! -d tests/e2e/node_modules ] || [ tests/e2e/package-lock.json -nt tests/e2e/node_modules/.package-lock.json ]; then
+  npm ci --prefix tests/e2e --no-audit --no-fund --loglevel=error
+else
+  echo "up to date"
+fi
+
+say "runfeed migrate ($DATABASE_URL)"
+"$BIN" migrate --database-url "$DATABASE_URL"
+
+if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+  echo "port $PORT is already in use (another runfeed?); stop it or set RUNFEED_DEV_PORT" >&2
+  exit 1
+fi
+
+say "runfeed serve on $BASE_URL (log: $LOG)"
+mkdir -p "$(dirname "$LOG")"
+"$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$DATABASE_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
+SERVER_PID=$!
+cleanup() {
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+deadline=$((SECONDS + 30))
+until grep -q '^runfeed listening on ' "$LOG" 2>/dev/null; do
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    echo "runfeed serve exited early:" >&2; cat "$LOG" >&2; exit 1
+  fi
+  if [ "$SECONDS" -ge "$deadline" ]; then
+    echo "runfeed serve did not start within 30s:" >&2; cat "$LOG" >&2; exit 1
+  fi
+  sleep 0.2
+done
+grep -m1 '^runfeed listening on ' "$LOG"
+
+say "runfeed demo (Ctrl-C to stop the workload and the server)"
+# The demo prints ENV_ID= / PUBLIC_TOKEN= / RUN_ID= / BATCH_ID= / TAG= lines first; once they are
+# all there, add the commands that watch the same feeds through the real trigger.dev SDK.
+"$BIN" demo --database-url "$DATABASE_URL" --redis-url "$REDIS_URL" --base-url "$BASE_URL" |
+  {
+    token="" run="" batch="" tag="" shown=0
+    while IFS= read -r line; do
+      printf '%s\n' "$line"
+      case $line in
+        PUBLIC_TOKEN=*) token=${line#PUBLIC_TOKEN=} ;;
+        RUN_ID=*) run=${line#RUN_ID=} ;;
+        BATCH_ID=*) batch=${line#BATCH_ID=} ;;
+        TAG=*) tag=${line#TAG=} ;;
+      esac
+      if [ "$shown" -eq 0 ] && [ -n "$token" ] && [ -n "$run" ] && [ -n "$batch" ] && [ -n "$tag" ]; then
+        shown=1
+        cat <<HINT
+
+--- watch with the real @trigger.dev/sdk (in another terminal, from $ROOT) ---
+  node tests/e2e/watch.mjs --base-url $BASE_URL --token $token --run $run
+  node tests/e2e/watch.mjs --base-url $BASE_URL --token $token --tag $tag
+  node tests/e2e/watch.mjs --base-url $BASE_URL --token $token --batch $batch
+  (add --shape to print raw @electric-sql/client messages instead of SDK run objects)
+------------------------------------------------------------------------------
+
+HINT
+      fi
+    done
+  }

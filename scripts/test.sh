@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2317  # the step functions are invoked through run_step
+# THE test command: services, e2e deps, build, Rust tests, end-to-end tests with the real npm clients.
+#   bash scripts/test.sh
+# Exits non-zero if any step fails; prints a summary at the end.
+# Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
+# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 to run a subset locally.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$(pwd)
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+LOG_DIR="$ROOT/target/test-logs"
+mkdir -p "$LOG_DIR"
+
+T_START=$SECONDS
+STEPS=()
+FAILED=0
+
+run_step() { # name, command...
+  local name=$1; shift
+  local t0=$SECONDS rc
+  printf '\n==> %s\n' "$name"
+  "$@"
+  rc=$?
+  local dt=$((SECONDS - t0))
+  if [ "$rc" -eq 0 ]; then
+    STEPS+=("ok    ${name} (${dt}s)")
+  else
+    STEPS+=("FAIL  ${name} (${dt}s, exit ${rc})")
+    FAILED=1
+  fi
+  return "$rc"
+}
+
+CARGO_PASSED=0 CARGO_FAILED=0 E2E_PASSED=0 E2E_FAILED=0
+
+summary() {
+  printf '\n==> summary (%ss)\n' "$((SECONDS - T_START))"
+  local s
+  for s in "${STEPS[@]}"; do printf '  %s\n' "$s"; done
+  printf '  cargo test: %s passed, %s failed\n' "$CARGO_PASSED" "$CARGO_FAILED"
+  printf '  e2e (node --test): %s passed, %s failed\n' "$E2E_PASSED" "$E2E_FAILED"
+  printf 'total: %s passed, %s failed\n' "$((CARGO_PASSED + E2E_PASSED))" "$((CARGO_FAILED + E2E_FAILED))"
+  if [ "$FAILED" -ne 0 ]; then echo "RESULT: FAILED"; else echo "RESULT: OK"; fi
+}
+
+cargo_tests() {
+  local log="$LOG_DIR/cargo-test.log"
+  cargo test --locked 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  # Sum the "test result:" lines of every test binary (unit, integration, doc).
+  read -r CARGO_PASSED CARGO_FAILED < <(awk '/^test result:/ {
+      for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i }
+    } END { print p + 0, f + 0 }' "$log")
+  if [ "$rc" -ne 0 ] && [ "$CARGO_FAILED" -eq 0 ]; then CARGO_FAILED=1; fi
+  return "$rc"
+}
+
+drop_stale_e2e_databases() {
+  # Databases a crashed earlier run left behind (each e2e file drops its own when it ends).
+  local db
+  for db in $(psql -h 127.0.0.1 -U postgres -d postgres -Atc \
+      "SELECT datname FROM pg_database WHERE datname LIKE 'runfeed\_e2e\_%'" 2>/dev/null); do
+    psql -h 127.0.0.1 -U postgres -d postgres -qc "DROP DATABASE IF EXISTS \"$db\" WITH (FORCE)" >/dev/null 2>&1 || true
+  done
+}
+
+e2e_tests() {
+  local log="$LOG_DIR/e2e.log" files=(tests/e2e/*.test.mjs) args=()
+  drop_stale_e2e_databases
+  [ -n "${E2E_FILTER:-}" ] && args+=(--test-name-pattern "$E2E_FILTER")
+  RUNFEED_BIN="$ROOT/target/debug/runfeed" \
+    timeout --kill-after=15 "${E2E_TIMEOUT:-480}" \
+    node --test --test-concurrency=1 --test-timeout=120000 --test-force-exit --test-reporter=spec \
+      "${args[@]}" "${files[@]}" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "e2e: the whole run exceeded ${E2E_TIMEOUT:-480}s and was killed"
+  E2E_PASSED=$(awk 'NF == 3 && $2 == "pass" && $3 ~ /^[0-9]+$/ { n = $3 } END { print n + 0 }' "$log")
+  E2E_FAILED=$(awk 'NF == 3 && $2 == "fail" && $3 ~ /^[0-9]+$/ { n = $3 } END { print n + 0 }' "$log")
+  if [ "$rc" -ne 0 ] && [ "$E2E_FAILED" -eq 0 ]; then E2E_FAILED=1; fi
+  return "$rc"
+}
+
+if ! run_step "services (postgres, redis)" bash scripts/services.sh; then summary; exit 1; fi
+if ! run_step "npm ci (tests/e2e)" npm ci --prefix tests/e2e --no-audit --no-fund --loglevel=error; then summary; exit 1; fi
+if ! run_step "cargo build --locked --all-targets" cargo build --locked --all-targets; then summary; exit 1; fi
+if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then run_step "cargo test --locked" cargo_tests; fi
+if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
+
+summary
+exit "$FAILED"

@@ -1,0 +1,172 @@
+//! Reading what a feed carries from the store: single runs and run sets, with single-flight,
+//! short-TTL caches and the admission gate.
+//!
+//! Every cached result carries the router cursor taken BEFORE its query ran, so whoever uses
+//! a cached (older) result replays the change records that arrived after it: a cache can delay
+//! nothing and hide nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use moka::future::Cache;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::config::{CachesConfig, FeedsConfig};
+use crate::protocol::encode::serialize_row;
+use crate::protocol::{ColumnSet, SerializedRow};
+use crate::router::{ReplayCursor, Router};
+use crate::store::{BatchResource, RunResource, RunStore, StoreError};
+
+/// What a feed is about (internal ids).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Run { run_id: String },
+    Tag { tags: Vec<String>, floor_ms: i64 },
+    Batch { batch_id: String },
+}
+
+/// A store read result: the rows (serialized for one column set) and the router cursor taken
+/// before the read.
+#[derive(Debug)]
+pub struct RunSet {
+    pub cursor: ReplayCursor,
+    pub rows: Vec<SerializedRow>,
+}
+
+/// A read failed or ran past the poll's deadline.
+#[derive(Debug, thiserror::Error, Clone)]
+pub enum ReadError {
+    #[error("{0}")]
+    Store(Arc<StoreError>),
+    #[error("deadline exceeded")]
+    Deadline,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct SetKey {
+    env_id: String,
+    target: Target,
+    cap: usize,
+    cols: ColumnSet,
+}
+
+/// The readers.
+pub struct Sets {
+    store: Arc<dyn RunStore>,
+    router: Router,
+    cap: usize,
+    sets: Cache<SetKey, Arc<RunSet>>,
+    runs: Cache<(String, String), Arc<RunResource>>,
+    batches: Cache<(String, String), Arc<BatchResource>>,
+    admission: Option<Arc<Semaphore>>,
+}
+
+impl Sets {
+    /// Readers over `store`; caches sized from `caches`, cap and admission from `feeds`.
+    pub fn new(store: Arc<dyn RunStore>, router: Router, feeds: &FeedsConfig, caches: &CachesConfig) -> Sets {
+        let set_ttl = |target: &Target| match target {
+            Target::Run { .. } => caches.run_cache_ttl_ms,
+            _ => caches.runset_cache_ttl_ms,
+        };
+        let (run_ttl, list_ttl) = (set_ttl(&Target::Run { run_id: String::new() }), caches.runset_cache_ttl_ms);
+        let sets = Cache::builder()
+            .max_capacity(caches.runset_cache_max_bytes)
+            .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
+                let bytes: usize = v.rows.iter().map(|r| r.fragment.len() + 128).sum();
+                u32::try_from(bytes + 64).unwrap_or(u32::MAX)
+            })
+            .expire_after(PerKindTtl { run: Duration::from_millis(run_ttl), list: Duration::from_millis(list_ttl) })
+            .build();
+        let lookup_ttl = Duration::from_millis(caches.lookup_cache_ttl_ms.max(1));
+        Sets {
+            store,
+            router,
+            cap: feeds.max_list_results,
+            sets,
+            runs: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
+            batches: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
+            admission: (feeds.resolve_admission_limit > 0).then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
+        }
+    }
+
+    /// The run named by a friendly id (replica, then primary; positive results cached briefly,
+    /// misses never: a just-created run must not 404).
+    pub async fn find_run(&self, env_id: &str, friendly_id: &str) -> Result<Option<Arc<RunResource>>, StoreError> {
+        let key = (env_id.to_string(), friendly_id.to_string());
+        if let Some(hit) = self.runs.get(&key).await {
+            return Ok(Some(hit));
+        }
+        let found = self.store.find_run(env_id, friendly_id).await?.map(Arc::new);
+        if let Some(run) = &found {
+            self.runs.insert(key, run.clone()).await;
+        }
+        Ok(found)
+    }
+
+    /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
+    pub async fn find_batch(&self, env_id: &str, friendly_id: &str) -> Result<Option<Arc<BatchResource>>, StoreError> {
+        let key = (env_id.to_string(), friendly_id.to_string());
+        if let Some(hit) = self.batches.get(&key).await {
+            return Ok(Some(hit));
+        }
+        let found = self.store.find_batch(env_id, friendly_id).await?.map(Arc::new);
+        if let Some(batch) = &found {
+            self.batches.insert(key, batch.clone()).await;
+        }
+        Ok(found)
+    }
+
+    /// What the feed carries, through the single-flight cache (identical concurrent reads share
+    /// one query; a miss takes an admission permit for list feeds).
+    pub async fn read_shared(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant) -> Result<Arc<RunSet>, ReadError> {
+        let key = SetKey { env_id: env_id.to_string(), target: target.clone(), cap: self.cap, cols };
+        let fut = self.sets.try_get_with(key, self.read_fresh_inner(env_id, target, cols, true));
+        match tokio::time::timeout_at(deadline, fut).await {
+            Ok(Ok(set)) => Ok(set),
+            Ok(Err(err)) => Err((*err).clone()),
+            Err(_) => Err(ReadError::Deadline),
+        }
+    }
+
+    /// What the feed carries, read now (no cache): for re-checks that must see the store as it
+    /// is after a feed registered.
+    pub async fn read_fresh(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant) -> Result<Arc<RunSet>, ReadError> {
+        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols, true)).await {
+            Ok(result) => result,
+            Err(_) => Err(ReadError::Deadline),
+        }
+    }
+
+    async fn read_fresh_inner(&self, env_id: &str, target: &Target, cols: ColumnSet, admit: bool) -> Result<Arc<RunSet>, ReadError> {
+        let _permit = match (&self.admission, target, admit) {
+            (Some(sem), Target::Tag { .. } | Target::Batch { .. }, true) => sem.clone().acquire_owned().await.ok(),
+            _ => None,
+        };
+        let cursor = self.router.touch(env_id);
+        let rows = match target {
+            Target::Run { run_id } => self.store.read_run(env_id, run_id, cols).await.map(|r| r.into_iter().collect::<Vec<_>>()),
+            Target::Tag { tags, floor_ms } => self.store.resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols).await,
+            Target::Batch { batch_id } => self.store.resolve_batch_set(env_id, batch_id, self.cap, cols).await,
+        }
+        .map_err(|e| ReadError::Store(Arc::new(e)))?;
+        if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
+            tracing::warn!(env_id, cap = self.cap, "run set truncated at the list cap");
+        }
+        Ok(Arc::new(RunSet { cursor, rows: rows.iter().map(|row| serialize_row(row, cols)).collect() }))
+    }
+}
+
+struct PerKindTtl {
+    run: Duration,
+    list: Duration,
+}
+
+impl moka::Expiry<SetKey, Arc<RunSet>> for PerKindTtl {
+    fn expire_after_create(&self, key: &SetKey, _value: &Arc<RunSet>, _now: std::time::Instant) -> Option<Duration> {
+        Some(match key.target {
+            Target::Run { .. } => self.run,
+            _ => self.list,
+        })
+    }
+}

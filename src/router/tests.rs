@@ -1,0 +1,1 @@
+//! Router tests (in-memory source and store).

@@ -1,0 +1,375 @@
+//! [`PgStore`]: the Postgres implementation of [`RunStore`] and [`EnvStore`].
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, PgPool, Row};
+
+use super::sql::{decode_run, ms_to_ts, RunQuery, SqlCache};
+use super::{BatchResource, EnvRecord, EnvStore, RunResource, RunStore, StoreError};
+use crate::protocol::{ColumnSet, RunRow};
+
+/// Default pool size per pool (primary and replica each).
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
+/// Default server-side `statement_timeout`, milliseconds.
+pub const DEFAULT_STATEMENT_TIMEOUT_MS: u64 = 30_000;
+/// How long a query waits for a pooled connection before failing (`PoolTimedOut`).
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The Postgres implementation: a primary pool and a replica pool (the same pool when no replica
+/// is configured, or when reads are forced to the primary). Counts the queries it issues
+/// ([`PgStore::query_count`]).
+///
+/// Connections are opened with `TimeZone=UTC` (the `timestamp(3)` columns hold UTC wall clock,
+/// trigger-facts §1.1), `application_name=runfeed`, and the configured `statement_timeout`.
+pub struct PgStore {
+    primary: PgPool,
+    replica: PgPool,
+    /// The replica is a different pool from the primary (so a miss is worth re-reading there).
+    distinct_replica: bool,
+    queries: AtomicU64,
+    sql: SqlCache,
+}
+
+fn store_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |source| StoreError { op, source }
+}
+
+fn pool_for(url: &str, max_connections: u32, statement_timeout_ms: u64) -> Result<PgPool, StoreError> {
+    let mut options = PgConnectOptions::from_str(url)
+        .map_err(store_err("connect"))?
+        .application_name("runfeed")
+        .options([("TimeZone", "UTC".to_string())]);
+    if statement_timeout_ms > 0 {
+        options = options.options([("statement_timeout", statement_timeout_ms.to_string())]);
+    }
+    Ok(PgPoolOptions::new()
+        .max_connections(max_connections.max(1))
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_lazy_with(options))
+}
+
+const SQL_ENV_BY_REVOKED_KEY: &str = r#"SELECT e.id, e.type::text AS env_type, e."organizationId", e."projectId", e."apiKey", e."parentEnvironmentId", p."apiKey" AS parent_api_key, e."branchName", (e."archivedAt" IS NOT NULL) AS archived, (pr."deletedAt" IS NOT NULL) AS project_deleted FROM "RevokedApiKey" r JOIN "RuntimeEnvironment" e ON e.id = r."runtimeEnvironmentId" JOIN "Project" pr ON pr.id = e."projectId" LEFT JOIN "RuntimeEnvironment" p ON p.id = e."parentEnvironmentId" WHERE r."apiKey" = $1 AND r."expiresAt" > (now() AT TIME ZONE 'UTC') LIMIT 1"#;
+const SQL_REVOKED_KEYS: &str = r#"SELECT "apiKey" FROM "RevokedApiKey" WHERE "runtimeEnvironmentId" = $1 AND "expiresAt" > (now() AT TIME ZONE 'UTC')"#;
+const SQL_FIND_RUN: &str = r#"SELECT r.id, r."friendlyId", r."taskIdentifier", r."runTags", b."friendlyId" AS batch_friendly_id FROM "TaskRun" r LEFT JOIN "BatchTaskRun" b ON b.id = r."batchId" WHERE r."friendlyId" = $1 AND r."runtimeEnvironmentId" = $2 LIMIT 1"#;
+const SQL_FIND_BATCH: &str = r#"SELECT id, "friendlyId" FROM "BatchTaskRun" WHERE "friendlyId" = $1 AND "runtimeEnvironmentId" = $2 LIMIT 1"#;
+
+/// An [`EnvRecord`] select over `"RuntimeEnvironment" e` (its project `pr`, its parent `p`)
+/// followed by `$tail` (a `WHERE … LIMIT 1` clause). A macro so the statements stay `&'static str`.
+macro_rules! env_sql {
+    ($tail:literal) => {
+        concat!(
+            r#"SELECT e.id, e.type::text AS env_type, e."organizationId", e."projectId", e."apiKey", e."parentEnvironmentId", p."apiKey" AS parent_api_key, e."branchName", (e."archivedAt" IS NOT NULL) AS archived, (pr."deletedAt" IS NOT NULL) AS project_deleted FROM "RuntimeEnvironment" e JOIN "Project" pr ON pr.id = e."projectId" LEFT JOIN "RuntimeEnvironment" p ON p.id = e."parentEnvironmentId""#,
+            $tail
+        )
+    };
+}
+
+const ENV_BY_API_KEY: &str = env_sql!(r#" WHERE e."apiKey" = $1 LIMIT 1"#);
+const ENV_BY_ID: &str = env_sql!(r#" WHERE e.id = $1 LIMIT 1"#);
+const BRANCH_ENV: &str =
+    env_sql!(r#" WHERE e."parentEnvironmentId" = $1 AND e."branchName" = $2 AND e."archivedAt" IS NULL LIMIT 1"#);
+
+fn decode_env(row: &PgRow) -> Result<EnvRecord, sqlx::Error> {
+    Ok(EnvRecord {
+        id: row.try_get("id")?,
+        env_type: row.try_get("env_type")?,
+        organization_id: row.try_get("organizationId")?,
+        project_id: row.try_get("projectId")?,
+        api_key: row.try_get("apiKey")?,
+        parent_environment_id: row.try_get("parentEnvironmentId")?,
+        parent_api_key: row.try_get("parent_api_key")?,
+        branch_name: row.try_get("branchName")?,
+        archived: row.try_get("archived")?,
+        project_deleted: row.try_get("project_deleted")?,
+    })
+}
+
+impl PgStore {
+    /// Connects both pools (lazily; the first query connects) with [`DEFAULT_MAX_CONNECTIONS`]
+    /// per pool and [`DEFAULT_STATEMENT_TIMEOUT_MS`]. `replica_url: None` → replica reads use the
+    /// primary pool.
+    ///
+    /// Errors: `StoreError { op: "connect" }` when a URL does not parse.
+    pub fn connect_lazy(primary_url: &str, replica_url: Option<&str>) -> Result<PgStore, StoreError> {
+        Self::connect_lazy_with(
+            primary_url,
+            replica_url,
+            DEFAULT_MAX_CONNECTIONS,
+            DEFAULT_STATEMENT_TIMEOUT_MS,
+            false,
+        )
+    }
+
+    /// Like [`PgStore::connect_lazy`] with explicit settings: `max_connections` per pool,
+    /// `statement_timeout_ms` (0 = server default), and `reads_from_primary`: every read goes to
+    /// the primary and no replica pool is built (trigger's
+    /// `REALTIME_BACKEND_NATIVE_RUN_READS_FROM_PRIMARY=1`, behaviour HYD-05).
+    ///
+    /// Errors: `StoreError { op: "connect" }` when a URL does not parse.
+    pub fn connect_lazy_with(
+        primary_url: &str,
+        replica_url: Option<&str>,
+        max_connections: u32,
+        statement_timeout_ms: u64,
+        reads_from_primary: bool,
+    ) -> Result<PgStore, StoreError> {
+        let primary = pool_for(primary_url, max_connections, statement_timeout_ms)?;
+        let (replica, distinct_replica) = match replica_url {
+            Some(url) if !reads_from_primary && url != primary_url => {
+                (pool_for(url, max_connections, statement_timeout_ms)?, true)
+            }
+            _ => (primary.clone(), false),
+        };
+        Ok(PgStore {
+            primary,
+            replica,
+            distinct_replica,
+            queries: AtomicU64::new(0),
+            sql: SqlCache::default(),
+        })
+    }
+
+    /// Builds a store over existing pools (tests, CLI). `replica: None` → reads use `primary`.
+    pub fn from_pools(primary: PgPool, replica: Option<PgPool>) -> PgStore {
+        let distinct_replica = replica.is_some();
+        let replica = replica.unwrap_or_else(|| primary.clone());
+        PgStore {
+            primary,
+            replica,
+            distinct_replica,
+            queries: AtomicU64::new(0),
+            sql: SqlCache::default(),
+        }
+    }
+
+    /// Runs `SELECT 1` on both pools (readiness; once when they are the same pool).
+    ///
+    /// Errors: `StoreError { op: "ping" }` (connection refused, acquire timeout, …).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.count();
+        sqlx::query("SELECT 1").execute(&self.primary).await.map_err(store_err("ping"))?;
+        if self.distinct_replica {
+            self.count();
+            sqlx::query("SELECT 1").execute(&self.replica).await.map_err(store_err("ping"))?;
+        }
+        Ok(())
+    }
+
+    /// Total queries issued by this store so far (tests and the bench count hydrates with it).
+    pub fn query_count(&self) -> u64 {
+        self.queries.load(Ordering::Relaxed)
+    }
+
+    /// The primary pool (CLI commands: migrate, demo, token).
+    pub fn primary(&self) -> &PgPool {
+        &self.primary
+    }
+
+    /// The pool replica reads go to (the primary pool when there is no distinct replica).
+    pub fn replica(&self) -> &PgPool {
+        &self.replica
+    }
+
+    fn count(&self) {
+        self.queries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    async fn read_one_on(
+        &self,
+        pool: &PgPool,
+        env_id: &str,
+        run_id: &str,
+        cols: ColumnSet,
+    ) -> Result<Option<RunRow>, StoreError> {
+        let sql = self.sql.get(RunQuery::ReadOne, cols);
+        self.count();
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(env_id)
+            .bind(run_id)
+            .fetch_optional(pool)
+            .await
+            .map_err(store_err("read_run"))?;
+        row.map(|r| decode_run(&r, cols)).transpose().map_err(store_err("read_run"))
+    }
+
+    async fn find_run_on(&self, pool: &PgPool, env_id: &str, friendly_id: &str) -> Result<Option<RunResource>, StoreError> {
+        self.count();
+        let row = sqlx::query(SQL_FIND_RUN)
+            .bind(friendly_id)
+            .bind(env_id)
+            .fetch_optional(pool)
+            .await
+            .map_err(store_err("find_run"))?;
+        let Some(row) = row else { return Ok(None) };
+        let decode = |row: &PgRow| -> Result<RunResource, sqlx::Error> {
+            Ok(RunResource {
+                id: row.try_get("id")?,
+                friendly_id: row.try_get("friendlyId")?,
+                task_identifier: row.try_get("taskIdentifier")?,
+                tags: row.try_get::<Option<Vec<String>>, _>("runTags")?.unwrap_or_default(),
+                batch_friendly_id: row.try_get("batch_friendly_id")?,
+            })
+        };
+        decode(&row).map(Some).map_err(store_err("find_run"))
+    }
+
+    async fn find_batch_on(
+        &self,
+        pool: &PgPool,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<BatchResource>, StoreError> {
+        self.count();
+        let row = sqlx::query(SQL_FIND_BATCH)
+            .bind(friendly_id)
+            .bind(env_id)
+            .fetch_optional(pool)
+            .await
+            .map_err(store_err("find_batch"))?;
+        let Some(row) = row else { return Ok(None) };
+        let decode = |row: &PgRow| -> Result<BatchResource, sqlx::Error> {
+            Ok(BatchResource { id: row.try_get("id")?, friendly_id: row.try_get("friendlyId")? })
+        };
+        decode(&row).map(Some).map_err(store_err("find_batch"))
+    }
+
+    async fn fetch_runs(
+        &self,
+        op: &'static str,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError> {
+        self.count();
+        let rows = query.fetch_all(&self.replica).await.map_err(store_err(op))?;
+        rows.iter().map(|r| decode_run(r, cols)).collect::<Result<Vec<_>, _>>().map_err(store_err(op))
+    }
+
+    async fn env_query(&self, op: &'static str, sql: &'static str, binds: &[&str]) -> Result<Option<EnvRecord>, StoreError> {
+        let mut query = sqlx::query(sql);
+        for b in binds {
+            query = query.bind(*b);
+        }
+        self.count();
+        let row = query.fetch_optional(&self.replica).await.map_err(store_err(op))?;
+        row.map(|r| decode_env(&r)).transpose().map_err(store_err(op))
+    }
+}
+
+/// A `LIMIT` value for `cap` (Postgres `bigint`).
+fn limit(cap: usize) -> i64 {
+    i64::try_from(cap).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl RunStore for PgStore {
+    async fn hydrate(&self, env_id: &str, run_ids: &[String], cols: ColumnSet) -> Result<Vec<RunRow>, StoreError> {
+        if run_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = self.sql.get(RunQuery::Hydrate, cols);
+        let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(run_ids);
+        self.fetch_runs("hydrate", query, cols).await
+    }
+
+    async fn read_run(&self, env_id: &str, run_id: &str, cols: ColumnSet) -> Result<Option<RunRow>, StoreError> {
+        if let Some(row) = self.read_one_on(&self.replica, env_id, run_id, cols).await? {
+            return Ok(Some(row));
+        }
+        if self.distinct_replica {
+            return self.read_one_on(&self.primary, env_id, run_id, cols).await;
+        }
+        Ok(None)
+    }
+
+    async fn resolve_tag_set(
+        &self,
+        env_id: &str,
+        tags: &[String],
+        floor_ms: i64,
+        cap: usize,
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError> {
+        let floor = ms_to_ts(floor_ms);
+        if tags.is_empty() {
+            let sql = self.sql.get(RunQuery::TagSetUnfiltered, cols);
+            let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(floor).bind(limit(cap));
+            self.fetch_runs("resolve_tag_set", query, cols).await
+        } else {
+            let sql = self.sql.get(RunQuery::TagSet, cols);
+            let query = sqlx::query(AssertSqlSafe(sql))
+                .bind(env_id)
+                .bind(tags)
+                .bind(floor)
+                .bind(limit(cap));
+            self.fetch_runs("resolve_tag_set", query, cols).await
+        }
+    }
+
+    async fn resolve_batch_set(
+        &self,
+        env_id: &str,
+        batch_id: &str,
+        cap: usize,
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError> {
+        let sql = self.sql.get(RunQuery::BatchSet, cols);
+        let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(batch_id).bind(limit(cap));
+        self.fetch_runs("resolve_batch_set", query, cols).await
+    }
+
+    async fn find_run(&self, env_id: &str, friendly_id: &str) -> Result<Option<RunResource>, StoreError> {
+        if let Some(run) = self.find_run_on(&self.replica, env_id, friendly_id).await? {
+            return Ok(Some(run));
+        }
+        if self.distinct_replica {
+            return self.find_run_on(&self.primary, env_id, friendly_id).await;
+        }
+        Ok(None)
+    }
+
+    async fn find_batch(&self, env_id: &str, friendly_id: &str) -> Result<Option<BatchResource>, StoreError> {
+        if let Some(batch) = self.find_batch_on(&self.replica, env_id, friendly_id).await? {
+            return Ok(Some(batch));
+        }
+        if self.distinct_replica {
+            return self.find_batch_on(&self.primary, env_id, friendly_id).await;
+        }
+        Ok(None)
+    }
+}
+
+#[async_trait]
+impl EnvStore for PgStore {
+    async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        self.env_query("env_by_api_key", ENV_BY_API_KEY, &[key]).await
+    }
+
+    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        self.env_query("env_by_revoked_key", SQL_ENV_BY_REVOKED_KEY, &[key]).await
+    }
+
+    async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+        self.env_query("env_by_id", ENV_BY_ID, &[id]).await
+    }
+
+    async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
+        self.env_query("branch_env", BRANCH_ENV, &[parent_id, branch]).await
+    }
+
+    async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+        self.count();
+        let rows = sqlx::query(SQL_REVOKED_KEYS)
+            .bind(env_id)
+            .fetch_all(&self.replica)
+            .await
+            .map_err(store_err("revoked_keys"))?;
+        rows.iter()
+            .map(|r| r.try_get::<String, _>("apiKey"))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(store_err("revoked_keys"))
+    }
+}

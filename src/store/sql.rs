@@ -1,0 +1,284 @@
+//! SQL text for the `"TaskRun"` reads and decoding of their rows into [`RunRow`].
+//!
+//! Every statement is built from static column names only (never from request data), so handing
+//! the text to sqlx via [`sqlx::AssertSqlSafe`] is sound; all values go through bind parameters.
+//! The text for one `(query kind, column set)` pair is built once and reused ([`SqlCache`]), so
+//! each pooled connection prepares it once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use chrono::NaiveDateTime;
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+
+use crate::protocol::{Column, ColumnSet, RunRow};
+
+/// The `"TaskRun"` reads whose select list depends on the column set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum RunQuery {
+    /// `$1` env, `$2` text[] of ids.
+    Hydrate,
+    /// `$1` env, `$2` id.
+    ReadOne,
+    /// `$1` env, `$2` text[] tags (non-empty), `$3` floor timestamp, `$4` limit.
+    TagSet,
+    /// `$1` env, `$2` floor timestamp, `$3` limit (no tag filter).
+    TagSetUnfiltered,
+    /// `$1` env, `$2` internal batch id, `$3` limit.
+    BatchSet,
+}
+
+/// Columns every run read fetches whatever the column set: the router needs identity, version
+/// and membership (id, updatedAt, createdAt, runTags, batchId), and the reserved columns can never
+/// be skipped (trigger's `RESERVED_COLUMNS`; behaviour HYD-04).
+const ALWAYS: &str = r#"id, "updatedAt", "createdAt", "runTags", "batchId", "friendlyId", "taskIdentifier", status::text AS status"#;
+
+/// Whether `col` is already part of [`ALWAYS`].
+fn always_fetched(col: Column) -> bool {
+    matches!(
+        col,
+        Column::Id
+            | Column::UpdatedAt
+            | Column::CreatedAt
+            | Column::RunTags
+            | Column::FriendlyId
+            | Column::TaskIdentifier
+            | Column::Status
+    )
+}
+
+/// The select list for `cols`: [`ALWAYS`] then the other emitted columns in wire order.
+pub(crate) fn select_list(cols: ColumnSet) -> String {
+    let mut out = String::from(ALWAYS);
+    for col in cols.columns().filter(|c| !always_fetched(*c)) {
+        out.push_str(", \"");
+        out.push_str(col.name());
+        out.push('"');
+    }
+    out
+}
+
+/// The full statement for `kind` and `cols`.
+pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
+    let select = select_list(cols);
+    match kind {
+        RunQuery::Hydrate => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = ANY($2)"#
+        ),
+        RunQuery::ReadOne => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = $2 LIMIT 1"#
+        ),
+        RunQuery::TagSet => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+        ),
+        RunQuery::TagSetUnfiltered => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
+        ),
+        RunQuery::BatchSet => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "batchId" = $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
+        ),
+    }
+}
+
+/// Statement text per `(kind, column set bits)`, built on first use. At most 5 × (distinct
+/// column sets in use) entries; column sets come from `skipColumns`, which only removes
+/// non-reserved columns, so the key space is bounded by the 2^21 subsets but in practice a
+/// handful.
+#[derive(Default)]
+pub(crate) struct SqlCache {
+    map: RwLock<HashMap<(RunQuery, u32), Arc<str>>>,
+}
+
+impl SqlCache {
+    /// The statement for `kind` and `cols` (shared text).
+    pub(crate) fn get(&self, kind: RunQuery, cols: ColumnSet) -> Arc<str> {
+        let key = (kind, cols.bits());
+        if let Ok(map) = self.map.read() {
+            if let Some(sql) = map.get(&key) {
+                return Arc::clone(sql);
+            }
+        }
+        let sql: Arc<str> = Arc::from(run_query_sql(kind, cols));
+        if let Ok(mut map) = self.map.write() {
+            // Bounded: stop caching rather than grow without limit on pathological input.
+            if map.len() < 4096 {
+                map.insert(key, Arc::clone(&sql));
+            }
+        }
+        sql
+    }
+}
+
+/// Epoch milliseconds of a `timestamp(3) without time zone` value holding UTC (trigger-facts §1.1).
+pub(crate) fn ts_ms(ts: NaiveDateTime) -> i64 {
+    ts.and_utc().timestamp_millis()
+}
+
+/// The `timestamp without time zone` (UTC wall clock) for epoch milliseconds, clamped to
+/// 1970-01-01 .. 9999-12-31 so it is always representable by both chrono and Postgres.
+pub(crate) fn ms_to_ts(ms: i64) -> NaiveDateTime {
+    const MAX_MS: i64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    let clamped = ms.clamp(0, MAX_MS);
+    chrono::DateTime::from_timestamp_millis(clamped)
+        .map(|dt| dt.naive_utc())
+        .unwrap_or_default()
+}
+
+fn opt_ts(row: &PgRow, name: &str) -> Result<Option<i64>, sqlx::Error> {
+    Ok(row.try_get::<Option<NaiveDateTime>, _>(name)?.map(ts_ms))
+}
+
+/// Decodes one row selected with [`select_list`]`(cols)`. Columns outside `cols` (and not in
+/// the always-fetched set) are not in the row and get their type's default.
+///
+/// `error` (jsonb) is decoded by serde_json with `preserve_order`, so object keys keep jsonb's
+/// storage order; a JSON `null` reads as `None`, as Prisma reads it (trigger-facts §1.4).
+pub(crate) fn decode_run(row: &PgRow, cols: ColumnSet) -> Result<RunRow, sqlx::Error> {
+    let has = |c: Column| cols.contains(c);
+    let mut run = RunRow {
+        id: row.try_get("id")?,
+        task_identifier: row.try_get("taskIdentifier")?,
+        created_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>("createdAt")?),
+        updated_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>("updatedAt")?),
+        started_at_ms: None,
+        delay_until_ms: None,
+        queued_at_ms: None,
+        expired_at_ms: None,
+        completed_at_ms: None,
+        friendly_id: row.try_get("friendlyId")?,
+        number: 0,
+        is_test: false,
+        status: row.try_get("status")?,
+        usage_duration_ms: 0,
+        cost_in_cents: 0.0,
+        base_cost_in_cents: 0.0,
+        ttl: None,
+        payload: String::new(),
+        payload_type: String::new(),
+        metadata: None,
+        metadata_type: String::new(),
+        output: None,
+        output_type: String::new(),
+        run_tags: row.try_get("runTags")?,
+        error: None,
+        realtime_streams: None,
+        batch_id: row.try_get("batchId")?,
+    };
+    if has(Column::StartedAt) {
+        run.started_at_ms = opt_ts(row, "startedAt")?;
+    }
+    if has(Column::DelayUntil) {
+        run.delay_until_ms = opt_ts(row, "delayUntil")?;
+    }
+    if has(Column::QueuedAt) {
+        run.queued_at_ms = opt_ts(row, "queuedAt")?;
+    }
+    if has(Column::ExpiredAt) {
+        run.expired_at_ms = opt_ts(row, "expiredAt")?;
+    }
+    if has(Column::CompletedAt) {
+        run.completed_at_ms = opt_ts(row, "completedAt")?;
+    }
+    if has(Column::Number) {
+        run.number = row.try_get("number")?;
+    }
+    if has(Column::IsTest) {
+        run.is_test = row.try_get("isTest")?;
+    }
+    if has(Column::UsageDurationMs) {
+        run.usage_duration_ms = row.try_get("usageDurationMs")?;
+    }
+    if has(Column::CostInCents) {
+        run.cost_in_cents = row.try_get("costInCents")?;
+    }
+    if has(Column::BaseCostInCents) {
+        run.base_cost_in_cents = row.try_get("baseCostInCents")?;
+    }
+    if has(Column::Ttl) {
+        run.ttl = row.try_get("ttl")?;
+    }
+    if has(Column::Payload) {
+        run.payload = row.try_get("payload")?;
+    }
+    if has(Column::PayloadType) {
+        run.payload_type = row.try_get("payloadType")?;
+    }
+    if has(Column::Metadata) {
+        run.metadata = row.try_get("metadata")?;
+    }
+    if has(Column::MetadataType) {
+        run.metadata_type = row.try_get("metadataType")?;
+    }
+    if has(Column::Output) {
+        run.output = row.try_get("output")?;
+    }
+    if has(Column::OutputType) {
+        run.output_type = row.try_get("outputType")?;
+    }
+    if has(Column::Error) {
+        let value: Option<sqlx::types::Json<serde_json::Value>> = row.try_get("error")?;
+        run.error = value.map(|j| j.0).filter(|v| !v.is_null());
+    }
+    if has(Column::RealtimeStreams) {
+        run.realtime_streams = row.try_get("realtimeStreams")?;
+    }
+    Ok(run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hyd_04_select_list_keeps_router_and_reserved_columns_when_skipping() {
+        let cols = ColumnSet::from_skip_list(&["payload", "output", "updatedAt", "runTags", "error"]);
+        let sql = select_list(cols);
+        for needed in [
+            "id",
+            "\"updatedAt\"",
+            "\"createdAt\"",
+            "\"runTags\"",
+            "\"batchId\"",
+            "\"friendlyId\"",
+            "\"taskIdentifier\"",
+            "status::text AS status",
+        ] {
+            assert!(sql.contains(needed), "{needed} missing from {sql}");
+        }
+        assert!(!sql.contains("\"payload\""));
+        assert!(!sql.contains("\"output\""));
+        assert!(!sql.contains("\"error\""));
+        assert!(sql.contains("\"payloadType\""));
+    }
+
+    #[test]
+    fn select_list_for_all_columns_names_each_column_once() {
+        let sql = select_list(ColumnSet::ALL);
+        for col in Column::ALL {
+            let quoted = format!("\"{}\"", col.name());
+            let n = sql.matches(&quoted).count();
+            match col {
+                Column::Id | Column::Status => assert_eq!(n, 0, "{sql}"),
+                _ => assert_eq!(n, 1, "{} in {sql}", col.name()),
+            }
+        }
+    }
+
+    #[test]
+    fn ms_to_ts_round_trips_and_clamps() {
+        let ms = 1_722_000_123_456;
+        assert_eq!(ts_ms(ms_to_ts(ms)), ms);
+        assert_eq!(ts_ms(ms_to_ts(-5)), 0);
+        assert_eq!(ts_ms(ms_to_ts(i64::MAX)), 253_402_300_799_999);
+    }
+
+    #[test]
+    fn sql_cache_returns_same_text() {
+        let cache = SqlCache::default();
+        let a = cache.get(RunQuery::Hydrate, ColumnSet::ALL);
+        let b = cache.get(RunQuery::Hydrate, ColumnSet::ALL);
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(a.contains("id = ANY($2)"));
+    }
+}

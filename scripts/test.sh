@@ -70,7 +70,7 @@ e2e_tests() {
   local log="$LOG_DIR/e2e.log" files=(tests/e2e/*.test.mjs) args=()
   drop_stale_e2e_databases
   [ -n "${E2E_FILTER:-}" ] && args+=(--test-name-pattern "$E2E_FILTER")
-  RUNFEED_BIN="$ROOT/target/debug/runfeed" \
+  E2E_RUNFEED_BIN="$ROOT/target/debug/runfeed" \
     timeout --kill-after=15 "${E2E_TIMEOUT:-480}" \
     node --test --test-concurrency=1 --test-timeout=120000 --test-force-exit --test-reporter=spec \
       "${args[@]}" "${files[@]}" 2>&1 | tee "$log"

@@ -324,26 +324,86 @@ async fn reconnected_after_client_kill() {
     source.shutdown().await;
 }
 
-/// With nothing listening on the port, `connect` returns after its bounded wait (it keeps
-/// connecting in the background) and `subscribe` does not block; the publisher fails instead.
+/// A TCP port nothing listens on (bound, read, released).
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+/// With nothing listening, `connect` returns after its bounded wait (fred keeps connecting in
+/// the background) and `subscribe` does not block; the publisher fails instead.
 #[tokio::test]
 async fn unreachable_redis_does_not_hang() {
-    let url = "redis://127.0.0.1:1";
+    let url = format!("redis://127.0.0.1:{}", free_port());
     let (tx, _rx) = mpsc::unbounded_channel();
     let started = Instant::now();
-    let source = timeout(Duration::from_secs(15), RedisChangeSource::connect(url, tx))
-        .await
+    let (source, publisher) = tokio::join!(
+        timeout(
+            Duration::from_secs(15),
+            RedisChangeSource::connect(&url, tx)
+        ),
+        timeout(Duration::from_secs(15), Publisher::connect(&url)),
+    );
+    let source = source
         .expect("connect returned")
         .expect("connect is Ok while Redis is down");
+    assert!(publisher.expect("publisher returned").is_err());
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!source.is_connected());
     source.subscribe("env_x");
     assert_eq!(source.subscribed(), vec!["env_x".to_string()]);
     assert!(source.confirmed().is_empty());
-    drop(source);
+    source.shutdown().await;
+}
 
-    let publish = timeout(Duration::from_secs(15), Publisher::connect(url))
+/// A `redis-server` child on a private port, killed on drop.
+struct RedisServer(std::process::Child);
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Redis comes up after `connect` returned: the source connects in the background, subscribes
+/// what was asked meanwhile, announces the gap with `Reconnected`, then delivers.
+#[tokio::test]
+async fn late_redis_is_connected_in_background() {
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let source = RedisChangeSource::connect_with_wait(&url, tx, Duration::from_millis(100))
         .await
-        .expect("publisher returned");
-    assert!(publish.is_err());
+        .expect("connect is Ok while Redis is down");
+    let env_id = env();
+    source.subscribe(&env_id);
+
+    let _server = RedisServer(
+        std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn redis-server"),
+    );
+    assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
+    assert!(source.confirmed().contains(&env_id));
+    let publisher = Publisher::connect(&url).await.expect("publisher");
+    let record = full_record(&env_id, "late");
+    assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
+    assert_eq!(
+        next_event(&mut rx).await,
+        SourceEvent::Record { env_id, record }
+    );
+    publisher.close().await;
+    source.shutdown().await;
 }

@@ -19,7 +19,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 fn pg_base() -> String {
-    std::env::var("RUNFEED_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
+    std::env::var("RUNFEED_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
 }
 
 fn redis_url() -> String {
@@ -32,12 +33,16 @@ fn unique(prefix: &str) -> String {
 
 fn runfeed() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_runfeed"));
-    cmd.env_remove("DATABASE_URL").env_remove("REDIS_URL").kill_on_drop(true);
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .kill_on_drop(true);
     cmd
 }
 
 async fn run_ok(cmd: &mut Command) -> anyhow::Result<Output> {
-    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.context("command timed out")??;
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .context("command timed out")??;
     anyhow::ensure!(
         out.status.success(),
         "command failed ({}):\nstdout: {}\nstderr: {}",
@@ -75,7 +80,12 @@ fn verifies_with(token: &str, key: &str) -> bool {
     }
 }
 
-async fn subscriber(channel: &str) -> anyhow::Result<(Client, tokio::sync::broadcast::Receiver<fred::types::Message>)> {
+async fn subscriber(
+    channel: &str,
+) -> anyhow::Result<(
+    Client,
+    tokio::sync::broadcast::Receiver<fred::types::Message>,
+)> {
     let client = Client::new(Config::from_url(&redis_url())?, None, None, None);
     client.init().await?;
     let rx = client.message_rx();
@@ -83,8 +93,12 @@ async fn subscriber(channel: &str) -> anyhow::Result<(Client, tokio::sync::broad
     Ok((client, rx))
 }
 
-async fn next_message(rx: &mut tokio::sync::broadcast::Receiver<fred::types::Message>) -> anyhow::Result<String> {
-    let msg = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.context("no message within 5 s")??;
+async fn next_message(
+    rx: &mut tokio::sync::broadcast::Receiver<fred::types::Message>,
+) -> anyhow::Result<String> {
+    let msg = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .context("no message within 5 s")??;
     Ok(msg.value.convert::<String>()?)
 }
 
@@ -204,9 +218,20 @@ async fn demo_twice_reuses_the_environment() -> anyhow::Result<()> {
     let name = unique("runfeed_t_");
     let url = fixtures::database_url(&pg_base(), &name);
     let result = async {
-        let args = ["demo", "--seed-only", "--database-url", &url, "--redis-url", &redis_url()];
-        let first = machine_lines(&String::from_utf8(run_ok(runfeed().args(args)).await?.stdout)?);
-        let second = machine_lines(&String::from_utf8(run_ok(runfeed().args(args)).await?.stdout)?);
+        let args = [
+            "demo",
+            "--seed-only",
+            "--database-url",
+            &url,
+            "--redis-url",
+            &redis_url(),
+        ];
+        let first = machine_lines(&String::from_utf8(
+            run_ok(runfeed().args(args)).await?.stdout,
+        )?);
+        let second = machine_lines(&String::from_utf8(
+            run_ok(runfeed().args(args)).await?.stdout,
+        )?);
         assert_eq!(first["ENV_ID"], second["ENV_ID"]);
         assert_eq!(first["SECRET_KEY"], second["SECRET_KEY"]);
         assert_ne!(first["RUN_ID"], second["RUN_ID"]);
@@ -240,15 +265,25 @@ async fn token_prints_a_public_jwt_signed_with_the_env_key() -> anyhow::Result<(
         ]))
         .await?;
         let stdout = String::from_utf8(out.stdout)?;
-        assert_eq!(stdout.lines().count(), 1, "stdout must hold only the token: {stdout:?}");
+        assert_eq!(
+            stdout.lines().count(),
+            1,
+            "stdout must hold only the token: {stdout:?}"
+        );
         let token = stdout.trim();
         let claims = jwt_payload(token)?;
         assert_eq!(claims["pub"], Value::Bool(true));
         assert_eq!(claims["sub"].as_str(), Some(env.env_id.as_str()));
-        assert_eq!(claims["scopes"], serde_json::json!(["read:runs", "read:tags:user:1"]));
+        assert_eq!(
+            claims["scopes"],
+            serde_json::json!(["read:runs", "read:tags:user:1"])
+        );
         assert_eq!(claims["iss"], "https://id.trigger.dev");
         assert_eq!(claims["aud"], "https://api.trigger.dev");
-        assert_eq!(claims["realtime"]["skipColumns"], serde_json::json!(["payload", "output"]));
+        assert_eq!(
+            claims["realtime"]["skipColumns"],
+            serde_json::json!(["payload", "output"])
+        );
         let exp = claims["exp"].as_i64().context("exp")?;
         let now = chrono::Utc::now().timestamp();
         assert!((exp - now - 3600).abs() <= 5, "exp {exp} now {now}");
@@ -266,7 +301,16 @@ async fn token_for_a_branch_env_is_signed_with_the_parent_key() -> anyhow::Resul
     let result = async {
         let parent = fixtures::create_env(&db.pool, "PREVIEW").await?;
         let branch = fixtures::create_branch_env(&db.pool, &parent, "PREVIEW", "feature-x").await?;
-        let out = run_ok(runfeed().args(["token", "--database-url", &db.url, "--env", &branch.env_id, "--scope", "read:all"])).await?;
+        let out = run_ok(runfeed().args([
+            "token",
+            "--database-url",
+            &db.url,
+            "--env",
+            &branch.env_id,
+            "--scope",
+            "read:all",
+        ]))
+        .await?;
         let token = String::from_utf8(out.stdout)?.trim().to_string();
         let claims = jwt_payload(&token)?;
         assert_eq!(claims["sub"].as_str(), Some(branch.env_id.as_str()));
@@ -285,7 +329,15 @@ async fn token_for_a_branch_env_is_signed_with_the_parent_key() -> anyhow::Resul
 async fn token_for_an_unknown_env_fails_without_printing() -> anyhow::Result<()> {
     let db = TestDb::create(&pg_base()).await?;
     let out = runfeed()
-        .args(["token", "--database-url", &db.url, "--env", "no_such_env", "--scope", "read:runs"])
+        .args([
+            "token",
+            "--database-url",
+            &db.url,
+            "--env",
+            "no_such_env",
+            "--scope",
+            "read:runs",
+        ])
         .output()
         .await;
     db.cleanup().await?;
@@ -300,14 +352,41 @@ async fn token_for_an_unknown_env_fails_without_printing() -> anyhow::Result<()>
 async fn publish_delivers_exactly_the_webapp_json() -> anyhow::Result<()> {
     let env = unique("e1_");
     let (client, mut rx) = subscriber(&format!("realtime:env:{{{env}}}")).await?;
-    run_ok(runfeed().args(["publish", "--redis-url", &redis_url(), "--env", &env, "--run", "r1", "--tags", "a,b", "--updated-at-ms", "123"]))
-        .await?;
+    run_ok(runfeed().args([
+        "publish",
+        "--redis-url",
+        &redis_url(),
+        "--env",
+        &env,
+        "--run",
+        "r1",
+        "--tags",
+        "a,b",
+        "--updated-at-ms",
+        "123",
+    ]))
+    .await?;
     assert_eq!(
         next_message(&mut rx).await?,
-        format!(r#"{{"v":1,"runId":"r1","envId":"{env}","tags":["a","b"],"batchId":null,"updatedAtMs":123}}"#)
+        format!(
+            r#"{{"v":1,"runId":"r1","envId":"{env}","tags":["a","b"],"batchId":null,"updatedAtMs":123}}"#
+        )
     );
     // Lifecycle-bus shape: full record, internal batch id, no watermark.
-    run_ok(runfeed().args(["publish", "--redis-url", &redis_url(), "--env", &env, "--run", "r2", "--tags", "", "--batch", "b1"])).await?;
+    run_ok(runfeed().args([
+        "publish",
+        "--redis-url",
+        &redis_url(),
+        "--env",
+        &env,
+        "--run",
+        "r2",
+        "--tags",
+        "",
+        "--batch",
+        "b1",
+    ]))
+    .await?;
     assert_eq!(
         next_message(&mut rx).await?,
         format!(r#"{{"v":1,"runId":"r2","envId":"{env}","tags":[],"batchId":"b1"}}"#)

@@ -34,12 +34,17 @@ pub fn unverified_payload(token: &str) -> Option<Map<String, Value>> {
     if parts.next().is_some() || payload.is_empty() {
         return None;
     }
-    let normalized: String = payload.chars().map(|c| match c {
-        '+' => '-',
-        '/' => '_',
-        c => c,
-    }).collect();
-    let bytes = LENIENT_B64URL.decode(normalized.trim_end_matches('=')).ok()?;
+    let normalized: String = payload
+        .chars()
+        .map(|c| match c {
+            '+' => '-',
+            '/' => '_',
+            c => c,
+        })
+        .collect();
+    let bytes = LENIENT_B64URL
+        .decode(normalized.trim_end_matches('='))
+        .ok()?;
     match serde_json::from_str::<Value>(&String::from_utf8_lossy(&bytes)).ok()? {
         Value::Object(map) => Some(map),
         _ => None,
@@ -73,8 +78,13 @@ pub enum VerifyFailure {
 ///   optional and, if present, must be a number `> now` (`exp <= now` is expired; no tolerance).
 ///
 /// Returns the verified claims.
-pub fn verify_public_token(token: &str, key: &str, now_s: u64) -> Result<Map<String, Value>, VerifyFailure> {
-    let decoding_key = DecodingKey::from_secret(key.as_bytes()).map_err(|_| VerifyFailure::Invalid)?;
+pub fn verify_public_token(
+    token: &str,
+    key: &str,
+    now_s: u64,
+) -> Result<Map<String, Value>, VerifyFailure> {
+    let decoding_key =
+        DecodingKey::from_secret(key.as_bytes()).map_err(|_| VerifyFailure::Invalid)?;
     let mut validation = Validation::new(Algorithm::HS256);
     validation.algorithms = vec![Algorithm::HS256, Algorithm::HS384, Algorithm::HS512];
     validation.required_spec_claims.clear();
@@ -82,10 +92,13 @@ pub fn verify_public_token(token: &str, key: &str, now_s: u64) -> Result<Map<Str
     validation.validate_nbf = false;
     validation.validate_aud = false;
     validation.leeway = 0;
-    let data = jsonwebtoken::decode::<Value>(token, &decoding_key, &validation).map_err(|e| match e.kind() {
-        ErrorKind::InvalidSignature => VerifyFailure::Signature,
-        _ => VerifyFailure::Invalid,
-    })?;
+    let data =
+        jsonwebtoken::decode::<Value>(token, &decoding_key, &validation).map_err(|e| {
+            match e.kind() {
+                ErrorKind::InvalidSignature => VerifyFailure::Signature,
+                _ => VerifyFailure::Invalid,
+            }
+        })?;
     let Value::Object(claims) = data.claims else {
         return Err(VerifyFailure::Invalid);
     };
@@ -128,7 +141,10 @@ fn check_claims(claims: &Map<String, Value>, now_s: u64) -> Result<(), VerifyFai
 /// The `scopes` claim: an array of strings (non-string entries dropped); anything else → `[]`.
 pub fn scopes_claim(claims: &Map<String, Value>) -> Vec<String> {
     match claims.get("scopes") {
-        Some(Value::Array(items)) => items.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -137,7 +153,12 @@ pub fn scopes_claim(claims: &Map<String, Value>) -> Vec<String> {
 /// Present (even `[]`) it REPLACES the URL `skipColumns` parameter (trigger-facts §3).
 pub fn skip_columns_claim(claims: &Map<String, Value>) -> Option<Vec<String>> {
     match claims.get("realtime")?.get("skipColumns")? {
-        Value::Array(items) => Some(items.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()),
+        Value::Array(items) => Some(
+            items
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+        ),
         _ => None,
     }
 }
@@ -191,7 +212,12 @@ mod tests {
     fn sign(alg: Algorithm, claims: &Value, key: &str) -> String {
         let mut header = Header::new(alg);
         header.typ = None;
-        jsonwebtoken::encode(&header, claims, &EncodingKey::from_secret(key.as_bytes()).unwrap()).unwrap()
+        jsonwebtoken::encode(
+            &header,
+            claims,
+            &EncodingKey::from_secret(key.as_bytes()).unwrap(),
+        )
+        .unwrap()
     }
 
     fn base(now: u64) -> Value {
@@ -201,14 +227,23 @@ mod tests {
     #[test]
     fn minted_token_verifies_and_is_public() {
         let skip = vec!["payload".to_string()];
-        let token = mint_public_token(KEY, "env_1", &["read:runs".into()], Duration::from_secs(900), Some(&skip)).unwrap();
+        let token = mint_public_token(
+            KEY,
+            "env_1",
+            &["read:runs".into()],
+            Duration::from_secs(900),
+            Some(&skip),
+        )
+        .unwrap();
         assert!(is_public_jwt(&token));
         let claims = verify_public_token(&token, KEY, now_s()).unwrap();
         assert_eq!(claims["sub"], "env_1");
         assert_eq!(scopes_claim(&claims), vec!["read:runs".to_string()]);
         assert_eq!(skip_columns_claim(&claims), Some(skip));
         // jose-style header: no `typ`.
-        let header = LENIENT_B64URL.decode(token.split('.').next().unwrap()).unwrap();
+        let header = LENIENT_B64URL
+            .decode(token.split('.').next().unwrap())
+            .unwrap();
         assert_eq!(String::from_utf8(header).unwrap(), r#"{"alg":"HS256"}"#);
     }
 
@@ -217,7 +252,10 @@ mod tests {
         let now = 1_800_000_000;
         let mut c = base(now);
         c["exp"] = json!(now);
-        assert_eq!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now),
+            Err(VerifyFailure::Invalid)
+        );
         c["exp"] = json!(now + 1);
         assert!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now).is_ok());
     }
@@ -229,7 +267,10 @@ mod tests {
         c.as_object_mut().unwrap().remove("exp");
         assert!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now).is_ok());
         c["exp"] = json!("soon");
-        assert_eq!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now),
+            Err(VerifyFailure::Invalid)
+        );
     }
 
     #[test]
@@ -237,7 +278,10 @@ mod tests {
         let now = 1_800_000_000;
         let mut c = base(now);
         c["nbf"] = json!(now + 1);
-        assert_eq!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now),
+            Err(VerifyFailure::Invalid)
+        );
         c["nbf"] = json!(now);
         assert!(verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now).is_ok());
     }
@@ -258,22 +302,53 @@ mod tests {
             edit(&mut c);
             verify_public_token(&sign(Algorithm::HS256, &c, KEY), KEY, now)
         };
-        assert_eq!(check(&|c| c["iss"] = json!("https://evil")), Err(VerifyFailure::Invalid));
-        assert_eq!(check(&|c| c["iss"] = json!([JWT_ISSUER])), Err(VerifyFailure::Invalid));
-        assert_eq!(check(&|c| { c.as_object_mut().unwrap().remove("iss"); }), Err(VerifyFailure::Invalid));
-        assert_eq!(check(&|c| { c.as_object_mut().unwrap().remove("aud"); }), Err(VerifyFailure::Invalid));
-        assert_eq!(check(&|c| c["aud"] = json!("https://other")), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            check(&|c| c["iss"] = json!("https://evil")),
+            Err(VerifyFailure::Invalid)
+        );
+        assert_eq!(
+            check(&|c| c["iss"] = json!([JWT_ISSUER])),
+            Err(VerifyFailure::Invalid)
+        );
+        assert_eq!(
+            check(&|c| {
+                c.as_object_mut().unwrap().remove("iss");
+            }),
+            Err(VerifyFailure::Invalid)
+        );
+        assert_eq!(
+            check(&|c| {
+                c.as_object_mut().unwrap().remove("aud");
+            }),
+            Err(VerifyFailure::Invalid)
+        );
+        assert_eq!(
+            check(&|c| c["aud"] = json!("https://other")),
+            Err(VerifyFailure::Invalid)
+        );
         assert!(check(&|c| c["aud"] = json!(["x", JWT_AUDIENCE])).is_ok());
-        assert_eq!(check(&|c| c["iat"] = json!("now")), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            check(&|c| c["iat"] = json!("now")),
+            Err(VerifyFailure::Invalid)
+        );
     }
 
     #[test]
     fn wrong_key_is_a_signature_failure_and_garbage_is_invalid() {
         let now = 1_800_000_000;
         let token = sign(Algorithm::HS256, &base(now), KEY);
-        assert_eq!(verify_public_token(&token, "tr_dev_other", now), Err(VerifyFailure::Signature));
-        assert_eq!(verify_public_token("a.b.c", KEY, now), Err(VerifyFailure::Invalid));
-        assert_eq!(verify_public_token("not a jwt", KEY, now), Err(VerifyFailure::Invalid));
+        assert_eq!(
+            verify_public_token(&token, "tr_dev_other", now),
+            Err(VerifyFailure::Signature)
+        );
+        assert_eq!(
+            verify_public_token("a.b.c", KEY, now),
+            Err(VerifyFailure::Invalid)
+        );
+        assert_eq!(
+            verify_public_token("not a jwt", KEY, now),
+            Err(VerifyFailure::Invalid)
+        );
     }
 
     #[test]

@@ -135,7 +135,6 @@ impl AuthError {
     }
 }
 
-
 pub use jwt::mint_public_token;
 
 /// Upper bound on entries per lookup cache (keys are bearer-controlled, so the caches must be
@@ -158,7 +157,10 @@ impl Caches {
             K: std::hash::Hash + Eq + Send + Sync + 'static,
             V: Clone + Send + Sync + 'static,
         {
-            Cache::builder().max_capacity(CACHE_MAX_ENTRIES).time_to_live(ttl).build()
+            Cache::builder()
+                .max_capacity(CACHE_MAX_ENTRIES)
+                .time_to_live(ttl)
+                .build()
         }
         Caches {
             by_api_key: build(ttl),
@@ -194,7 +196,14 @@ where
 /// any other `refs/…` → `None`; anything else is kept verbatim (no trimming).
 pub fn sanitize_branch_name(raw: Option<&str>) -> Option<&str> {
     let raw = raw.filter(|r| !r.is_empty())?;
-    for prefix in ["refs/heads/", "refs/remotes/", "refs/tags/", "refs/pull/", "refs/merge/", "refs/release/"] {
+    for prefix in [
+        "refs/heads/",
+        "refs/remotes/",
+        "refs/tags/",
+        "refs/pull/",
+        "refs/merge/",
+        "refs/release/",
+    ] {
         if let Some(rest) = raw.strip_prefix(prefix) {
             return Some(rest);
         }
@@ -207,11 +216,13 @@ pub fn sanitize_branch_name(raw: Option<&str>) -> Option<&str> {
 
 /// `isAdditionalApiKey` (`packages/core/src/v3/apiKeys.ts`): `^tr_(dev|stg|prod|preview)_sk_[0-9a-zA-Z]{24}$`.
 pub fn is_additional_api_key(token: &str) -> bool {
-    ["tr_dev_sk_", "tr_stg_sk_", "tr_prod_sk_", "tr_preview_sk_"].iter().any(|prefix| {
-        token
-            .strip_prefix(prefix)
-            .is_some_and(|rest| rest.len() == 24 && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
-    })
+    ["tr_dev_sk_", "tr_stg_sk_", "tr_prod_sk_", "tr_preview_sk_"]
+        .iter()
+        .any(|prefix| {
+            token.strip_prefix(prefix).is_some_and(|rest| {
+                rest.len() == 24 && rest.bytes().all(|b| b.is_ascii_alphanumeric())
+            })
+        })
 }
 
 /// The bearer token of an `Authorization` value: a leading `Bearer ` (case-sensitive, exactly one
@@ -255,18 +266,29 @@ impl Authenticator {
     /// Additional API keys (`tr_*_sk_…`, the `api_keys` table) are rejected with
     /// [`AuthError::InvalidApiKey`], as trigger.dev does while its `additionalApiKeyLookupEnabled`
     /// flag is off (the default).
-    pub async fn authenticate(&self, authorization: Option<&str>, branch: Option<&str>) -> Result<Principal, AuthError> {
+    pub async fn authenticate(
+        &self,
+        authorization: Option<&str>,
+        branch: Option<&str>,
+    ) -> Result<Principal, AuthError> {
         let token = bearer_token(authorization).ok_or(AuthError::Missing)?;
         if let Some(payload) = jwt::unverified_payload(token) {
             if payload.get("pub") == Some(&serde_json::Value::Bool(true)) {
-                let sub = payload.get("sub").and_then(|v| v.as_str()).unwrap_or_default();
+                let sub = payload
+                    .get("sub")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or_default();
                 return self.authenticate_public_token(token, sub).await;
             }
         }
         self.authenticate_secret_key(token, branch).await
     }
 
-    async fn authenticate_public_token(&self, token: &str, sub: &str) -> Result<Principal, AuthError> {
+    async fn authenticate_public_token(
+        &self,
+        token: &str,
+        sub: &str,
+    ) -> Result<Principal, AuthError> {
         if sub.is_empty() {
             return Err(AuthError::PublicTokenEnvNotFound);
         }
@@ -301,7 +323,11 @@ impl Authenticator {
         })
     }
 
-    async fn authenticate_secret_key(&self, token: &str, branch: Option<&str>) -> Result<Principal, AuthError> {
+    async fn authenticate_secret_key(
+        &self,
+        token: &str,
+        branch: Option<&str>,
+    ) -> Result<Principal, AuthError> {
         if is_additional_api_key(token) {
             return Err(AuthError::InvalidApiKey);
         }
@@ -322,12 +348,19 @@ impl Authenticator {
         let mut authed = AuthedEnv::of(&env);
         if is_preview || is_dev {
             if let Some(branch) = branch.filter(|b| !(is_dev && *b == "default")) {
-                let child = self.branch_env(&env.id, branch).await?.ok_or(AuthError::NoMatchingBranch)?;
+                let child = self
+                    .branch_env(&env.id, branch)
+                    .await?
+                    .ok_or(AuthError::NoMatchingBranch)?;
                 authed.id = child.id;
                 authed.env_type = child.env_type;
             }
         }
-        Ok(Principal { env: authed, ability: Ability::All, skip_columns: None })
+        Ok(Principal {
+            env: authed,
+            ability: Ability::All,
+            skip_columns: None,
+        })
     }
 
     async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
@@ -345,7 +378,11 @@ impl Authenticator {
         cached(cache, id.to_string(), self.store.env_by_id(id)).await
     }
 
-    async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn branch_env(
+        &self,
+        parent_id: &str,
+        branch: &str,
+    ) -> Result<Option<EnvRecord>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.branch);
         let key = (parent_id.to_string(), branch.to_string());
         cached(cache, key, self.store.branch_env(parent_id, branch)).await
@@ -379,8 +416,14 @@ mod tests {
 
     #[test]
     fn sanitize_branch_name_matches_git_branch_ts() {
-        assert_eq!(sanitize_branch_name(Some("refs/heads/feature/x")), Some("feature/x"));
-        assert_eq!(sanitize_branch_name(Some("refs/pull/12/merge")), Some("12/merge"));
+        assert_eq!(
+            sanitize_branch_name(Some("refs/heads/feature/x")),
+            Some("feature/x")
+        );
+        assert_eq!(
+            sanitize_branch_name(Some("refs/pull/12/merge")),
+            Some("12/merge")
+        );
         assert_eq!(sanitize_branch_name(Some("refs/other/x")), None);
         assert_eq!(sanitize_branch_name(Some("main")), Some("main"));
         assert_eq!(sanitize_branch_name(Some("")), None);
@@ -390,7 +433,9 @@ mod tests {
     #[test]
     fn additional_api_key_shape() {
         assert!(is_additional_api_key("tr_dev_sk_abcdefghijklmnopqrstuvwx"));
-        assert!(is_additional_api_key("tr_preview_sk_ABCDEFGHIJKLMNOPQRSTUV12"));
+        assert!(is_additional_api_key(
+            "tr_preview_sk_ABCDEFGHIJKLMNOPQRSTUV12"
+        ));
         assert!(!is_additional_api_key("tr_dev_abcdefghijklmnopqrstuvwx"));
         assert!(!is_additional_api_key("tr_dev_sk_short"));
     }
@@ -407,18 +452,47 @@ mod tests {
     impl EnvStore for MemEnvs {
         async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self.envs.lock().unwrap().iter().find(|e| e.api_key == key).cloned())
+            Ok(self
+                .envs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| e.api_key == key)
+                .cloned())
         }
         async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            let env_id = self.revoked.lock().unwrap().iter().find(|(_, k)| k == key).map(|(e, _)| e.clone());
-            Ok(env_id.and_then(|id| self.envs.lock().unwrap().iter().find(|e| e.id == id).cloned()))
+            let env_id = self
+                .revoked
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(_, k)| k == key)
+                .map(|(e, _)| e.clone());
+            Ok(env_id.and_then(|id| {
+                self.envs
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e.id == id)
+                    .cloned()
+            }))
         }
         async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self.envs.lock().unwrap().iter().find(|e| e.id == id).cloned())
+            Ok(self
+                .envs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| e.id == id)
+                .cloned())
         }
-        async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
+        async fn branch_env(
+            &self,
+            parent_id: &str,
+            branch: &str,
+        ) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
             Ok(self
                 .envs
@@ -434,7 +508,14 @@ mod tests {
         }
         async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self.revoked.lock().unwrap().iter().filter(|(e, _)| e == env_id).map(|(_, k)| k.clone()).collect())
+            Ok(self
+                .revoked
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(e, _)| e == env_id)
+                .map(|(_, k)| k.clone())
+                .collect())
         }
     }
 
@@ -464,11 +545,17 @@ mod tests {
         let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
         let auth = Authenticator::new(store.clone(), Duration::from_secs(60));
         for _ in 0..3 {
-            assert!(auth.authenticate(Some("Bearer tr_prod_key"), None).await.is_ok());
+            assert!(auth
+                .authenticate(Some("Bearer tr_prod_key"), None)
+                .await
+                .is_ok());
         }
         assert_eq!(store.lookups.load(Ordering::SeqCst), 1);
         for _ in 0..3 {
-            assert!(matches!(auth.authenticate(Some("Bearer nope"), None).await, Err(AuthError::InvalidApiKey)));
+            assert!(matches!(
+                auth.authenticate(Some("Bearer nope"), None).await,
+                Err(AuthError::InvalidApiKey)
+            ));
         }
         // by api key + by revoked key, once each.
         assert_eq!(store.lookups.load(Ordering::SeqCst), 3);
@@ -479,7 +566,10 @@ mod tests {
         let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
         let auth = Authenticator::new(store.clone(), Duration::ZERO);
         for _ in 0..3 {
-            assert!(auth.authenticate(Some("Bearer tr_prod_key"), None).await.is_ok());
+            assert!(auth
+                .authenticate(Some("Bearer tr_prod_key"), None)
+                .await
+                .is_ok());
         }
         assert_eq!(store.lookups.load(Ordering::SeqCst), 3);
     }
@@ -487,8 +577,14 @@ mod tests {
     #[tokio::test]
     async fn missing_bearer_is_missing() {
         let auth = Authenticator::new(store_with(vec![]), Duration::ZERO);
-        assert!(matches!(auth.authenticate(None, None).await, Err(AuthError::Missing)));
-        assert!(matches!(auth.authenticate(Some("Bearer  "), None).await, Err(AuthError::Missing)));
+        assert!(matches!(
+            auth.authenticate(None, None).await,
+            Err(AuthError::Missing)
+        ));
+        assert!(matches!(
+            auth.authenticate(Some("Bearer  "), None).await,
+            Err(AuthError::Missing)
+        ));
     }
 
     #[tokio::test]
@@ -498,15 +594,25 @@ mod tests {
         child.branch_name = Some("feat".into());
         let store = store_with(vec![env("env_dev", "DEVELOPMENT", "tr_dev_key"), child]);
         let auth = Authenticator::new(store, Duration::ZERO);
-        let p = auth.authenticate(Some("Bearer tr_dev_key"), None).await.unwrap();
+        let p = auth
+            .authenticate(Some("Bearer tr_dev_key"), None)
+            .await
+            .unwrap();
         assert_eq!(p.env.id, "env_dev");
-        let p = auth.authenticate(Some("Bearer tr_dev_key"), Some("default")).await.unwrap();
+        let p = auth
+            .authenticate(Some("Bearer tr_dev_key"), Some("default"))
+            .await
+            .unwrap();
         assert_eq!(p.env.id, "env_dev");
-        let p = auth.authenticate(Some("Bearer tr_dev_key"), Some("refs/heads/feat")).await.unwrap();
+        let p = auth
+            .authenticate(Some("Bearer tr_dev_key"), Some("refs/heads/feat"))
+            .await
+            .unwrap();
         assert_eq!(p.env.id, "env_child");
         assert_eq!(p.env.env_type, "PREVIEW");
         assert!(matches!(
-            auth.authenticate(Some("Bearer tr_dev_key"), Some("nope")).await,
+            auth.authenticate(Some("Bearer tr_dev_key"), Some("nope"))
+                .await,
             Err(AuthError::NoMatchingBranch)
         ));
     }
@@ -515,7 +621,10 @@ mod tests {
     async fn production_ignores_branch_header() {
         let store = store_with(vec![env("env_p", "PRODUCTION", "tr_prod_key")]);
         let auth = Authenticator::new(store, Duration::ZERO);
-        let p = auth.authenticate(Some("Bearer tr_prod_key"), Some("whatever")).await.unwrap();
+        let p = auth
+            .authenticate(Some("Bearer tr_prod_key"), Some("whatever"))
+            .await
+            .unwrap();
         assert_eq!(p.env.id, "env_p");
         assert_eq!(p.ability, Ability::All);
         assert_eq!(p.skip_columns, None);
@@ -524,8 +633,18 @@ mod tests {
     #[tokio::test]
     async fn public_token_with_unknown_sub_is_invalid_public_access_token() {
         let auth = Authenticator::new(store_with(vec![]), Duration::ZERO);
-        let token = mint_public_token("tr_dev_key", "env_missing", &[], Duration::from_secs(60), None).unwrap();
-        let err = auth.authenticate(Some(&format!("Bearer {token}")), None).await.unwrap_err();
+        let token = mint_public_token(
+            "tr_dev_key",
+            "env_missing",
+            &[],
+            Duration::from_secs(60),
+            None,
+        )
+        .unwrap();
+        let err = auth
+            .authenticate(Some(&format!("Bearer {token}")), None)
+            .await
+            .unwrap_err();
         assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
         assert_eq!(err.to_string(), "Invalid Public Access Token");
         assert_eq!(err.status(), 401);

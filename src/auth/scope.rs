@@ -22,16 +22,28 @@ pub fn parse_scope(scope: &str) -> Option<Scope> {
         return None;
     }
     let Some(rest) = rest else {
-        return Some(Scope { action: action.to_string(), kind: None, id: None });
+        return Some(Scope {
+            action: action.to_string(),
+            kind: None,
+            id: None,
+        });
     };
     let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
     match rest.split_once(':') {
-        None => Some(Scope { action: action.to_string(), kind: non_empty(rest), id: None }),
+        None => Some(Scope {
+            action: action.to_string(),
+            kind: non_empty(rest),
+            id: None,
+        }),
         Some((kind, id)) => {
             if id.trim().is_empty() {
                 return None;
             }
-            Some(Scope { action: action.to_string(), kind: non_empty(kind), id: Some(id.to_string()) })
+            Some(Scope {
+                action: action.to_string(),
+                kind: non_empty(kind),
+                id: Some(id.to_string()),
+            })
         }
     }
 }
@@ -70,7 +82,12 @@ impl Ability {
     /// The ability of a public token's `scopes` claim: each entry parsed with [`parse_scope`];
     /// unparsable entries are dropped (they grant nothing).
     pub fn from_scopes<S: AsRef<str>>(scopes: &[S]) -> Ability {
-        Ability::Scopes(scopes.iter().filter_map(|s| parse_scope(s.as_ref())).collect())
+        Ability::Scopes(
+            scopes
+                .iter()
+                .filter_map(|s| parse_scope(s.as_ref()))
+                .collect(),
+        )
     }
 
     /// Whether `action` is granted on ANY of `resources` (`anyResource` semantics: for scopes an
@@ -79,9 +96,9 @@ impl Ability {
     pub fn can_any(&self, action: &str, resources: &[Resource<'_>]) -> bool {
         match self {
             Ability::All => true,
-            Ability::Scopes(scopes) => {
-                resources.iter().any(|r| scopes.iter().any(|s| s.grants(action, r)))
-            }
+            Ability::Scopes(scopes) => resources
+                .iter()
+                .any(|r| scopes.iter().any(|s| s.grants(action, r))),
         }
     }
 }
@@ -91,11 +108,23 @@ impl Ability {
 /// the run belongs to a batch.
 pub fn run_route_resources(run: &RunResource) -> Vec<Resource<'_>> {
     let mut out = Vec::with_capacity(3 + run.tags.len());
-    out.push(Resource { kind: "runs", id: Some(&run.friendly_id) });
-    out.push(Resource { kind: "tasks", id: Some(&run.task_identifier) });
-    out.extend(run.tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_str()) }));
+    out.push(Resource {
+        kind: "runs",
+        id: Some(&run.friendly_id),
+    });
+    out.push(Resource {
+        kind: "tasks",
+        id: Some(&run.task_identifier),
+    });
+    out.extend(run.tags.iter().map(|t| Resource {
+        kind: "tags",
+        id: Some(t.as_str()),
+    }));
     if let Some(batch) = run.batch_friendly_id.as_deref() {
-        out.push(Resource { kind: "batch", id: Some(batch) });
+        out.push(Resource {
+            kind: "batch",
+            id: Some(batch),
+        });
     }
     out
 }
@@ -104,16 +133,34 @@ pub fn run_route_resources(run: &RunResource) -> Vec<Resource<'_>> {
 /// `{tags}`, and one `{tags, tag}` per requested tag.
 pub fn runs_list_resources<S: AsRef<str>>(tags: &[S]) -> Vec<Resource<'_>> {
     let mut out = Vec::with_capacity(2 + tags.len());
-    out.push(Resource { kind: "runs", id: None });
-    out.push(Resource { kind: "tags", id: None });
-    out.extend(tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_ref()) }));
+    out.push(Resource {
+        kind: "runs",
+        id: None,
+    });
+    out.push(Resource {
+        kind: "tags",
+        id: None,
+    });
+    out.extend(tags.iter().map(|t| Resource {
+        kind: "tags",
+        id: Some(t.as_ref()),
+    }));
     out
 }
 
 /// Resources of `GET /realtime/v1/batches/:batchId` (`realtime.v1.batches.$batchId.ts`):
 /// `{batch, batchFriendlyId}` and `{runs}`.
 pub fn batch_route_resources(batch_friendly_id: &str) -> Vec<Resource<'_>> {
-    vec![Resource { kind: "batch", id: Some(batch_friendly_id) }, Resource { kind: "runs", id: None }]
+    vec![
+        Resource {
+            kind: "batch",
+            id: Some(batch_friendly_id),
+        },
+        Resource {
+            kind: "runs",
+            id: None,
+        },
+    ]
 }
 
 #[cfg(test)]
@@ -121,14 +168,27 @@ mod tests {
     use super::*;
 
     fn scope(action: &str, kind: Option<&str>, id: Option<&str>) -> Scope {
-        Scope { action: action.into(), kind: kind.map(Into::into), id: id.map(Into::into) }
+        Scope {
+            action: action.into(),
+            kind: kind.map(Into::into),
+            id: id.map(Into::into),
+        }
     }
 
     #[test]
     fn parse_scope_only_first_two_colons_separate() {
-        assert_eq!(parse_scope("read:tags:env:prod"), Some(scope("read", Some("tags"), Some("env:prod"))));
-        assert_eq!(parse_scope("read:runs:run_1"), Some(scope("read", Some("runs"), Some("run_1"))));
-        assert_eq!(parse_scope("read:runs"), Some(scope("read", Some("runs"), None)));
+        assert_eq!(
+            parse_scope("read:tags:env:prod"),
+            Some(scope("read", Some("tags"), Some("env:prod")))
+        );
+        assert_eq!(
+            parse_scope("read:runs:run_1"),
+            Some(scope("read", Some("runs"), Some("run_1")))
+        );
+        assert_eq!(
+            parse_scope("read:runs"),
+            Some(scope("read", Some("runs"), None))
+        );
     }
 
     #[test]
@@ -143,7 +203,10 @@ mod tests {
         assert_eq!(parse_scope("read:runs:"), None);
         assert_eq!(parse_scope("read:runs:  "), None);
         // The id is kept verbatim.
-        assert_eq!(parse_scope("read:tags: a "), Some(scope("read", Some("tags"), Some(" a "))));
+        assert_eq!(
+            parse_scope("read:tags: a "),
+            Some(scope("read", Some("tags"), Some(" a ")))
+        );
     }
 
     fn ability(scopes: &[&str]) -> Ability {
@@ -180,7 +243,10 @@ mod tests {
             "*:tags:org_2",
             "admin",
         ] {
-            assert!(ability(&[granted]).can_read_any(&res), "{granted} should grant the run route");
+            assert!(
+                ability(&[granted]).can_read_any(&res),
+                "{granted} should grant the run route"
+            );
         }
         for denied in [
             "read:runs:run_other",
@@ -195,7 +261,10 @@ mod tests {
             "read:runs:",
             "read:queues",
         ] {
-            assert!(!ability(&[denied]).can_read_any(&res), "{denied} must not grant the run route");
+            assert!(
+                !ability(&[denied]).can_read_any(&res),
+                "{denied} must not grant the run route"
+            );
         }
     }
 
@@ -212,11 +281,32 @@ mod tests {
     fn runs_list_route_scope_matrix() {
         let tags = vec!["a".to_string(), "b".to_string()];
         let res = runs_list_resources(&tags);
-        for granted in ["read:runs", "read:tags", "read:tags:a", "read:tags:b", "read:all", "admin", "*:tags"] {
-            assert!(ability(&[granted]).can_read_any(&res), "{granted} should grant the list route");
+        for granted in [
+            "read:runs",
+            "read:tags",
+            "read:tags:a",
+            "read:tags:b",
+            "read:all",
+            "admin",
+            "*:tags",
+        ] {
+            assert!(
+                ability(&[granted]).can_read_any(&res),
+                "{granted} should grant the list route"
+            );
         }
-        for denied in ["read:runs:run_abc", "read:tasks", "read:batch", "read:tags:c", "read", "write:runs"] {
-            assert!(!ability(&[denied]).can_read_any(&res), "{denied} must not grant the list route");
+        for denied in [
+            "read:runs:run_abc",
+            "read:tasks",
+            "read:batch",
+            "read:tags:c",
+            "read",
+            "write:runs",
+        ] {
+            assert!(
+                !ability(&[denied]).can_read_any(&res),
+                "{denied} must not grant the list route"
+            );
         }
         // No tags filter: `read:tags` still grants (the `{tags}` resource), a tag id does not.
         let none: Vec<String> = Vec::new();
@@ -228,11 +318,30 @@ mod tests {
     #[test]
     fn batch_route_scope_matrix() {
         let res = batch_route_resources("batch_x");
-        for granted in ["read:batch", "read:batch:batch_x", "read:runs", "read:all", "admin", "*:batch"] {
-            assert!(ability(&[granted]).can_read_any(&res), "{granted} should grant the batch route");
+        for granted in [
+            "read:batch",
+            "read:batch:batch_x",
+            "read:runs",
+            "read:all",
+            "admin",
+            "*:batch",
+        ] {
+            assert!(
+                ability(&[granted]).can_read_any(&res),
+                "{granted} should grant the batch route"
+            );
         }
-        for denied in ["read:batch:batch_y", "read:runs:run_abc", "read:tasks", "read:tags", "write:batch:batch_x"] {
-            assert!(!ability(&[denied]).can_read_any(&res), "{denied} must not grant the batch route");
+        for denied in [
+            "read:batch:batch_y",
+            "read:runs:run_abc",
+            "read:tasks",
+            "read:tags",
+            "write:batch:batch_x",
+        ] {
+            assert!(
+                !ability(&[denied]).can_read_any(&res),
+                "{denied} must not grant the batch route"
+            );
         }
     }
 
@@ -241,12 +350,18 @@ mod tests {
         assert!(!ability(&["admin"]).can_read_any(&[]));
         // permissiveAbility ignores the resource entirely.
         assert!(Ability::All.can_read_any(&[]));
-        assert!(Ability::All.can_read_any(&[Resource { kind: "runs", id: None }]));
+        assert!(Ability::All.can_read_any(&[Resource {
+            kind: "runs",
+            id: None
+        }]));
     }
 
     #[test]
     fn admin_variants() {
-        let r = [Resource { kind: "runs", id: Some("run_1") }];
+        let r = [Resource {
+            kind: "runs",
+            id: Some("run_1"),
+        }];
         assert!(ability(&["admin"]).can_read_any(&r));
         // `admin:` has an empty (absent) type, so it is bare admin.
         assert!(ability(&["admin:"]).can_read_any(&r));
@@ -256,7 +371,10 @@ mod tests {
 
     #[test]
     fn scopes_combine_any_of() {
-        let r = [Resource { kind: "runs", id: Some("run_1") }];
+        let r = [Resource {
+            kind: "runs",
+            id: Some("run_1"),
+        }];
         assert!(ability(&["read", "write:runs", "read:runs:run_1"]).can_read_any(&r));
         assert!(!ability(&[]).can_read_any(&r));
     }

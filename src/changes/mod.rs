@@ -7,6 +7,7 @@
 //! publishes records the way trigger.dev's webapp does ([`publish`]).
 
 pub mod coalesce;
+mod conn;
 pub mod publish;
 pub mod record;
 pub mod source;

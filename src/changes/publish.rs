@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use fred::prelude::*;
+use fred::types::ConnectHandle;
 
+use super::conn;
 use super::record::channel_name;
 use super::ChangeRecord;
 
@@ -35,7 +37,8 @@ impl From<Error> for PublishError {
 /// Dropping the publisher closes the connection.
 pub struct Publisher {
     client: Client,
-    closed: bool,
+    /// fred's connection task; `None` once closed.
+    connection: Option<ConnectHandle>,
 }
 
 impl Publisher {
@@ -52,23 +55,19 @@ impl Publisher {
             .with_connection_config(|conn| conn.max_command_attempts = 1)
             .with_performance_config(|perf| perf.default_command_timeout = PUBLISH_TIMEOUT)
             .build()?;
-        let _connection = client.connect();
-        match tokio::time::timeout(CONNECT_WAIT, client.wait_for_connect()).await {
-            Ok(Ok(())) => Ok(Publisher {
-                client,
-                closed: false,
-            }),
-            Ok(Err(e)) => {
-                let _ = client.quit().await;
-                Err(e.into())
+        let connection = client.connect();
+        let error = match tokio::time::timeout(CONNECT_WAIT, client.wait_for_connect()).await {
+            Ok(Ok(())) => {
+                return Ok(Publisher {
+                    client,
+                    connection: Some(connection),
+                });
             }
-            Err(_) => {
-                let _ = client.quit().await;
-                Err(PublishError(format!(
-                    "not connected after {CONNECT_WAIT:?}"
-                )))
-            }
-        }
+            Ok(Err(e)) => e.into(),
+            Err(_) => PublishError(format!("not connected after {CONNECT_WAIT:?}")),
+        };
+        conn::close(&client, connection).await;
+        Err(error)
     }
 
     /// Publishes `record` on its env's channel (`record.env_id`); returns the receiver count.
@@ -99,23 +98,18 @@ impl Publisher {
         Ok(u64::try_from(receivers).unwrap_or(0))
     }
 
-    /// Closes the connection (errors ignored).
+    /// Closes the connection (bounded `QUIT`, errors ignored).
     pub async fn close(mut self) {
-        self.closed = true;
-        let _ = self.client.quit().await;
+        if let Some(connection) = self.connection.take() {
+            conn::close(&self.client, connection).await;
+        }
     }
 }
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        if self.closed {
-            return;
-        }
-        let client = self.client.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = client.quit().await;
-            });
+        if let Some(connection) = self.connection.take() {
+            conn::close_in_background(self.client.clone(), connection);
         }
     }
 }

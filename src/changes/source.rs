@@ -12,9 +12,11 @@ use std::time::Duration;
 use fred::clients::SubscriberClient;
 use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
+use fred::types::ConnectHandle;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio::task::JoinHandle;
 
+use super::conn;
 use super::record::{channel_name, env_of_channel};
 use super::ChangeRecord;
 
@@ -199,6 +201,8 @@ pub struct RedisChangeSource {
     client: SubscriberClient,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
+    /// fred's connection task; `None` once closed.
+    connection: Option<ConnectHandle>,
 }
 
 /// Could not connect the subscriber.
@@ -221,6 +225,19 @@ impl RedisChangeSource {
     pub async fn connect(
         redis_url: &str,
         tx: mpsc::UnboundedSender<SourceEvent>,
+    ) -> Result<Self, SourceError> {
+        Self::connect_with_wait(redis_url, tx, INITIAL_CONNECT_WAIT).await
+    }
+
+    /// [`RedisChangeSource::connect`] with an explicit bound on the wait for the first
+    /// connection (`Duration::ZERO` returns at once and connects in the background).
+    ///
+    /// # Errors
+    /// As [`RedisChangeSource::connect`].
+    pub async fn connect_with_wait(
+        redis_url: &str,
+        tx: mpsc::UnboundedSender<SourceEvent>,
+        initial_wait: Duration,
     ) -> Result<Self, SourceError> {
         let mut config = Config::from_url(redis_url).map_err(|e| SourceError(e.to_string()))?;
         if !matches!(config.server, ServerConfig::Centralized { .. }) {
@@ -277,19 +294,19 @@ impl RedisChangeSource {
             )),
         ];
 
-        let _connection = client.connect();
-        match tokio::time::timeout(INITIAL_CONNECT_WAIT, client.wait_for_connect()).await {
+        let connection = client.connect();
+        match tokio::time::timeout(initial_wait, client.wait_for_connect()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 for task in tasks.drain(..) {
                     task.abort();
                 }
-                let _ = client.quit().await;
+                conn::close(&client, connection).await;
                 return Err(SourceError(e.to_string()));
             }
             Err(_) => tracing::warn!(
                 redis_url = %redact(redis_url),
-                "redis change source not connected after {INITIAL_CONNECT_WAIT:?}; connecting in the background"
+                "redis change source not connected after {initial_wait:?}; connecting in the background"
             ),
         }
         shared.connect_returned.store(true, Ordering::SeqCst);
@@ -297,6 +314,7 @@ impl RedisChangeSource {
             client,
             shared,
             tasks,
+            connection: Some(connection),
         })
     }
 
@@ -328,23 +346,19 @@ impl RedisChangeSource {
         for task in self.tasks.drain(..) {
             task.abort();
         }
-        let _ = self.client.quit().await;
+        if let Some(connection) = self.connection.take() {
+            conn::close(&self.client, connection).await;
+        }
     }
 }
 
 impl Drop for RedisChangeSource {
     fn drop(&mut self) {
-        if self.tasks.is_empty() {
-            return; // already shut down
-        }
         for task in self.tasks.drain(..) {
             task.abort();
         }
-        let client = self.client.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = client.quit().await;
-            });
+        if let Some(connection) = self.connection.take() {
+            conn::close_in_background(self.client.clone(), connection);
         }
     }
 }

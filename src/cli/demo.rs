@@ -86,8 +86,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let (pool, _created) = super::migrate::connect_migrated(&args.db.database_url).await?;
     let seeded = seed(&pool).await.context("seed the demo environment")?;
     let scopes: Vec<String> = DEMO_SCOPES.iter().map(|s| s.to_string()).collect();
-    let token = crate::auth::mint_public_token(&seeded.env.api_key, &seeded.env.env_id, &scopes, token_ttl, None)
-        .context("mint the public token")?;
+    let token = crate::auth::mint_public_token(
+        &seeded.env.api_key,
+        &seeded.env.env_id,
+        &scopes,
+        token_ttl,
+        None,
+    )
+    .context("mint the public token")?;
 
     print_summary(&args, &seeded, &token);
 
@@ -103,7 +109,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if let Some(publisher) = &publisher {
         // The seeded runs were "created": publish them like the engine's runCreated handler.
         for (id, tags, batch) in &seeded.runs {
-            publish(publisher, lifecycle_record(&seeded.env.env_id, id, tags, batch, None)).await;
+            publish(
+                publisher,
+                lifecycle_record(&seeded.env.env_id, id, tags, batch, None),
+            )
+            .await;
         }
     }
     if args.seed_only {
@@ -112,7 +122,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let publisher = publisher.context("no Redis publisher")?;
-    let result = workload(&pool, &publisher, &seeded, Duration::from_millis(args.interval_ms.max(1))).await;
+    let result = workload(
+        &pool,
+        &publisher,
+        &seeded,
+        Duration::from_millis(args.interval_ms.max(1)),
+    )
+    .await;
     pool.close().await;
     result
 }
@@ -147,7 +163,11 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
         if seeded.reused { "Reused the existing" } else { "Created a new" },
         seeded.runs.len()
     );
-    println!("The public token has scopes {} and lasts {}.", DEMO_SCOPES.join(" "), args.token_ttl);
+    println!(
+        "The public token has scopes {} and lasts {}.",
+        DEMO_SCOPES.join(" "),
+        args.token_ttl
+    );
     println!();
     println!("Start the server in another terminal:");
     println!(
@@ -214,7 +234,10 @@ fn lifecycle_record(
 /// Publishes fire-and-forget: a failure is logged, never fatal (like the webapp).
 async fn publish(publisher: &Publisher, record: ChangeRecord) {
     if let Err(e) = publisher.publish(&record).await {
-        eprintln!("runfeed demo: publish for run {} failed: {e}", record.run_id);
+        eprintln!(
+            "runfeed demo: publish for run {} failed: {e}",
+            record.run_id
+        );
     }
 }
 
@@ -260,7 +283,9 @@ async fn find_or_create_env(pool: &PgPool) -> anyhow::Result<(DemoEnv, bool)> {
     }
     let org_slug = free_slug(pool, "Organization", DEMO_ORG_SLUG).await?;
     let project_slug = free_slug(pool, "Project", DEMO_PROJECT_SLUG).await?;
-    let env = fixtures::create_env_named(pool, "DEVELOPMENT", &org_slug, &project_slug, DEMO_ENV_SLUG).await?;
+    let env =
+        fixtures::create_env_named(pool, "DEVELOPMENT", &org_slug, &project_slug, DEMO_ENV_SLUG)
+            .await?;
     Ok((env, false))
 }
 
@@ -270,7 +295,11 @@ async fn free_slug(pool: &PgPool, table: &'static str, base: &str) -> anyhow::Re
         "Organization" => r#"SELECT EXISTS (SELECT 1 FROM "Organization" WHERE slug = $1)"#,
         _ => r#"SELECT EXISTS (SELECT 1 FROM "Project" WHERE slug = $1)"#,
     };
-    let taken: bool = sqlx::query_scalar(sql).bind(base).fetch_one(pool).await.context("check slug")?;
+    let taken: bool = sqlx::query_scalar(sql)
+        .bind(base)
+        .fetch_one(pool)
+        .await
+        .context("check slug")?;
     if taken {
         Ok(format!("{base}-{}", &fixtures::new_id()[1..9]))
     } else {
@@ -287,11 +316,13 @@ fn tags(list: &[&str]) -> Option<Vec<String>> {
 }
 
 async fn seed_runs(pool: &PgPool, env: DemoEnv, reused: bool) -> anyhow::Result<Seeded> {
-    let mut number: i32 = sqlx::query_scalar(r#"SELECT COALESCE(MAX(number), 0) FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1"#)
-        .bind(&env.env_id)
-        .fetch_one(pool)
-        .await
-        .context("read the last run number")?;
+    let mut number: i32 = sqlx::query_scalar(
+        r#"SELECT COALESCE(MAX(number), 0) FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1"#,
+    )
+    .bind(&env.env_id)
+    .fetch_one(pool)
+    .await
+    .context("read the last run number")?;
     let mut next_number = || {
         number += 1;
         number
@@ -299,7 +330,19 @@ async fn seed_runs(pool: &PgPool, env: DemoEnv, reused: bool) -> anyhow::Result<
     let now = now_ms();
     let batch = fixtures::create_batch(pool, &env).await?;
     let mut runs = Vec::new();
-    let mut create = async |spec: RunSpec| -> anyhow::Result<String> {
+    let mut create = async |mut spec: RunSpec| -> anyhow::Result<String> {
+        // A historical run was last updated at its latest lifecycle timestamp.
+        if spec.updated_at_ms.is_none() && spec.created_at_ms.is_some() {
+            spec.updated_at_ms = [
+                spec.created_at_ms,
+                spec.queued_at_ms,
+                spec.started_at_ms,
+                spec.completed_at_ms,
+            ]
+            .into_iter()
+            .flatten()
+            .max();
+        }
         let tags = spec.tags.clone();
         let batch_id = spec.batch_id.clone();
         let run = fixtures::create_run(pool, &env, spec).await?;
@@ -423,8 +466,12 @@ async fn seed_runs(pool: &PgPool, env: DemoEnv, reused: bool) -> anyhow::Result<
         queued_at_ms: Some(now - 20_000),
         started_at_ms: Some(now - 19_000),
         is_test: true,
-        payload: "{\"text\":\"ünïcødé ✓ 🚀\\nnew line\",\"quote\":\"\\\"\",\"backslash\":\"\\\\\"}".into(),
-        metadata: Some(r#"{"note":"quotes \" and backslash \\","nothing":null,"nested":{"a":[1,2.5,"x"]}}"#.into()),
+        payload: "{\"text\":\"ünïcødé ✓ 🚀\\nnew line\",\"quote\":\"\\\"\",\"backslash\":\"\\\\\"}"
+            .into(),
+        metadata: Some(
+            r#"{"note":"quotes \" and backslash \\","nothing":null,"nested":{"a":[1,2.5,"x"]}}"#
+                .into(),
+        ),
         realtime_streams: tags(&["default"]),
         ttl: Some("1h".into()),
         number: next_number(),
@@ -433,7 +480,10 @@ async fn seed_runs(pool: &PgPool, env: DemoEnv, reused: bool) -> anyhow::Result<
     .await?;
     // The batch: one done, one executing, one pending.
     let (batch_id, _) = &batch;
-    for (i, status) in ["COMPLETED_SUCCESSFULLY", "EXECUTING", "PENDING"].into_iter().enumerate() {
+    for (i, status) in ["COMPLETED_SUCCESSFULLY", "EXECUTING", "PENDING"]
+        .into_iter()
+        .enumerate()
+    {
         let created = now - 10_000 + i as i64 * 100;
         let done = status == "COMPLETED_SUCCESSFULLY";
         create(RunSpec {
@@ -464,13 +514,21 @@ async fn seed_runs(pool: &PgPool, env: DemoEnv, reused: bool) -> anyhow::Result<
         ..RunSpec::default()
     })
     .await?;
-    drop(create);
     sqlx::query(r#"UPDATE "BatchTaskRun" SET "runCount" = 3, status = 'PROCESSING' WHERE id = $1"#)
         .bind(batch_id)
         .execute(pool)
         .await
         .context("update the batch run count")?;
-    Ok(Seeded { env, reused, batch, watch_run, succeeded_run, failed_run, weird_run, runs })
+    Ok(Seeded {
+        env,
+        reused,
+        batch,
+        watch_run,
+        succeeded_run,
+        failed_run,
+        weird_run,
+        runs,
+    })
 }
 
 /// A run the workload is moving along.
@@ -497,7 +555,12 @@ struct Workload<'a> {
 
 /// Runs the workload until Ctrl-C / SIGTERM. Picks up every PENDING/EXECUTING run of the
 /// environment (including those left by an earlier demo), the watch run first.
-async fn workload(pool: &PgPool, publisher: &Publisher, seeded: &Seeded, interval: Duration) -> anyhow::Result<()> {
+async fn workload(
+    pool: &PgPool,
+    publisher: &Publisher,
+    seeded: &Seeded,
+    interval: Duration,
+) -> anyhow::Result<()> {
     let rows = sqlx::query(
         r#"SELECT id, "friendlyId", status::text, "runTags", "batchId" FROM "TaskRun"
            WHERE "runtimeEnvironmentId" = $1 AND status IN ('PENDING', 'EXECUTING')
@@ -507,12 +570,22 @@ async fn workload(pool: &PgPool, publisher: &Publisher, seeded: &Seeded, interva
     .fetch_all(pool)
     .await
     .context("load unfinished runs")?;
-    let number: i32 = sqlx::query_scalar(r#"SELECT COALESCE(MAX(number), 0) FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1"#)
-        .bind(&seeded.env.env_id)
-        .fetch_one(pool)
-        .await
-        .context("read the last run number")?;
-    let mut w = Workload { pool, publisher, env: &seeded.env, batch_id: seeded.batch.0.clone(), pending: VecDeque::new(), executing: VecDeque::new(), number };
+    let number: i32 = sqlx::query_scalar(
+        r#"SELECT COALESCE(MAX(number), 0) FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1"#,
+    )
+    .bind(&seeded.env.env_id)
+    .fetch_one(pool)
+    .await
+    .context("read the last run number")?;
+    let mut w = Workload {
+        pool,
+        publisher,
+        env: &seeded.env,
+        batch_id: seeded.batch.0.clone(),
+        pending: VecDeque::new(),
+        executing: VecDeque::new(),
+        number,
+    };
     for row in rows {
         let status: String = row.try_get(2)?;
         let tracked = Tracked {
@@ -556,13 +629,14 @@ async fn workload(pool: &PgPool, publisher: &Publisher, seeded: &Seeded, interva
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -579,12 +653,14 @@ const TASKS: [&str; 3] = ["order.process", "email.send", "image.resize"];
 const STEPS: [&str; 3] = ["validating", "charging card", "sending receipt"];
 
 impl Workload<'_> {
-    /// One step: advance the oldest executing run (metadata update, or completion after two
-    /// updates), start the oldest pending run, and create a run when few are in flight.
+    /// One step: advance the two oldest executing runs (metadata update, or completion after
+    /// two updates), start the oldest pending run, and create a run when few are in flight.
     async fn step(&mut self) {
-        if let Some(run) = self.executing.pop_front() {
-            if let Err(e) = self.advance(run).await {
-                eprintln!("runfeed demo: {e:#}");
+        for _ in 0..2 {
+            if let Some(run) = self.executing.pop_front() {
+                if let Err(e) = self.advance(run).await {
+                    eprintln!("runfeed demo: {e:#}");
+                }
             }
         }
         if let Some(run) = self.pending.pop_front() {
@@ -593,7 +669,7 @@ impl Workload<'_> {
             }
         }
         let in_flight = self.pending.len() + self.executing.len();
-        if in_flight < 3 || (in_flight < 12 && rand::random_bool(0.5)) {
+        if in_flight < 3 || (in_flight < 8 && rand::random_bool(0.5)) {
             if let Err(e) = self.create().await {
                 eprintln!("runfeed demo: {e:#}");
             }
@@ -619,29 +695,54 @@ impl Workload<'_> {
             status: "PENDING".into(),
             task_identifier: task.into(),
             queued_at_ms: Some(now_ms()),
-            payload: json!({"orderId": format!("ord_{}", 1000 + self.number), "amount": amount}).to_string(),
+            payload: json!({"orderId": format!("ord_{}", 1000 + self.number), "amount": amount})
+                .to_string(),
             number: self.number,
             ..RunSpec::default()
         };
-        let run = fixtures::create_run(self.pool, self.env, spec).await.context("create a run")?;
+        let run = fixtures::create_run(self.pool, self.env, spec)
+            .await
+            .context("create a run")?;
         // runCreated: no updatedAtMs.
-        publish(self.publisher, lifecycle_record(&self.env.env_id, &run.id, &tags, &batch_id, None)).await;
+        publish(
+            self.publisher,
+            lifecycle_record(&self.env.env_id, &run.id, &tags, &batch_id, None),
+        )
+        .await;
         eprintln!(
             "runfeed demo: {} created (PENDING, tags {:?}{})",
             run.friendly_id,
             tags.clone().unwrap_or_default(),
-            if batch_id.is_some() { ", in the batch" } else { "" }
+            if batch_id.is_some() {
+                ", in the batch"
+            } else {
+                ""
+            }
         );
-        self.pending.push_back(Tracked { id: run.id, friendly_id: run.friendly_id, tags, batch_id, metadata_updates: 0 });
+        self.pending.push_back(Tracked {
+            id: run.id,
+            friendly_id: run.friendly_id,
+            tags,
+            batch_id,
+            metadata_updates: 0,
+        });
         Ok(())
     }
 
     async fn start(&mut self, run: Tracked) -> anyhow::Result<()> {
-        let set = RunUpdate { status: Some("EXECUTING".into()), started_at: Some(Stamp::Now), ..RunUpdate::default() };
+        let set = RunUpdate {
+            status: Some("EXECUTING".into()),
+            started_at: Some(Stamp::Now),
+            ..RunUpdate::default()
+        };
         match fixtures::update_run_if_exists(self.pool, &run.id, set).await {
             Ok(Some(_)) => {
                 // runStatusChanged / runAttemptStarted: no updatedAtMs.
-                publish(self.publisher, lifecycle_record(&self.env.env_id, &run.id, &run.tags, &run.batch_id, None)).await;
+                publish(
+                    self.publisher,
+                    lifecycle_record(&self.env.env_id, &run.id, &run.tags, &run.batch_id, None),
+                )
+                .await;
                 eprintln!("runfeed demo: {} PENDING -> EXECUTING", run.friendly_id);
                 self.executing.push_back(run);
                 Ok(())
@@ -657,8 +758,17 @@ impl Workload<'_> {
     async fn advance(&mut self, mut run: Tracked) -> anyhow::Result<()> {
         let (set, what, done) = if run.metadata_updates < 2 {
             let n = run.metadata_updates + 1;
-            let metadata = json!({"progress": n as f64 / 3.0, "step": STEPS[n as usize % STEPS.len()]}).to_string();
-            (RunUpdate { metadata: Some(metadata), ..RunUpdate::default() }, format!("metadata update {n}"), false)
+            let metadata =
+                json!({"progress": n as f64 / 3.0, "step": STEPS[n as usize % STEPS.len()]})
+                    .to_string();
+            (
+                RunUpdate {
+                    metadata: Some(metadata),
+                    ..RunUpdate::default()
+                },
+                format!("metadata update {n}"),
+                false,
+            )
         } else if rand::random_bool(0.75) {
             let usage = rand::random_range(200..5_000);
             let set = RunUpdate {
@@ -690,10 +800,19 @@ impl Workload<'_> {
                 // runSucceeded / runFailed / runMetadataUpdated: WITH the committed updatedAt.
                 publish(
                     self.publisher,
-                    lifecycle_record(&self.env.env_id, &run.id, &run.tags, &run.batch_id, Some(updated_at_ms)),
+                    lifecycle_record(
+                        &self.env.env_id,
+                        &run.id,
+                        &run.tags,
+                        &run.batch_id,
+                        Some(updated_at_ms),
+                    ),
                 )
                 .await;
-                eprintln!("runfeed demo: {} {what} (updatedAtMs {updated_at_ms})", run.friendly_id);
+                eprintln!(
+                    "runfeed demo: {} {what} (updatedAtMs {updated_at_ms})",
+                    run.friendly_id
+                );
                 if !done {
                     run.metadata_updates += 1;
                     self.executing.push_back(run);

@@ -172,11 +172,17 @@ pub struct RunUpdate {
 fn random_alnum_lower(len: usize) -> String {
     const CHARS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
     let mut rng = rand::rng();
-    (0..len).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
+    (0..len)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect()
 }
 
 fn random_alnum(len: usize) -> String {
-    rand::rng().sample_iter(&Alphanumeric).take(len).map(char::from).collect()
+    rand::rng()
+        .sample_iter(&Alphanumeric)
+        .take(len)
+        .map(char::from)
+        .collect()
 }
 
 /// A new cuid-like id: `c` followed by 24 lowercase alphanumerics (25 chars, like Prisma's cuid).
@@ -213,7 +219,14 @@ fn check_env_type(env_type: &str) -> anyhow::Result<()> {
 /// minimal fixture of trigger-facts §1.9.
 pub async fn create_env(pool: &PgPool, env_type: &str) -> anyhow::Result<DemoEnv> {
     let suffix = random_alnum_lower(10);
-    create_env_named(pool, env_type, &format!("org-{suffix}"), &format!("proj-{suffix}"), &env_slug(env_type)).await
+    create_env_named(
+        pool,
+        env_type,
+        &format!("org-{suffix}"),
+        &format!("proj-{suffix}"),
+        &env_slug(env_type),
+    )
+    .await
 }
 
 fn env_slug(env_type: &str) -> String {
@@ -263,15 +276,36 @@ pub async fn create_env_named(
     .execute(&mut *tx)
     .await
     .context("insert Project")?;
-    insert_env(&mut tx, &env_id, env_type, env_slug, &api_key, &org_id, &project_id, None, None).await?;
+    insert_env(
+        &mut tx,
+        &env_id,
+        env_type,
+        env_slug,
+        &api_key,
+        &org_id,
+        &project_id,
+        None,
+        None,
+    )
+    .await?;
     tx.commit().await.context("commit environment fixture")?;
-    Ok(DemoEnv { env_id, api_key, org_id, project_id })
+    Ok(DemoEnv {
+        env_id,
+        api_key,
+        org_id,
+        project_id,
+    })
 }
 
 /// Inserts a branch environment under `parent` (same organization and project,
 /// `"parentEnvironmentId"` = parent, `"branchName"` = `branch`) with its own type and key.
 /// Public tokens for it are signed with the parent's key (trigger-facts §2.3).
-pub async fn create_branch_env(pool: &PgPool, parent: &DemoEnv, env_type: &str, branch: &str) -> anyhow::Result<DemoEnv> {
+pub async fn create_branch_env(
+    pool: &PgPool,
+    parent: &DemoEnv,
+    env_type: &str,
+    branch: &str,
+) -> anyhow::Result<DemoEnv> {
     check_env_type(env_type)?;
     let env_id = new_id();
     let api_key = new_api_key(env_type);
@@ -289,8 +323,15 @@ pub async fn create_branch_env(pool: &PgPool, parent: &DemoEnv, env_type: &str, 
         Some(branch),
     )
     .await?;
-    tx.commit().await.context("commit branch environment fixture")?;
-    Ok(DemoEnv { env_id, api_key, org_id: parent.org_id.clone(), project_id: parent.project_id.clone() })
+    tx.commit()
+        .await
+        .context("commit branch environment fixture")?;
+    Ok(DemoEnv {
+        env_id,
+        api_key,
+        org_id: parent.org_id.clone(),
+        project_id: parent.project_id.clone(),
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -359,8 +400,14 @@ fn ts_to_ms(col: &str) -> String {
 /// `"updatedAt"`/`"createdAt"` (epoch ms).
 pub async fn create_run(pool: &PgPool, env: &DemoEnv, spec: RunSpec) -> anyhow::Result<CreatedRun> {
     let id = spec.id.clone().unwrap_or_else(new_id);
-    let friendly_id = spec.friendly_id.clone().unwrap_or_else(|| format!("run_{id}"));
-    let queue = spec.queue.clone().unwrap_or_else(|| format!("task/{}", spec.task_identifier));
+    let friendly_id = spec
+        .friendly_id
+        .clone()
+        .unwrap_or_else(|| format!("run_{id}"));
+    let queue = spec
+        .queue
+        .clone()
+        .unwrap_or_else(|| format!("task/{}", spec.task_identifier));
     let span_id = random_alnum_lower(16);
     let trace_id = random_alnum_lower(32);
     let created = format!("COALESCE({}, {NOW_UTC_MS})", ms_to_ts(11));
@@ -428,7 +475,12 @@ pub async fn create_run(pool: &PgPool, env: &DemoEnv, spec: RunSpec) -> anyhow::
         .with_context(|| format!("insert TaskRun {friendly_id}"))?;
     let updated_at_ms: i64 = row.try_get(0).context("read back updatedAt")?;
     let created_at_ms: i64 = row.try_get(1).context("read back createdAt")?;
-    Ok(CreatedRun { id, friendly_id, updated_at_ms, created_at_ms })
+    Ok(CreatedRun {
+        id,
+        friendly_id,
+        updated_at_ms,
+        created_at_ms,
+    })
 }
 
 fn stamp_params(stamp: Option<Stamp>) -> (&'static str, Option<i64>) {
@@ -451,7 +503,11 @@ pub async fn update_run(pool: &PgPool, run_id: &str, set: RunUpdate) -> anyhow::
 }
 
 /// Like [`update_run`], but a missing run is `Ok(None)` instead of an error.
-pub async fn update_run_if_exists(pool: &PgPool, run_id: &str, set: RunUpdate) -> anyhow::Result<Option<i64>> {
+pub async fn update_run_if_exists(
+    pool: &PgPool,
+    run_id: &str,
+    set: RunUpdate,
+) -> anyhow::Result<Option<i64>> {
     let (started_mode, started_ms) = stamp_params(set.started_at);
     let (completed_mode, completed_ms) = stamp_params(set.completed_at);
     let stamp_sql = |col: &str, mode: usize, ms: usize| {
@@ -501,7 +557,9 @@ pub async fn update_run_if_exists(pool: &PgPool, run_id: &str, set: RunUpdate) -
         .await
         .with_context(|| format!("update TaskRun {run_id}"))?;
     match row {
-        Some(row) => Ok(Some(row.try_get::<i64, _>(0).context("read back updatedAt")?)),
+        Some(row) => Ok(Some(
+            row.try_get::<i64, _>(0).context("read back updatedAt")?,
+        )),
         None => Ok(None),
     }
 }
@@ -549,7 +607,9 @@ async fn maintenance_pool(admin_url_base: &str) -> anyhow::Result<PgPool> {
         .max_connections(1)
         .connect_with(options)
         .await
-        .with_context(|| format!("connect to the `postgres` maintenance database of {admin_url_base}"))
+        .with_context(|| {
+            format!("connect to the `postgres` maintenance database of {admin_url_base}")
+        })
 }
 
 /// Creates database `name` on the server of `admin_url_base` (connecting to its `postgres`
@@ -562,11 +622,12 @@ pub async fn create_database(admin_url_base: &str, name: &str) -> anyhow::Result
 }
 
 async fn create_database_on(pool: &PgPool, name: &str) -> anyhow::Result<bool> {
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(name)
-        .fetch_one(pool)
-        .await
-        .context("look up pg_database")?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(name)
+            .fetch_one(pool)
+            .await
+            .context("look up pg_database")?;
     if exists {
         return Ok(false);
     }
@@ -617,8 +678,15 @@ impl TestDb {
             .connect_with(options_for(admin_url_base, &name)?)
             .await
             .with_context(|| format!("connect to {name}"))?;
-        crate::store::migrate(&pool).await.with_context(|| format!("migrate {name}"))?;
-        Ok(TestDb { name, url, pool, admin_url_base: admin_url_base.to_string() })
+        crate::store::migrate(&pool)
+            .await
+            .with_context(|| format!("migrate {name}"))?;
+        Ok(TestDb {
+            name,
+            url,
+            pool,
+            admin_url_base: admin_url_base.to_string(),
+        })
     }
 
     /// Closes the pool and drops the database.
@@ -634,9 +702,18 @@ mod tests {
 
     #[test]
     fn database_url_replaces_the_database() {
-        assert_eq!(database_url("postgres://postgres@127.0.0.1:5432", "x"), "postgres://postgres@127.0.0.1:5432/x");
-        assert_eq!(database_url("postgres://postgres@127.0.0.1:5432/", "x"), "postgres://postgres@127.0.0.1:5432/x");
-        assert_eq!(database_url("postgres://u:p@h:1/db?sslmode=disable", "x"), "postgres://u:p@h:1/x?sslmode=disable");
+        assert_eq!(
+            database_url("postgres://postgres@127.0.0.1:5432", "x"),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            database_url("postgres://postgres@127.0.0.1:5432/", "x"),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            database_url("postgres://u:p@h:1/db?sslmode=disable", "x"),
+            "postgres://u:p@h:1/x?sslmode=disable"
+        );
     }
 
     #[test]
@@ -647,7 +724,9 @@ mod tests {
         let key = new_api_key("DEVELOPMENT");
         assert!(key.starts_with("tr_dev_"));
         assert_eq!(key.len(), "tr_dev_".len() + 24);
-        assert!(key["tr_dev_".len()..].chars().all(|c| c.is_ascii_alphanumeric()));
+        assert!(key["tr_dev_".len()..]
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric()));
         assert!(new_api_key("PRODUCTION").starts_with("tr_prod_"));
     }
 }

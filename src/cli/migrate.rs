@@ -27,7 +27,10 @@ pub async fn run(args: super::DbArgs) -> anyhow::Result<()> {
 pub fn database_name(database_url: &str) -> anyhow::Result<String> {
     let options = PgConnectOptions::from_str(database_url)
         .with_context(|| format!("invalid --database-url {database_url:?}"))?;
-    Ok(options.get_database().unwrap_or(options.get_username()).to_string())
+    Ok(options
+        .get_database()
+        .unwrap_or(options.get_username())
+        .to_string())
 }
 
 /// Ensures the database of `database_url` exists, connects to it and applies the migrations.
@@ -36,7 +39,11 @@ pub async fn connect_migrated(database_url: &str) -> anyhow::Result<(PgPool, boo
     let name = database_name(database_url)?;
     let options = PgConnectOptions::from_str(database_url)
         .with_context(|| format!("invalid --database-url {database_url:?}"))?;
-    let connect = || PgPoolOptions::new().max_connections(4).connect_with(options.clone());
+    let connect = || {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.clone())
+    };
     let (pool, created) = match connect().await {
         Ok(pool) => (pool, false),
         // invalid_catalog_name: the database does not exist yet.
@@ -44,11 +51,15 @@ pub async fn connect_migrated(database_url: &str) -> anyhow::Result<(PgPool, boo
             let created = fixtures::create_database(database_url, &name)
                 .await
                 .with_context(|| format!("create database {name}"))?;
-            let pool = connect().await.with_context(|| format!("connect to database {name}"))?;
+            let pool = connect()
+                .await
+                .with_context(|| format!("connect to database {name}"))?;
             (pool, created)
         }
         Err(e) => return Err(e).with_context(|| format!("connect to database {name}")),
     };
-    crate::store::migrate(&pool).await.with_context(|| format!("apply migrations to database {name}"))?;
+    crate::store::migrate(&pool)
+        .await
+        .with_context(|| format!("apply migrations to database {name}"))?;
     Ok((pool, created))
 }

@@ -57,10 +57,12 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     let publisher = Publisher::connect(&args.redis.redis_url)
         .await
         .with_context(|| format!("connect to Redis at {}", args.redis.redis_url))?;
-    let receivers = publisher
-        .publish(&record)
-        .await
-        .with_context(|| format!("publish to {}", crate::changes::record::channel_name(&record.env_id)))?;
+    let receivers = publisher.publish(&record).await.with_context(|| {
+        format!(
+            "publish to {}",
+            crate::changes::record::channel_name(&record.env_id)
+        )
+    })?;
     eprintln!(
         "runfeed publish: {} <- {} ({receivers} receiver{})",
         crate::changes::record::channel_name(&record.env_id),

@@ -30,19 +30,27 @@ pub struct TokenArgs {
 
 /// Parses a `--ttl` such as `15m`, `1h`, `90s`, `1h30m` (humantime syntax).
 pub fn parse_ttl(ttl: &str) -> anyhow::Result<std::time::Duration> {
-    humantime::parse_duration(ttl).with_context(|| format!("invalid --ttl {ttl:?} (e.g. 15m, 1h, 90s)"))
+    humantime::parse_duration(ttl)
+        .with_context(|| format!("invalid --ttl {ttl:?} (e.g. 15m, 1h, 90s)"))
 }
 
 /// Splits a `--skip-columns` value on `,`, trimming items and dropping empty ones.
 pub fn parse_skip_columns(value: &str) -> Vec<String> {
-    value.split(',').map(str::trim).filter(|c| !c.is_empty()).map(str::to_string).collect()
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 /// Prints a token (only the token, on stdout).
 pub async fn run(args: TokenArgs) -> anyhow::Result<()> {
     let ttl = parse_ttl(&args.ttl)?;
     let skip_columns = args.skip_columns.as_deref().map(parse_skip_columns);
-    let store = Arc::new(PgStore::connect_lazy(&args.db.database_url, None).context("connect to Postgres")?);
+    let store = Arc::new(
+        PgStore::connect_lazy(&args.db.database_url, None).context("connect to Postgres")?,
+    );
     let env = store
         .env_by_id(&args.env)
         .await
@@ -52,8 +60,14 @@ pub async fn run(args: TokenArgs) -> anyhow::Result<()> {
         eprintln!("runfeed token: warning: the project of environment {} is deleted; the token will be rejected", env.id);
     }
     let signing_key = env.parent_api_key.as_deref().unwrap_or(&env.api_key);
-    let token = crate::auth::mint_public_token(signing_key, &env.id, &args.scopes, ttl, skip_columns.as_deref())
-        .context("mint the public token")?;
+    let token = crate::auth::mint_public_token(
+        signing_key,
+        &env.id,
+        &args.scopes,
+        ttl,
+        skip_columns.as_deref(),
+    )
+    .context("mint the public token")?;
     println!("{token}");
     Ok(())
 }

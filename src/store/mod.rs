@@ -17,13 +17,15 @@ use crate::protocol::{ColumnSet, RunRow};
 mod pg;
 mod sql;
 
-pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_STATEMENT_TIMEOUT_MS};
+pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 
 /// A database failure, with the operation it happened in.
 #[derive(Debug, thiserror::Error)]
 #[error("postgres {op}: {source}")]
 pub struct StoreError {
+    /// The [`PgStore`] operation (`hydrate`, `read_run`, `find_run`, `env_by_api_key`, `connect`, …).
     pub op: &'static str,
+    /// The sqlx error (connection, pool timeout, SQL, or decoding a column).
     #[source]
     pub source: sqlx::Error,
 }
@@ -73,24 +75,55 @@ pub trait RunStore: Send + Sync + 'static {
     /// Rows of `run_ids` in `env_id` (replica; missing ids are simply absent; order unspecified;
     /// ONE query whatever the number of ids). Columns outside `cols` are not fetched, except
     /// those the router always needs (id, updatedAt, createdAt, runTags, batchId + reserved).
-    async fn hydrate(&self, env_id: &str, run_ids: &[String], cols: ColumnSet) -> Result<Vec<RunRow>, StoreError>;
+    async fn hydrate(
+        &self,
+        env_id: &str,
+        run_ids: &[String],
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError>;
 
     /// One run by internal id: replica, then primary on a miss.
-    async fn read_run(&self, env_id: &str, run_id: &str, cols: ColumnSet) -> Result<Option<RunRow>, StoreError>;
+    async fn read_run(
+        &self,
+        env_id: &str,
+        run_id: &str,
+        cols: ColumnSet,
+    ) -> Result<Option<RunRow>, StoreError>;
 
     /// Tag feed run set: runs of `env_id` carrying ALL `tags` (`"runTags" @> tags`; no tags = no
     /// filter) with `"createdAt" >= floor_ms`, newest first (`createdAt DESC, id DESC`), at most
     /// `cap`. One query (resolve and hydrate together).
-    async fn resolve_tag_set(&self, env_id: &str, tags: &[String], floor_ms: i64, cap: usize, cols: ColumnSet) -> Result<Vec<RunRow>, StoreError>;
+    async fn resolve_tag_set(
+        &self,
+        env_id: &str,
+        tags: &[String],
+        floor_ms: i64,
+        cap: usize,
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError>;
 
     /// Batch feed run set: runs of `env_id` with `"batchId" = batch_id`, newest first, at most `cap`.
-    async fn resolve_batch_set(&self, env_id: &str, batch_id: &str, cap: usize, cols: ColumnSet) -> Result<Vec<RunRow>, StoreError>;
+    async fn resolve_batch_set(
+        &self,
+        env_id: &str,
+        batch_id: &str,
+        cap: usize,
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError>;
 
     /// The run named by a friendly id in `env_id`: replica, then primary on a miss.
-    async fn find_run(&self, env_id: &str, friendly_id: &str) -> Result<Option<RunResource>, StoreError>;
+    async fn find_run(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<RunResource>, StoreError>;
 
     /// The batch named by a friendly id in `env_id`: replica, then primary on a miss.
-    async fn find_batch(&self, env_id: &str, friendly_id: &str) -> Result<Option<BatchResource>, StoreError>;
+    async fn find_batch(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<BatchResource>, StoreError>;
 }
 
 /// Environment and key lookups for authentication (replica).
@@ -103,7 +136,11 @@ pub trait EnvStore: Send + Sync + 'static {
     /// The environment with this id.
     async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError>;
     /// The non-archived child of `parent_id` with `branchName = branch`.
-    async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError>;
+    async fn branch_env(
+        &self,
+        parent_id: &str,
+        branch: &str,
+    ) -> Result<Option<EnvRecord>, StoreError>;
     /// Unexpired revoked keys of `env_id` (JWT grace retry).
     async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError>;
 }

@@ -14,8 +14,6 @@ use crate::protocol::{ColumnSet, RunRow};
 
 /// Default pool size per pool (primary and replica each).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
-/// Default server-side `statement_timeout`, milliseconds.
-pub const DEFAULT_STATEMENT_TIMEOUT_MS: u64 = 30_000;
 /// How long a query waits for a pooled connection before failing (`PoolTimedOut`).
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -23,8 +21,11 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// is configured, or when reads are forced to the primary). Counts the queries it issues
 /// ([`PgStore::query_count`]).
 ///
-/// Connections are opened with `TimeZone=UTC` (the `timestamp(3)` columns hold UTC wall clock,
-/// trigger-facts §1.1), `application_name=runfeed`, and the configured `statement_timeout`.
+/// Connections carry `application_name=runfeed` and, when configured, a `statement_timeout`
+/// startup option (note: PgBouncer rejects startup options unless told to ignore them; use 0
+/// behind it). No session `TimeZone` is needed: timestamps are bound and decoded as
+/// `timestamp without time zone` holding UTC, and "now" comparisons use
+/// `now() AT TIME ZONE 'UTC'` (trigger-facts §1.1).
 pub struct PgStore {
     primary: PgPool,
     replica: PgPool,
@@ -38,11 +39,14 @@ fn store_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |source| StoreError { op, source }
 }
 
-fn pool_for(url: &str, max_connections: u32, statement_timeout_ms: u64) -> Result<PgPool, StoreError> {
+fn pool_for(
+    url: &str,
+    max_connections: u32,
+    statement_timeout_ms: u64,
+) -> Result<PgPool, StoreError> {
     let mut options = PgConnectOptions::from_str(url)
         .map_err(store_err("connect"))?
-        .application_name("runfeed")
-        .options([("TimeZone", "UTC".to_string())]);
+        .application_name("runfeed");
     if statement_timeout_ms > 0 {
         options = options.options([("statement_timeout", statement_timeout_ms.to_string())]);
     }
@@ -70,8 +74,9 @@ macro_rules! env_sql {
 
 const ENV_BY_API_KEY: &str = env_sql!(r#" WHERE e."apiKey" = $1 LIMIT 1"#);
 const ENV_BY_ID: &str = env_sql!(r#" WHERE e.id = $1 LIMIT 1"#);
-const BRANCH_ENV: &str =
-    env_sql!(r#" WHERE e."parentEnvironmentId" = $1 AND e."branchName" = $2 AND e."archivedAt" IS NULL LIMIT 1"#);
+const BRANCH_ENV: &str = env_sql!(
+    r#" WHERE e."parentEnvironmentId" = $1 AND e."branchName" = $2 AND e."archivedAt" IS NULL LIMIT 1"#
+);
 
 fn decode_env(row: &PgRow) -> Result<EnvRecord, sqlx::Error> {
     Ok(EnvRecord {
@@ -90,18 +95,15 @@ fn decode_env(row: &PgRow) -> Result<EnvRecord, sqlx::Error> {
 
 impl PgStore {
     /// Connects both pools (lazily; the first query connects) with [`DEFAULT_MAX_CONNECTIONS`]
-    /// per pool and [`DEFAULT_STATEMENT_TIMEOUT_MS`]. `replica_url: None` → replica reads use the
-    /// primary pool.
+    /// per pool, [`ACQUIRE_TIMEOUT`], and the server's own statement timeout. `replica_url: None`
+    /// → replica reads use the primary pool.
     ///
     /// Errors: `StoreError { op: "connect" }` when a URL does not parse.
-    pub fn connect_lazy(primary_url: &str, replica_url: Option<&str>) -> Result<PgStore, StoreError> {
-        Self::connect_lazy_with(
-            primary_url,
-            replica_url,
-            DEFAULT_MAX_CONNECTIONS,
-            DEFAULT_STATEMENT_TIMEOUT_MS,
-            false,
-        )
+    pub fn connect_lazy(
+        primary_url: &str,
+        replica_url: Option<&str>,
+    ) -> Result<PgStore, StoreError> {
+        Self::connect_lazy_with(primary_url, replica_url, DEFAULT_MAX_CONNECTIONS, 0, false)
     }
 
     /// Like [`PgStore::connect_lazy`] with explicit settings: `max_connections` per pool,
@@ -151,10 +153,16 @@ impl PgStore {
     /// Errors: `StoreError { op: "ping" }` (connection refused, acquire timeout, …).
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.count();
-        sqlx::query("SELECT 1").execute(&self.primary).await.map_err(store_err("ping"))?;
+        sqlx::query("SELECT 1")
+            .execute(&self.primary)
+            .await
+            .map_err(store_err("ping"))?;
         if self.distinct_replica {
             self.count();
-            sqlx::query("SELECT 1").execute(&self.replica).await.map_err(store_err("ping"))?;
+            sqlx::query("SELECT 1")
+                .execute(&self.replica)
+                .await
+                .map_err(store_err("ping"))?;
         }
         Ok(())
     }
@@ -193,10 +201,17 @@ impl PgStore {
             .fetch_optional(pool)
             .await
             .map_err(store_err("read_run"))?;
-        row.map(|r| decode_run(&r, cols)).transpose().map_err(store_err("read_run"))
+        row.map(|r| decode_run(&r, cols))
+            .transpose()
+            .map_err(store_err("read_run"))
     }
 
-    async fn find_run_on(&self, pool: &PgPool, env_id: &str, friendly_id: &str) -> Result<Option<RunResource>, StoreError> {
+    async fn find_run_on(
+        &self,
+        pool: &PgPool,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<RunResource>, StoreError> {
         self.count();
         let row = sqlx::query(SQL_FIND_RUN)
             .bind(friendly_id)
@@ -210,7 +225,9 @@ impl PgStore {
                 id: row.try_get("id")?,
                 friendly_id: row.try_get("friendlyId")?,
                 task_identifier: row.try_get("taskIdentifier")?,
-                tags: row.try_get::<Option<Vec<String>>, _>("runTags")?.unwrap_or_default(),
+                tags: row
+                    .try_get::<Option<Vec<String>>, _>("runTags")?
+                    .unwrap_or_default(),
                 batch_friendly_id: row.try_get("batch_friendly_id")?,
             })
         };
@@ -232,7 +249,10 @@ impl PgStore {
             .map_err(store_err("find_batch"))?;
         let Some(row) = row else { return Ok(None) };
         let decode = |row: &PgRow| -> Result<BatchResource, sqlx::Error> {
-            Ok(BatchResource { id: row.try_get("id")?, friendly_id: row.try_get("friendlyId")? })
+            Ok(BatchResource {
+                id: row.try_get("id")?,
+                friendly_id: row.try_get("friendlyId")?,
+            })
         };
         decode(&row).map(Some).map_err(store_err("find_batch"))
     }
@@ -244,18 +264,34 @@ impl PgStore {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         self.count();
-        let rows = query.fetch_all(&self.replica).await.map_err(store_err(op))?;
-        rows.iter().map(|r| decode_run(r, cols)).collect::<Result<Vec<_>, _>>().map_err(store_err(op))
+        let rows = query
+            .fetch_all(&self.replica)
+            .await
+            .map_err(store_err(op))?;
+        rows.iter()
+            .map(|r| decode_run(r, cols))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(store_err(op))
     }
 
-    async fn env_query(&self, op: &'static str, sql: &'static str, binds: &[&str]) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_query(
+        &self,
+        op: &'static str,
+        sql: &'static str,
+        binds: &[&str],
+    ) -> Result<Option<EnvRecord>, StoreError> {
         let mut query = sqlx::query(sql);
         for b in binds {
             query = query.bind(*b);
         }
         self.count();
-        let row = query.fetch_optional(&self.replica).await.map_err(store_err(op))?;
-        row.map(|r| decode_env(&r)).transpose().map_err(store_err(op))
+        let row = query
+            .fetch_optional(&self.replica)
+            .await
+            .map_err(store_err(op))?;
+        row.map(|r| decode_env(&r))
+            .transpose()
+            .map_err(store_err(op))
     }
 }
 
@@ -266,7 +302,12 @@ fn limit(cap: usize) -> i64 {
 
 #[async_trait]
 impl RunStore for PgStore {
-    async fn hydrate(&self, env_id: &str, run_ids: &[String], cols: ColumnSet) -> Result<Vec<RunRow>, StoreError> {
+    async fn hydrate(
+        &self,
+        env_id: &str,
+        run_ids: &[String],
+        cols: ColumnSet,
+    ) -> Result<Vec<RunRow>, StoreError> {
         if run_ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -275,8 +316,16 @@ impl RunStore for PgStore {
         self.fetch_runs("hydrate", query, cols).await
     }
 
-    async fn read_run(&self, env_id: &str, run_id: &str, cols: ColumnSet) -> Result<Option<RunRow>, StoreError> {
-        if let Some(row) = self.read_one_on(&self.replica, env_id, run_id, cols).await? {
+    async fn read_run(
+        &self,
+        env_id: &str,
+        run_id: &str,
+        cols: ColumnSet,
+    ) -> Result<Option<RunRow>, StoreError> {
+        if let Some(row) = self
+            .read_one_on(&self.replica, env_id, run_id, cols)
+            .await?
+        {
             return Ok(Some(row));
         }
         if self.distinct_replica {
@@ -296,7 +345,10 @@ impl RunStore for PgStore {
         let floor = ms_to_ts(floor_ms);
         if tags.is_empty() {
             let sql = self.sql.get(RunQuery::TagSetUnfiltered, cols);
-            let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(floor).bind(limit(cap));
+            let query = sqlx::query(AssertSqlSafe(sql))
+                .bind(env_id)
+                .bind(floor)
+                .bind(limit(cap));
             self.fetch_runs("resolve_tag_set", query, cols).await
         } else {
             let sql = self.sql.get(RunQuery::TagSet, cols);
@@ -317,11 +369,18 @@ impl RunStore for PgStore {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         let sql = self.sql.get(RunQuery::BatchSet, cols);
-        let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(batch_id).bind(limit(cap));
+        let query = sqlx::query(AssertSqlSafe(sql))
+            .bind(env_id)
+            .bind(batch_id)
+            .bind(limit(cap));
         self.fetch_runs("resolve_batch_set", query, cols).await
     }
 
-    async fn find_run(&self, env_id: &str, friendly_id: &str) -> Result<Option<RunResource>, StoreError> {
+    async fn find_run(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<RunResource>, StoreError> {
         if let Some(run) = self.find_run_on(&self.replica, env_id, friendly_id).await? {
             return Ok(Some(run));
         }
@@ -331,8 +390,15 @@ impl RunStore for PgStore {
         Ok(None)
     }
 
-    async fn find_batch(&self, env_id: &str, friendly_id: &str) -> Result<Option<BatchResource>, StoreError> {
-        if let Some(batch) = self.find_batch_on(&self.replica, env_id, friendly_id).await? {
+    async fn find_batch(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<BatchResource>, StoreError> {
+        if let Some(batch) = self
+            .find_batch_on(&self.replica, env_id, friendly_id)
+            .await?
+        {
             return Ok(Some(batch));
         }
         if self.distinct_replica {
@@ -345,19 +411,26 @@ impl RunStore for PgStore {
 #[async_trait]
 impl EnvStore for PgStore {
     async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
-        self.env_query("env_by_api_key", ENV_BY_API_KEY, &[key]).await
+        self.env_query("env_by_api_key", ENV_BY_API_KEY, &[key])
+            .await
     }
 
     async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
-        self.env_query("env_by_revoked_key", SQL_ENV_BY_REVOKED_KEY, &[key]).await
+        self.env_query("env_by_revoked_key", SQL_ENV_BY_REVOKED_KEY, &[key])
+            .await
     }
 
     async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
         self.env_query("env_by_id", ENV_BY_ID, &[id]).await
     }
 
-    async fn branch_env(&self, parent_id: &str, branch: &str) -> Result<Option<EnvRecord>, StoreError> {
-        self.env_query("branch_env", BRANCH_ENV, &[parent_id, branch]).await
+    async fn branch_env(
+        &self,
+        parent_id: &str,
+        branch: &str,
+    ) -> Result<Option<EnvRecord>, StoreError> {
+        self.env_query("branch_env", BRANCH_ENV, &[parent_id, branch])
+            .await
     }
 
     async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {

@@ -8,9 +8,10 @@
 //
 // Nothing here reads ../shared: a fresh clone has only this directory and the binary.
 //
-// Env overrides: RUNFEED_BIN (default <repo>/target/debug/runfeed),
-// RUNFEED_E2E_PG_URL (default postgres://postgres@127.0.0.1:5432, no database name),
-// RUNFEED_E2E_REDIS_URL (default redis://127.0.0.1:6379), RUNFEED_E2E_VERBOSE=1 (echo server logs).
+// Env overrides (deliberately NOT named RUNFEED_*: the server reads every RUNFEED_* variable as
+// configuration): E2E_RUNFEED_BIN (default <repo>/target/debug/runfeed),
+// E2E_PG_URL (default postgres://postgres@127.0.0.1:5432, no database name),
+// E2E_REDIS_URL (default redis://127.0.0.1:6379), E2E_VERBOSE=1 (echo server logs).
 
 import { spawn, execFile } from "node:child_process";
 import crypto from "node:crypto";
@@ -20,12 +21,12 @@ import pg from "pg";
 
 export const E2E_DIR = path.dirname(fileURLToPath(import.meta.url));
 export const ROOT = path.resolve(E2E_DIR, "..", "..");
-export const BIN = process.env.RUNFEED_BIN
-  ? path.resolve(process.env.RUNFEED_BIN)
+export const BIN = process.env.E2E_RUNFEED_BIN
+  ? path.resolve(process.env.E2E_RUNFEED_BIN)
   : path.join(ROOT, "target", "debug", "runfeed");
-export const PG_BASE = (process.env.RUNFEED_E2E_PG_URL ?? "postgres://postgres@127.0.0.1:5432").replace(/\/+$/, "");
-export const REDIS_URL = process.env.RUNFEED_E2E_REDIS_URL ?? "redis://127.0.0.1:6379";
-const VERBOSE = process.env.RUNFEED_E2E_VERBOSE === "1";
+export const PG_BASE = (process.env.E2E_PG_URL ?? "postgres://postgres@127.0.0.1:5432").replace(/\/+$/, "");
+export const REDIS_URL = process.env.E2E_REDIS_URL ?? "redis://127.0.0.1:6379";
+const VERBOSE = process.env.E2E_VERBOSE === "1";
 
 /** What the trigger.dev SDK sends on every realtime request (besides Authorization). */
 export const SDK_HEADERS = Object.freeze({
@@ -222,6 +223,17 @@ function newPool(url) {
 // ---------------------------------------------------------------------------------------------
 // runfeed serve
 
+// The server treats every RUNFEED_* variable as a configuration key and rejects unknown ones; keep
+// only RUNFEED_<SECTION>__<KEY> overrides from the caller's environment.
+function serverBaseEnv() {
+  const env = {};
+  for (const [k, v] of Object.entries(process.env)) {
+    if (k.startsWith("RUNFEED_") && !k.includes("__")) continue;
+    env[k] = v;
+  }
+  return env;
+}
+
 /**
  * Starts `runfeed serve --listen 127.0.0.1:0` and waits for its `runfeed listening on URL` line.
  * `holdMs` sets RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS (the live long-poll hold).
@@ -232,8 +244,9 @@ export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args 
     ["serve", "--listen", "127.0.0.1:0", "--database-url", databaseUrl, "--redis-url", REDIS_URL, ...args],
     {
       env: {
-        ...process.env,
+        ...serverBaseEnv(),
         RUST_LOG: process.env.RUST_LOG ?? "info",
+        NO_COLOR: "1",
         RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS: String(holdMs),
         ...env,
       },

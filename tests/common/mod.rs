@@ -1,0 +1,515 @@
+//! Harness for HTTP-level integration tests: one in-process runfeed server per test, on its own
+//! throwaway database (`runfeed_t_<random>` on postgres://postgres@127.0.0.1:5432) and the shared
+//! Redis at 127.0.0.1:6379 (environment ids are random, so Redis channels never collide between
+//! tests running in parallel).
+//!
+//! Every network await is bounded by a timeout. The database is dropped when the [`TestServer`]
+//! is dropped (best effort, also when the test panicked).
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use fred::prelude::*;
+use reqwest::header::HeaderMap;
+use runfeed::app::{self, Running};
+use runfeed::auth::mint_public_token;
+use runfeed::changes::{channel_name, ChangeRecord, Publisher};
+use runfeed::cli::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate, TestDb};
+use runfeed::config::Config;
+use serde_json::Value;
+use tokio::time::Instant;
+
+pub const PG_ADMIN: &str = "postgres://postgres@127.0.0.1:5432";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub const HANDLE_SECRET: &str = "feeds-http-test-secret";
+/// The `x-trigger-electric-version` the SDK sends (modern client).
+pub const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
+/// The current `x-trigger-api-version`.
+pub const CURRENT_API_VERSION: &str = "2025-07-16";
+/// Bound on any single awaited operation that is not a deliberate long hold.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// Awaits `fut` for at most `limit`, panicking with `what` otherwise.
+pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {limit:?}: {what}"),
+    }
+}
+
+/// Polls `cond` every 5 ms until it holds or `limit` passes (waiting on an observable).
+pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "condition never held within {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A config for tests: port 0, the test database, the local Redis, a fixed handle secret, no
+/// jitter, and the given live hold.
+pub fn test_config(db_url: &str, hold_ms: u64) -> Config {
+    let mut c = Config::default();
+    c.server.listen = "127.0.0.1:0".into();
+    c.server.handle_secret = Some(HANDLE_SECRET.into());
+    c.server.shutdown_grace_ms = 200;
+    c.database.url = db_url.into();
+    c.redis.url = REDIS_URL.into();
+    c.feeds.live_poll_timeout_ms = hold_ms;
+    c.feeds.live_poll_jitter_ratio = 0.0;
+    c
+}
+
+/// One HTTP response: status, headers, body text and (if it parses) JSON.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub text: String,
+    pub json: Value,
+    pub elapsed: Duration,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.headers.contains_key(name)
+    }
+
+    /// `electric-handle` (modern) or `electric-shape-id` (legacy).
+    pub fn handle(&self) -> String {
+        self.header("electric-handle")
+            .or_else(|| self.header("electric-shape-id"))
+            .unwrap_or_else(|| panic!("no handle header in {self:?}"))
+            .to_string()
+    }
+
+    /// `electric-offset` (modern) or `electric-chunk-last-offset` (legacy).
+    pub fn offset(&self) -> String {
+        self.header("electric-offset")
+            .or_else(|| self.header("electric-chunk-last-offset"))
+            .unwrap_or_else(|| panic!("no offset header in {self:?}"))
+            .to_string()
+    }
+
+    /// The millisecond part of the offset.
+    pub fn offset_ms(&self) -> i64 {
+        let o = self.offset();
+        o.split('_').next().unwrap().parse().unwrap_or_else(|_| panic!("bad offset {o:?}"))
+    }
+
+    pub fn cursor(&self) -> Option<String> {
+        self.header("electric-cursor").map(str::to_string)
+    }
+
+    /// The body's messages (panics unless the body is a JSON array).
+    pub fn messages(&self) -> &Vec<Value> {
+        self.json.as_array().unwrap_or_else(|| panic!("body is not a JSON array: {}", self.text))
+    }
+
+    /// Change messages (those with a `key`).
+    pub fn changes(&self) -> Vec<&Value> {
+        self.messages().iter().filter(|m| m.get("key").is_some()).collect()
+    }
+
+    /// `(operation, run id)` of every change message, in body order.
+    pub fn ops(&self) -> Vec<(String, String)> {
+        self.changes()
+            .iter()
+            .map(|m| {
+                (
+                    m["headers"]["operation"].as_str().unwrap_or("?").to_string(),
+                    m["value"]["id"].as_str().unwrap_or("?").to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// The change message of run `id`, if present.
+    pub fn row(&self, id: &str) -> Option<&Value> {
+        self.changes().into_iter().find(|m| m["value"]["id"] == id)
+    }
+
+    /// Whether the last message is the `up-to-date` control message.
+    pub fn ends_up_to_date(&self) -> bool {
+        self.messages().last().is_some_and(|m| m["headers"]["control"] == "up-to-date")
+    }
+
+    /// Body is exactly `[{"headers":{"control":"up-to-date"}}]`.
+    pub fn is_bare_up_to_date(&self) -> bool {
+        self.json == serde_json::json!([{"headers": {"control": "up-to-date"}}])
+    }
+
+    /// The parsed `electric-schema` header.
+    pub fn schema(&self) -> Value {
+        serde_json::from_str(self.header("electric-schema").expect("electric-schema header")).expect("schema is JSON")
+    }
+
+    pub fn assert_status(&self, status: u16) -> &Self {
+        assert_eq!(self.status, status, "unexpected status; body: {} headers: {:?}", self.text, self.headers);
+        self
+    }
+}
+
+/// A feed request URL builder.
+#[derive(Clone, Debug)]
+pub struct Url {
+    pub path: String,
+    pub params: Vec<(String, String)>,
+}
+
+impl Url {
+    pub fn new(path: &str) -> Url {
+        Url { path: path.to_string(), params: Vec::new() }
+    }
+
+    pub fn q(mut self, k: &str, v: &str) -> Url {
+        self.params.push((k.to_string(), v.to_string()));
+        self
+    }
+
+    pub fn render(&self) -> String {
+        if self.params.is_empty() {
+            return self.path.clone();
+        }
+        let qs = serde_urlencoded::to_string(&self.params).expect("query string");
+        format!("{}?{}", self.path, qs)
+    }
+
+    /// The initial snapshot request the 1.0.14 client sends.
+    pub fn snapshot(&self) -> Url {
+        self.clone().q("log", "full").q("offset", "-1")
+    }
+
+    /// The live request following a response with (`handle`, `offset`, `cursor`).
+    pub fn live(&self, handle: &str, offset: &str, cursor: Option<&str>) -> Url {
+        self.clone()
+            .q("cursor", cursor.unwrap_or(""))
+            .q("handle", handle)
+            .q("live", "true")
+            .q("log", "full")
+            .q("offset", offset)
+    }
+
+    /// A non-live catch-up request at (`handle`, `offset`).
+    pub fn catch_up(&self, handle: &str, offset: &str) -> Url {
+        self.clone().q("handle", handle).q("log", "full").q("offset", offset)
+    }
+}
+
+/// Request headers a modern SDK client sends with `token`.
+pub fn modern(token: &str) -> Vec<(String, String)> {
+    vec![
+        ("authorization".into(), format!("Bearer {token}")),
+        ("x-trigger-electric-version".into(), ELECTRIC_VERSION.into()),
+    ]
+}
+
+/// Request headers of a legacy (0.6.3-era) client: no `x-trigger-electric-version`.
+pub fn legacy(token: &str) -> Vec<(String, String)> {
+    vec![("authorization".into(), format!("Bearer {token}"))]
+}
+
+pub fn with(mut headers: Vec<(String, String)>, name: &str, value: &str) -> Vec<(String, String)> {
+    headers.push((name.to_string(), value.to_string()));
+    headers
+}
+
+/// One in-process runfeed server with its own database.
+pub struct TestServer {
+    running: Option<Running>,
+    db: Option<TestDb>,
+    pub base: String,
+    pub http: reqwest::Client,
+    publisher: Option<Publisher>,
+    redis: Option<fred::clients::Client>,
+    db_name: String,
+}
+
+impl TestServer {
+    /// A server with the given live hold (ms) and otherwise [`test_config`] defaults.
+    pub async fn start(hold_ms: u64) -> TestServer {
+        Self::start_with(hold_ms, |_| {}).await
+    }
+
+    /// A server with the given live hold; `tweak` edits the config before start.
+    pub async fn start_with(hold_ms: u64, tweak: impl FnOnce(&mut Config)) -> TestServer {
+        let db = within(WAIT, "create test database", TestDb::create(PG_ADMIN)).await.expect("create test database");
+        let mut config = test_config(&db.url, hold_ms);
+        tweak(&mut config);
+        let db_name = db.name.clone();
+        let running = within(WAIT, "start runfeed", app::start(config)).await.expect("start runfeed");
+        let base = format!("http://{}", running.addr);
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(4096)
+            .no_proxy()
+            .build()
+            .expect("reqwest client");
+        let publisher = within(WAIT, "connect publisher", Publisher::connect(REDIS_URL)).await.expect("connect publisher");
+        let redis = fred::clients::Client::new(fred::types::config::Config::from_url(REDIS_URL).unwrap(), None, None, None);
+        redis.init().await.expect("connect redis probe client");
+        TestServer { running: Some(running), db: Some(db), base, http, publisher: Some(publisher), redis: Some(redis), db_name }
+    }
+
+    pub fn running(&self) -> &Running {
+        self.running.as_ref().expect("server running")
+    }
+
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.db.as_ref().expect("db").pool
+    }
+
+    /// `GET path` with `headers`, bounded by [`WAIT`].
+    pub async fn get(&self, path: &str, headers: &[(String, String)]) -> Resp {
+        self.get_with(&self.http, path, headers, WAIT).await
+    }
+
+    /// `GET url` with `headers`.
+    pub async fn fetch(&self, url: &Url, headers: &[(String, String)]) -> Resp {
+        self.get(&url.render(), headers).await
+    }
+
+    /// `GET path` through `client`, bounded by `limit`.
+    pub async fn get_with(&self, client: &reqwest::Client, path: &str, headers: &[(String, String)], limit: Duration) -> Resp {
+        let url = format!("{}{}", self.base, path);
+        let mut req = client.get(&url);
+        for (k, v) in headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let started = Instant::now();
+        let resp = within(limit, &format!("GET {path}"), req.send()).await.unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let status = resp.status().as_u16();
+        let hdrs = resp.headers().clone();
+        let text = within(limit, &format!("body of GET {path}"), resp.text()).await.expect("read body");
+        let elapsed = started.elapsed();
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Resp { status, headers: hdrs, text, json, elapsed }
+    }
+
+    /// An arbitrary request (e.g. `OPTIONS`).
+    pub async fn request(&self, method: reqwest::Method, path: &str, headers: &[(String, String)]) -> Resp {
+        let url = format!("{}{}", self.base, path);
+        let mut req = self.http.request(method, &url);
+        for (k, v) in headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let started = Instant::now();
+        let resp = within(WAIT, path, req.send()).await.expect("send");
+        let status = resp.status().as_u16();
+        let hdrs = resp.headers().clone();
+        let text = within(WAIT, path, resp.text()).await.expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Resp { status, headers: hdrs, text, json, elapsed: started.elapsed() }
+    }
+
+    // ----- fixtures -----
+
+    pub async fn env(&self) -> DemoEnv {
+        within(WAIT, "create env", fixtures::create_env(self.pool(), "DEVELOPMENT")).await.expect("create env")
+    }
+
+    pub async fn run(&self, env: &DemoEnv, spec: RunSpec) -> CreatedRun {
+        within(WAIT, "create run", fixtures::create_run(self.pool(), env, spec)).await.expect("create run")
+    }
+
+    /// A PENDING run with `tags` (and optional internal batch id).
+    pub async fn tagged_run(&self, env: &DemoEnv, tags: &[&str]) -> CreatedRun {
+        let spec = RunSpec { tags: Some(tags.iter().map(|t| t.to_string()).collect()), ..RunSpec::default() };
+        self.run(env, spec).await
+    }
+
+    pub async fn batch_run(&self, env: &DemoEnv, batch_id: &str) -> CreatedRun {
+        let spec = RunSpec { batch_id: Some(batch_id.to_string()), ..RunSpec::default() };
+        self.run(env, spec).await
+    }
+
+    /// `(internal id, friendly id)`.
+    pub async fn batch(&self, env: &DemoEnv) -> (String, String) {
+        within(WAIT, "create batch", fixtures::create_batch(self.pool(), env)).await.expect("create batch")
+    }
+
+    /// Applies `set`; returns the committed `updatedAt` ms.
+    pub async fn update(&self, run_id: &str, set: RunUpdate) -> i64 {
+        within(WAIT, "update run", fixtures::update_run(self.pool(), run_id, set)).await.expect("update run")
+    }
+
+    pub async fn set_status(&self, run_id: &str, status: &str) -> i64 {
+        self.update(run_id, RunUpdate { status: Some(status.into()), ..RunUpdate::default() }).await
+    }
+
+    // ----- change records -----
+
+    /// Waits until the server's subscriber is on `env_id`'s channel (PUBSUB NUMSUB ≥ 1), so a
+    /// publish cannot be lost to a subscription still in flight.
+    pub async fn wait_subscribed(&self, env_id: &str) {
+        let redis = self.redis.as_ref().unwrap();
+        let channel = channel_name(env_id);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let counts: Vec<Value> = within(WAIT, "PUBSUB NUMSUB", redis.pubsub_numsub::<Vec<Value>, _>(channel.clone()))
+                .await
+                .map(|v: Vec<Value>| v)
+                .unwrap_or_default();
+            let n = counts.get(1).and_then(|v| v.as_i64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))).unwrap_or(0);
+            if n >= 1 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "server never subscribed to {channel}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Publishes `record` like trigger.dev's webapp (after the server subscribed); asserts that
+    /// the server's subscriber received it.
+    pub async fn publish(&self, record: &ChangeRecord) {
+        self.wait_subscribed(&record.env_id).await;
+        let receivers = within(WAIT, "publish", self.publisher.as_ref().unwrap().publish(record)).await.expect("publish");
+        assert!(receivers >= 1, "no subscriber received the record");
+    }
+
+    /// A full record for `run` (tags and batch as given) with its committed `updatedAtMs`.
+    pub fn record(env: &DemoEnv, run_id: &str, tags: &[&str], batch_id: Option<&str>, updated_at_ms: i64) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run_id.to_string(),
+            env_id: env.env_id.clone(),
+            tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+            batch_id: batch_id.map(str::to_string),
+            updated_at_ms: Some(updated_at_ms),
+        }
+    }
+
+    /// Updates the status of a run and publishes its change record.
+    pub async fn change(&self, env: &DemoEnv, run_id: &str, tags: &[&str], batch_id: Option<&str>, status: &str) -> i64 {
+        let ms = self.set_status(run_id, status).await;
+        self.publish(&Self::record(env, run_id, tags, batch_id, ms)).await;
+        ms
+    }
+
+    // ----- credentials -----
+
+    /// A public access token for `env` with `scopes` (15 min).
+    pub fn token(&self, env: &DemoEnv, scopes: &[&str]) -> String {
+        token(env, scopes)
+    }
+
+    /// A public access token with a `realtime.skipColumns` claim.
+    pub fn token_skip(&self, env: &DemoEnv, scopes: &[&str], skip: &[&str]) -> String {
+        let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
+        let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
+        mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::from_secs(900), Some(&skip)).expect("mint token")
+    }
+
+    /// Held feeds `(run, tag, batch)`.
+    pub fn held(&self) -> (usize, usize, usize) {
+        self.running().router.held_feeds()
+    }
+
+    /// Waits until `held()` satisfies `cond`.
+    pub async fn wait_held(&self, what: &str, cond: impl Fn((usize, usize, usize)) -> bool) {
+        let router = self.running().router.clone();
+        wait_until(WAIT, what, || cond(router.held_feeds())).await;
+    }
+}
+
+pub fn token(env: &DemoEnv, scopes: &[&str]) -> String {
+    let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
+    mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::from_secs(900), None).expect("mint token")
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        // Stop serving (the task ends when the runtime does), close clients, then drop the
+        // database from a separate thread with its own runtime (works while panicking, too).
+        drop(self.running.take());
+        drop(self.publisher.take());
+        drop(self.redis.take());
+        let name = self.db_name.clone();
+        drop(self.db.take());
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                let _ = rt.block_on(async {
+                    tokio::time::timeout(Duration::from_secs(20), fixtures::drop_database(PG_ADMIN, &name)).await
+                });
+            }
+        })
+        .join();
+    }
+}
+
+/// A minimal Electric client: follows one feed like `@electric-sql/client` (snapshot, then live
+/// polls echoing handle/offset/cursor) and keeps a materialized view (insert = set, update =
+/// shallow merge).
+#[derive(Debug)]
+pub struct Follower {
+    pub url: Url,
+    pub headers: Vec<(String, String)>,
+    pub handle: Option<String>,
+    pub offset: String,
+    pub cursor: Option<String>,
+    pub view: HashMap<String, serde_json::Map<String, Value>>,
+    pub responses: usize,
+}
+
+impl Follower {
+    pub fn new(url: Url, headers: Vec<(String, String)>) -> Follower {
+        Follower { url, headers, handle: None, offset: "-1".into(), cursor: None, view: HashMap::new(), responses: 0 }
+    }
+
+    /// Applies a response's messages to the view.
+    pub fn apply(&mut self, resp: &Resp) {
+        for m in resp.changes() {
+            let id = m["value"]["id"].as_str().expect("row id").to_string();
+            let value = m["value"].as_object().expect("value object").clone();
+            match m["headers"]["operation"].as_str() {
+                Some("insert") => {
+                    self.view.insert(id, value);
+                }
+                Some("update") => {
+                    let row = self.view.entry(id).or_default();
+                    for (k, v) in value {
+                        row.insert(k, v);
+                    }
+                }
+                Some("delete") => {
+                    self.view.remove(&id);
+                }
+                other => panic!("unexpected operation {other:?}"),
+            }
+        }
+    }
+
+    /// One request (snapshot if no handle yet, else live); applies the response.
+    pub async fn step(&mut self, srv_base: &str, client: &reqwest::Client) -> Result<u16, String> {
+        let url = match &self.handle {
+            None => self.url.snapshot(),
+            Some(h) => self.url.live(h, &self.offset, self.cursor.as_deref()),
+        };
+        let full = format!("{srv_base}{}", url.render());
+        let mut req = client.get(&full);
+        for (k, v) in &self.headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let resp = tokio::time::timeout(WAIT, req.send()).await.map_err(|_| "timeout".to_string())?.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = tokio::time::timeout(WAIT, resp.text()).await.map_err(|_| "timeout".to_string())?.map_err(|e| e.to_string())?;
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let r = Resp { status, headers, text, json, elapsed: Duration::ZERO };
+        if status != 200 {
+            return Err(format!("status {status}: {}", r.text));
+        }
+        self.apply(&r);
+        self.handle = Some(r.handle());
+        self.offset = r.offset();
+        self.cursor = r.cursor();
+        self.responses += 1;
+        Ok(status)
+    }
+}

@@ -60,11 +60,16 @@ async fn wait_confirmed(source: &RedisChangeSource, env_id: &str, subscribed: bo
     }
 }
 
+/// The next event other than a subscription confirmation (those are checked with
+/// `wait_confirmed`).
 async fn next_event(rx: &mut mpsc::UnboundedReceiver<SourceEvent>) -> SourceEvent {
-    match timeout(WAIT, rx.recv()).await {
-        Ok(Some(event)) => event,
-        Ok(None) => panic!("source closed"),
-        Err(_) => panic!("no event within {WAIT:?}"),
+    loop {
+        match timeout(WAIT, rx.recv()).await {
+            Ok(Some(SourceEvent::Subscribed { .. })) => continue,
+            Ok(Some(event)) => return event,
+            Ok(None) => panic!("source closed"),
+            Err(_) => panic!("no event within {WAIT:?}"),
+        }
     }
 }
 
@@ -299,12 +304,8 @@ async fn reconnected_after_client_kill() {
         .expect("CLIENT KILL");
     assert_eq!(killed, 1);
 
-    loop {
-        match next_event(&mut rx).await {
-            SourceEvent::Reconnected => break,
-            other => panic!("unexpected event before Reconnected: {other:?}"),
-        }
-    }
+    // The next event is the announcement: nothing else was published meanwhile.
+    assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
     // Re-subscribed before the announcement: a publish right away is delivered.
     assert!(source.confirmed().contains(&env_id));
     let after = full_record(&env_id, "after");

@@ -28,6 +28,10 @@ pub enum SourceEvent {
         env_id: String,
         record: ChangeRecord,
     },
+    /// The subscription of `env_id` is confirmed by Redis: records published from now on are
+    /// delivered. Replay coverage starts here, not at the subscribe call (a record published
+    /// between the two would otherwise be lost while a cursor claims it was covered).
+    Subscribed { env_id: String },
     /// The subscriber connection was re-established: records published while it was down are
     /// lost, so every subscribed environment has a gap.
     Reconnected,
@@ -93,7 +97,10 @@ impl MemoryChangeSource {
 
 impl ChangeSource for MemoryChangeSource {
     fn subscribe(&self, env_id: &str) {
-        lock(&self.subscribed).insert(env_id.to_owned());
+        // In memory a subscription is active at once.
+        if lock(&self.subscribed).insert(env_id.to_owned()) {
+            let _ = self.tx.send(SourceEvent::Subscribed { env_id: env_id.to_owned() });
+        }
     }
     fn unsubscribe(&self, env_id: &str) {
         lock(&self.subscribed).remove(env_id);
@@ -498,7 +505,14 @@ async fn reconcile(
         if !to_subscribe.is_empty() {
             let channels = to_subscribe.iter().map(|env| channel_name(env)).collect();
             match mode.subscribe(&client, channels).await {
-                Ok(()) => lock(&shared.confirmed).extend(to_subscribe.iter().cloned()),
+                Ok(()) => {
+                    lock(&shared.confirmed).extend(to_subscribe.iter().cloned());
+                    for env_id in &to_subscribe {
+                        if tx.send(SourceEvent::Subscribed { env_id: env_id.clone() }).is_err() {
+                            return;
+                        }
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, envs = to_subscribe.len(), "redis SUBSCRIBE failed; will retry");
                     failed = true;
@@ -551,6 +565,9 @@ mod tests {
         assert_eq!(s.subscribed(), vec!["a".to_string(), "e".to_string()]);
         assert!(s.push("e", rec("r1")));
         assert!(!s.push("b", rec("r2")));
+        for env in ["e", "a"] {
+            assert_eq!(rx.try_recv().ok(), Some(SourceEvent::Subscribed { env_id: env.into() }));
+        }
         assert_eq!(
             rx.try_recv().ok(),
             Some(SourceEvent::Record {

@@ -264,6 +264,11 @@ impl Router {
                             coalescer.push(&env_id, record);
                         }
                     }
+                    SourceEvent::Subscribed { env_id } => {
+                        if let Some(env) = inner.env(&env_id) {
+                            lock(&env.state).active = true;
+                        }
+                    }
                     SourceEvent::Reconnected => inner.on_gap(),
                 }
             }
@@ -384,7 +389,7 @@ impl Inner {
         }
         let env = Arc::new(Env {
             id: env_id.to_string(),
-            state: Mutex::new(EnvState { epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed), active: true, ..EnvState::default() }),
+            state: Mutex::new(EnvState { epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed), ..EnvState::default() }),
         });
         envs.insert(env_id.to_string(), env.clone());
         drop(envs);

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
-use fred::prelude::*;
+use fred::interfaces::{ClientLike, PubsubInterface};
 use reqwest::header::HeaderMap;
 use runfeed::app::{self, Running};
 use runfeed::auth::mint_public_token;
@@ -252,8 +252,10 @@ impl TestServer {
             .build()
             .expect("reqwest client");
         let publisher = within(WAIT, "connect publisher", Publisher::connect(REDIS_URL)).await.expect("connect publisher");
-        let redis = fred::clients::Client::new(fred::types::config::Config::from_url(REDIS_URL).unwrap(), None, None, None);
-        redis.init().await.expect("connect redis probe client");
+        let redis = fred::types::Builder::from_config(fred::types::config::Config::from_url(REDIS_URL).expect("redis url"))
+            .build()
+            .expect("redis probe client");
+        within(WAIT, "connect redis probe client", redis.init()).await.expect("connect redis probe client");
         TestServer { running: Some(running), db: Some(db), base, http, publisher: Some(publisher), redis: Some(redis), db_name }
     }
 
@@ -352,11 +354,9 @@ impl TestServer {
         let channel = channel_name(env_id);
         let deadline = Instant::now() + WAIT;
         loop {
-            let counts: Vec<Value> = within(WAIT, "PUBSUB NUMSUB", redis.pubsub_numsub::<Vec<Value>, _>(channel.clone()))
-                .await
-                .map(|v: Vec<Value>| v)
-                .unwrap_or_default();
-            let n = counts.get(1).and_then(|v| v.as_i64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))).unwrap_or(0);
+            let counts: Vec<fred::types::Value> =
+                within(WAIT, "PUBSUB NUMSUB", redis.pubsub_numsub(channel.clone())).await.unwrap_or_default();
+            let n = counts.get(1).and_then(|v| v.as_i64()).unwrap_or(0);
             if n >= 1 {
                 return;
             }

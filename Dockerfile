@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# runfeed: multi-stage build. The builder compiles the release binary with the locked
+# dependency set; the runtime image is Debian slim with the binary, CA certificates and a
+# non-root user.
+#   docker build -t runfeed .
+#   docker run --rm -p 3030:3030 -e DATABASE_URL=… -e REDIS_URL=… runfeed
+
+FROM rust:1.95-bookworm AS builder
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+COPY migrations ./migrations
+COPY config ./config
+# Cache the registry and the target dir between builds (BuildKit); copy the binary out of the
+# cache mount so the next stage can see it.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked \
+ && install -m 0755 target/release/runfeed /usr/local/bin/runfeed
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin runfeed
+COPY --from=builder /usr/local/bin/runfeed /usr/local/bin/runfeed
+COPY config/default.toml /etc/runfeed/default.toml
+USER runfeed:runfeed
+EXPOSE 3030
+# No curl in the image: probe /healthz with bash's /dev/tcp.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+  CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/3030 && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
+ENTRYPOINT ["runfeed"]
+CMD ["serve", "--listen", "0.0.0.0:3030"]

@@ -15,7 +15,7 @@ use axum::Json;
 use serde_json::json;
 use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
-use crate::auth::{Authenticator, Principal, Resource};
+use crate::auth::{batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal};
 use crate::feeds::{now_ms, FeedError, FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::body::FragmentBody;
 use crate::protocol::headers::ElectricHeaders;
@@ -52,6 +52,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "Not found") })
         .with_state(state)
+        // One span per request (method, path and query: no credentials travel in the URL).
+        .layer(tower_http::trace::TraceLayer::new_for_http())
         .layer(cors)
 }
 
@@ -186,15 +188,7 @@ async fn run_feed(State(state): State<AppState>, Path(run_id): Path<String>, hea
         Ok(None) => return not_found(false),
         Err(err) => return unavailable(&err),
     };
-    let mut resources = vec![
-        Resource { kind: "runs", id: Some(&run.friendly_id) },
-        Resource { kind: "tasks", id: Some(&run.task_identifier) },
-    ];
-    resources.extend(run.tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_str()) }));
-    if let Some(batch) = &run.batch_friendly_id {
-        resources.push(Resource { kind: "batch", id: Some(batch) });
-    }
-    if !principal.ability.can_read_any(&resources) {
+    if !principal.ability.can_read_any(&run_route_resources(&run)) {
         return forbidden();
     }
     let target = Target::Run { run_id: run.id.clone() };
@@ -224,9 +218,7 @@ async fn tag_feed(State(state): State<AppState>, headers: HeaderMap, RawQuery(qu
         },
     };
     let floor_ms = now_ms() - i64::try_from(lookback).unwrap_or(i64::MAX / 2);
-    let mut resources = vec![Resource { kind: "runs", id: None }, Resource { kind: "tags", id: None }];
-    resources.extend(tags.iter().map(|t| Resource { kind: "tags", id: Some(t.as_str()) }));
-    if !principal.ability.can_read_any(&resources) {
+    if !principal.ability.can_read_any(&runs_list_resources(&tags)) {
         return forbidden();
     }
     serve(&state, &principal, &ctx, Target::Tag { tags, floor_ms }, offset).await
@@ -247,8 +239,7 @@ async fn batch_feed(State(state): State<AppState>, Path(batch_id): Path<String>,
         Ok(None) => return not_found(true),
         Err(err) => return unavailable(&err),
     };
-    let resources = [Resource { kind: "batch", id: Some(&batch.friendly_id) }, Resource { kind: "runs", id: None }];
-    if !principal.ability.can_read_any(&resources) {
+    if !principal.ability.can_read_any(&batch_route_resources(&batch.friendly_id)) {
         return forbidden();
     }
     serve(&state, &principal, &ctx, Target::Batch { batch_id: batch.id.clone() }, offset).await

@@ -4,8 +4,8 @@
 //! `realtime:env:{<envId>}` for every environment that has a listener (NTF-07..12). The Redis
 //! source here does the same with a fred [`SubscriberClient`].
 
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -28,10 +28,12 @@ pub enum SourceEvent {
         env_id: String,
         record: ChangeRecord,
     },
-    /// The subscription of `env_id` is confirmed by Redis: records published from now on are
-    /// delivered. Replay coverage starts here, not at the subscribe call (a record published
-    /// between the two would otherwise be lost while a cursor claims it was covered).
-    Subscribed { env_id: String },
+    /// The subscription of `env_id` requested by the [`ChangeSource::subscribe`] call that
+    /// returned `generation` is confirmed by Redis: records published from now on are delivered.
+    /// Replay coverage starts here, not at the subscribe call (a record published between the
+    /// two would otherwise be lost while a cursor claims it was covered). The generation lets a
+    /// consumer ignore a late confirmation of an earlier subscription of the same env.
+    Subscribed { env_id: String, generation: u64 },
     /// The subscriber connection was re-established: records published while it was down are
     /// lost, so every subscribed environment has a gap.
     Reconnected,
@@ -41,8 +43,9 @@ pub enum SourceEvent {
 /// sender they were built with. Both calls are idempotent and never block; failures are
 /// retried/logged inside the source (a missed record only costs latency: the backstop covers it).
 pub trait ChangeSource: Send + Sync + 'static {
-    /// Start receiving records of `env_id`.
-    fn subscribe(&self, env_id: &str);
+    /// Start receiving records of `env_id`. Returns this request's generation (unique per
+    /// source, increasing); the matching [`SourceEvent::Subscribed`] carries it.
+    fn subscribe(&self, env_id: &str) -> u64;
     /// Stop receiving records of `env_id`.
     fn unsubscribe(&self, env_id: &str);
 }
@@ -59,6 +62,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct MemoryChangeSource {
     tx: mpsc::UnboundedSender<SourceEvent>,
     subscribed: Mutex<BTreeSet<String>>,
+    generations: AtomicU64,
 }
 
 impl MemoryChangeSource {
@@ -67,6 +71,7 @@ impl MemoryChangeSource {
         MemoryChangeSource {
             tx,
             subscribed: Mutex::default(),
+            generations: AtomicU64::new(0),
         }
     }
 
@@ -96,11 +101,12 @@ impl MemoryChangeSource {
 }
 
 impl ChangeSource for MemoryChangeSource {
-    fn subscribe(&self, env_id: &str) {
+    fn subscribe(&self, env_id: &str) -> u64 {
         // In memory a subscription is active at once.
-        if lock(&self.subscribed).insert(env_id.to_owned()) {
-            let _ = self.tx.send(SourceEvent::Subscribed { env_id: env_id.to_owned() });
-        }
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
+        lock(&self.subscribed).insert(env_id.to_owned());
+        let _ = self.tx.send(SourceEvent::Subscribed { env_id: env_id.to_owned(), generation });
+        generation
     }
     fn unsubscribe(&self, env_id: &str) {
         lock(&self.subscribed).remove(env_id);
@@ -164,9 +170,12 @@ impl Mode {
 /// State shared between the handle and its background tasks.
 struct Shared {
     /// Environments the consumer wants (what `subscribe`/`unsubscribe` edit).
-    desired: Mutex<BTreeSet<String>>,
-    /// Environments Redis confirmed on the current connection (kept by the reconciler).
-    confirmed: Mutex<BTreeSet<String>>,
+    desired: Mutex<BTreeMap<String, u64>>,
+    /// Environments Redis confirmed on the current connection, with the generation last
+    /// announced for each (kept by the reconciler).
+    confirmed: Mutex<BTreeMap<String, u64>>,
+    /// Source of subscribe generations.
+    generations: AtomicU64,
     /// Wakes the reconciler.
     wake: Notify,
     /// A (re)connect the reconciler has not handled yet.
@@ -282,6 +291,7 @@ impl RedisChangeSource {
         let shared = Arc::new(Shared {
             desired: Mutex::default(),
             confirmed: Mutex::default(),
+            generations: AtomicU64::new(0),
             wake: Notify::new(),
             resync: Mutex::default(),
             connect_returned: AtomicBool::new(false),
@@ -327,14 +337,14 @@ impl RedisChangeSource {
 
     /// Environments the consumer asked for (sorted), confirmed by Redis or not.
     pub fn subscribed(&self) -> Vec<String> {
-        lock(&self.shared.desired).iter().cloned().collect()
+        lock(&self.shared.desired).keys().cloned().collect()
     }
 
     /// Environments whose SUBSCRIBE Redis confirmed on the current connection (sorted). Lags
     /// [`RedisChangeSource::subscribed`] by a round trip; its length is the "active
     /// subscriptions" figure (NTF-07/09).
     pub fn confirmed(&self) -> Vec<String> {
-        lock(&self.shared.confirmed).iter().cloned().collect()
+        lock(&self.shared.confirmed).keys().cloned().collect()
     }
 
     /// Whether the subscriber connection is currently up.
@@ -371,13 +381,14 @@ impl Drop for RedisChangeSource {
 }
 
 impl ChangeSource for RedisChangeSource {
-    fn subscribe(&self, env_id: &str) {
-        if lock(&self.shared.desired).insert(env_id.to_owned()) {
-            self.shared.wake.notify_one();
-        }
+    fn subscribe(&self, env_id: &str) -> u64 {
+        let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed) + 1;
+        lock(&self.shared.desired).insert(env_id.to_owned(), generation);
+        self.shared.wake.notify_one();
+        generation
     }
     fn unsubscribe(&self, env_id: &str) {
-        if lock(&self.shared.desired).remove(env_id) {
+        if lock(&self.shared.desired).remove(env_id).is_some() {
             self.shared.wake.notify_one();
         }
     }
@@ -477,14 +488,34 @@ async fn reconcile(
                 *resync = Resync::default();
             }
         }
-        let (to_subscribe, to_unsubscribe) = {
+        let (to_subscribe, to_unsubscribe, to_announce) = {
             let desired = lock(&shared.desired);
-            let confirmed = lock(&shared.confirmed);
-            (
-                desired.difference(&confirmed).cloned().collect::<Vec<_>>(),
-                confirmed.difference(&desired).cloned().collect::<Vec<_>>(),
-            )
+            let mut confirmed = lock(&shared.confirmed);
+            let to_subscribe: Vec<(String, u64)> = desired
+                .iter()
+                .filter(|(env, _)| !confirmed.contains_key(*env))
+                .map(|(env, generation)| (env.clone(), *generation))
+                .collect();
+            let to_unsubscribe: Vec<String> =
+                confirmed.keys().filter(|env| !desired.contains_key(*env)).cloned().collect();
+            // Still subscribed at Redis (an unsubscribe never reached it), but a newer subscribe
+            // asked: the subscription never lapsed, so the new generation is confirmed as is.
+            let mut to_announce = Vec::new();
+            for (env, generation) in desired.iter() {
+                if let Some(announced) = confirmed.get_mut(env) {
+                    if announced != generation {
+                        *announced = *generation;
+                        to_announce.push((env.clone(), *generation));
+                    }
+                }
+            }
+            (to_subscribe, to_unsubscribe, to_announce)
         };
+        for (env_id, generation) in to_announce {
+            if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
+                return;
+            }
+        }
 
         let mut failed = false;
         if !to_unsubscribe.is_empty() {
@@ -503,12 +534,12 @@ async fn reconcile(
             }
         }
         if !to_subscribe.is_empty() {
-            let channels = to_subscribe.iter().map(|env| channel_name(env)).collect();
+            let channels = to_subscribe.iter().map(|(env, _)| channel_name(env)).collect();
             match mode.subscribe(&client, channels).await {
                 Ok(()) => {
                     lock(&shared.confirmed).extend(to_subscribe.iter().cloned());
-                    for env_id in &to_subscribe {
-                        if tx.send(SourceEvent::Subscribed { env_id: env_id.clone() }).is_err() {
+                    for (env_id, generation) in to_subscribe.iter().cloned() {
+                        if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
                             return;
                         }
                     }
@@ -565,8 +596,9 @@ mod tests {
         assert_eq!(s.subscribed(), vec!["a".to_string(), "e".to_string()]);
         assert!(s.push("e", rec("r1")));
         assert!(!s.push("b", rec("r2")));
-        for env in ["e", "a"] {
-            assert_eq!(rx.try_recv().ok(), Some(SourceEvent::Subscribed { env_id: env.into() }));
+        for (generation, env) in ["e", "e", "a"].into_iter().enumerate() {
+            let generation = generation as u64 + 1;
+            assert_eq!(rx.try_recv().ok(), Some(SourceEvent::Subscribed { env_id: env.into(), generation }));
         }
         assert_eq!(
             rx.try_recv().ok(),

@@ -274,14 +274,22 @@ impl Feeds {
             let fresh = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await?;
             pending.extend(fresh.rows.iter().cloned());
         }
-        Ok(self.respond(req, handle, offset, &known, pending, &reg, true))
+        Ok(self.respond(req, handle, offset, &known, pending, &reg, true, true))
     }
 
-    fn respond(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, mut pending: Pending, reg: &Registration, schema: bool) -> FeedReply {
+    /// Builds the response and records the state for its offset. `trusted == false` (a store
+    /// re-check failed) records a cursor no later poll will take as covered, so that poll
+    /// re-checks instead of trusting a stream that may have skipped this feed.
+    #[allow(clippy::too_many_arguments)]
+    fn respond(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, mut pending: Pending, reg: &Registration, schema: bool, trusted: bool) -> FeedReply {
         // Cursor first, then the final drain: a delivery in between is in this response or
         // after the cursor.
-        let cursor = reg.cursor();
-        pending.extend(reg.take().rows);
+        let mut cursor = reg.cursor();
+        let late = reg.take();
+        if late.recheck || !trusted {
+            cursor.epoch = 0;
+        }
+        pending.extend(late.rows);
         let changes = pending.changes(known);
         let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
         let ws = pending.next_working_set(known);
@@ -297,28 +305,26 @@ impl Feeds {
         let known = self.known(req, state.as_deref(), offset);
         let reg = self.router.register(&req.env_id, filter_of(target), req.cols, state.as_ref().map(|s| s.cursor)).await;
         let mut pending = Pending::default();
-        pending.extend(reg.take().rows);
-        if !reg.covered() || matches!(known, Known::Nothing) {
+        let first = reg.take();
+        pending.extend(first.rows);
+        let mut trusted = true;
+        if !reg.covered() || first.recheck || matches!(known, Known::Nothing) {
             // Cold path: the change stream cannot vouch for the gap; read the store now that
             // the feed is registered (anything after this read reaches the inbox).
-            if let Ok(set) = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
-                pending.extend(set.rows.iter().cloned());
-            }
+            trusted &= self.recheck(req, target, deadline, &mut pending).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
-                return Ok(self.respond(req, handle, offset, &known, pending, &reg, false));
+                return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
             }
             tokio::select! {
                 wake = reg.wake() => {
                     pending.extend(wake.rows);
                     if wake.recheck {
-                        if let Ok(set) = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
-                            pending.extend(set.rows.iter().cloned());
-                        }
+                        trusted &= self.recheck(req, target, deadline, &mut pending).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
-                        return Ok(self.respond(req, handle, offset, &known, pending, &reg, false));
+                        return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
@@ -328,9 +334,26 @@ impl Feeds {
         let backstop_deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
         match self.sets.read_shared(&req.env_id, target, req.cols, backstop_deadline).await {
             Ok(set) => pending.extend(set.rows.iter().cloned()),
-            Err(err) => tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date"),
+            Err(err) => {
+                tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date");
+                trusted = false;
+            }
         }
-        Ok(self.respond(req, handle, offset, &known, pending, &reg, false))
+        Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted))
+    }
+
+    /// Reads the store after the feed registered; false if that failed (logged).
+    async fn recheck(&self, req: &FeedRequest, target: &Target, deadline: Instant, pending: &mut Pending) -> bool {
+        match self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
+            Ok(set) => {
+                pending.extend(set.rows.iter().cloned());
+                true
+            }
+            Err(err) => {
+                tracing::warn!(env_id = %req.env_id, error = %err, "store re-check failed; holding");
+                false
+            }
+        }
     }
 }
 

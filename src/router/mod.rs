@@ -104,7 +104,13 @@ impl Slot {
 #[derive(Default)]
 struct EnvState {
     epoch: u64,
+    /// The change source's generation of this incarnation's subscribe request.
+    generation: u64,
+    /// The source confirmed that subscription (replay coverage starts here).
     active: bool,
+    /// Callers between `ensure_env` and inserting their feed (or finishing a touch): the env
+    /// must not be torn down under them.
+    pending: usize,
     last_seq: u64,
     /// Batches being routed: first seq → last seq.
     in_flight: BTreeMap<u64, u64>,
@@ -264,9 +270,14 @@ impl Router {
                             coalescer.push(&env_id, record);
                         }
                     }
-                    SourceEvent::Subscribed { env_id } => {
+                    SourceEvent::Subscribed { env_id, generation } => {
                         if let Some(env) = inner.env(&env_id) {
-                            lock(&env.state).active = true;
+                            let mut state = lock(&env.state);
+                            // A late confirmation of an earlier incarnation's subscription
+                            // must not vouch for this one.
+                            if state.generation == generation {
+                                state.active = true;
+                            }
                         }
                     }
                     SourceEvent::Reconnected => inner.on_gap(),
@@ -304,6 +315,7 @@ impl Router {
             let mut state = lock(&env.state);
             state.feeds.insert(id, slot.clone());
             state.index(id, &filter);
+            state.pending -= 1;
             let same_epoch = cursor.is_some_and(|c| state.active && c.epoch == state.epoch);
             let from = match cursor {
                 Some(c) if same_epoch => c.seq,
@@ -340,7 +352,8 @@ impl Router {
     pub fn touch(&self, env_id: &str) -> ReplayCursor {
         let env = self.inner.ensure_env(env_id);
         let cursor = {
-            let state = lock(&env.state);
+            let mut state = lock(&env.state);
+            state.pending -= 1;
             state.cursor()
         };
         self.inner.schedule_teardown_if_idle(&env);
@@ -380,20 +393,29 @@ impl Inner {
         lock(&self.envs).get(env_id).cloned()
     }
 
+    /// The env's state, created and subscribed if needed, with one `pending` mark the caller
+    /// must release ([`EnvState::pending`]).
     fn ensure_env(&self, env_id: &str) -> Arc<Env> {
         let mut envs = lock(&self.envs);
         if let Some(env) = envs.get(env_id) {
+            let mut state = lock(&env.state);
             // New interest cancels a pending teardown.
-            lock(&env.state).linger_generation += 1;
+            state.linger_generation += 1;
+            state.pending += 1;
             return env.clone();
         }
         let env = Arc::new(Env {
             id: env_id.to_string(),
-            state: Mutex::new(EnvState { epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed), ..EnvState::default() }),
+            state: Mutex::new(EnvState {
+                epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed),
+                pending: 1,
+                ..EnvState::default()
+            }),
         });
+        // Subscribe under the locks: the confirmation cannot be applied before the generation
+        // is recorded (`subscribe` never blocks).
+        lock(&env.state).generation = self.source.subscribe(env_id);
         envs.insert(env_id.to_string(), env.clone());
-        drop(envs);
-        self.source.subscribe(env_id);
         env
     }
 
@@ -428,7 +450,7 @@ impl Inner {
     fn schedule_teardown_if_idle(self: &Arc<Self>, env: &Arc<Env>) {
         let generation = {
             let mut state = lock(&env.state);
-            if !state.feeds.is_empty() {
+            if !state.feeds.is_empty() || state.pending > 0 {
                 return;
             }
             state.linger_generation += 1;
@@ -441,7 +463,7 @@ impl Inner {
             let mut envs = lock(&inner.envs);
             let still_idle = {
                 let state = lock(&env.state);
-                state.feeds.is_empty() && state.linger_generation == generation
+                state.feeds.is_empty() && state.pending == 0 && state.linger_generation == generation
             };
             if still_idle && envs.get(&env.id).is_some_and(|e| Arc::ptr_eq(e, &env)) {
                 envs.remove(&env.id);
@@ -529,16 +551,23 @@ impl Inner {
         // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
         let hydrated = futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
             let ids: Vec<String> = ids.into_iter().collect();
-            (cols, self.hydrate(env_id, &ids, cols).await.unwrap_or_default())
+            (cols, self.hydrate(env_id, &ids, cols).await)
         }))
         .await;
-        let hydrated: HashMap<ColumnSet, HashMap<String, SerializedRow>> = hydrated.into_iter().collect();
+        // A failed hydrate must not pass silently under the cursors: its feeds re-check from
+        // the store (and answer with an untrusted cursor if that fails too).
+        let hydrated: HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>> =
+            hydrated.into_iter().map(|(cols, rows)| (cols, rows.ok())).collect();
         // 3. Deliver to inboxes, mark the batch routed, then wake (so a woken feed's response
         //    cursor already covers this batch and its next poll does not replay it).
         let mut woken = Vec::new();
         let mut deliveries = 0u64;
         for (_, (slot, run_ids)) in matches {
-            let Some(rows_by_id) = hydrated.get(&slot.cols) else { continue };
+            let Some(rows_by_id) = hydrated.get(&slot.cols).and_then(Option::as_ref) else {
+                slot.push(Vec::new(), true);
+                woken.push(slot);
+                continue;
+            };
             let rows: Vec<SerializedRow> = run_ids
                 .iter()
                 .filter_map(|id| rows_by_id.get(id))

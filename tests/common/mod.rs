@@ -44,7 +44,10 @@ pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>
 pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !cond() {
-        assert!(Instant::now() < deadline, "condition never held within {limit:?}: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "condition never held within {limit:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -101,7 +104,11 @@ impl Resp {
     /// The millisecond part of the offset.
     pub fn offset_ms(&self) -> i64 {
         let o = self.offset();
-        o.split('_').next().unwrap().parse().unwrap_or_else(|_| panic!("bad offset {o:?}"))
+        o.split('_')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|_| panic!("bad offset {o:?}"))
     }
 
     pub fn cursor(&self) -> Option<String> {
@@ -110,12 +117,17 @@ impl Resp {
 
     /// The body's messages (panics unless the body is a JSON array).
     pub fn messages(&self) -> &Vec<Value> {
-        self.json.as_array().unwrap_or_else(|| panic!("body is not a JSON array: {}", self.text))
+        self.json
+            .as_array()
+            .unwrap_or_else(|| panic!("body is not a JSON array: {}", self.text))
     }
 
     /// Change messages (those with a `key`).
     pub fn changes(&self) -> Vec<&Value> {
-        self.messages().iter().filter(|m| m.get("key").is_some()).collect()
+        self.messages()
+            .iter()
+            .filter(|m| m.get("key").is_some())
+            .collect()
     }
 
     /// `(operation, run id)` of every change message, in body order.
@@ -124,7 +136,10 @@ impl Resp {
             .iter()
             .map(|m| {
                 (
-                    m["headers"]["operation"].as_str().unwrap_or("?").to_string(),
+                    m["headers"]["operation"]
+                        .as_str()
+                        .unwrap_or("?")
+                        .to_string(),
                     m["value"]["id"].as_str().unwrap_or("?").to_string(),
                 )
             })
@@ -138,7 +153,9 @@ impl Resp {
 
     /// Whether the last message is the `up-to-date` control message.
     pub fn ends_up_to_date(&self) -> bool {
-        self.messages().last().is_some_and(|m| m["headers"]["control"] == "up-to-date")
+        self.messages()
+            .last()
+            .is_some_and(|m| m["headers"]["control"] == "up-to-date")
     }
 
     /// Body is exactly `[{"headers":{"control":"up-to-date"}}]`.
@@ -148,11 +165,19 @@ impl Resp {
 
     /// The parsed `electric-schema` header.
     pub fn schema(&self) -> Value {
-        serde_json::from_str(self.header("electric-schema").expect("electric-schema header")).expect("schema is JSON")
+        serde_json::from_str(
+            self.header("electric-schema")
+                .expect("electric-schema header"),
+        )
+        .expect("schema is JSON")
     }
 
     pub fn assert_status(&self, status: u16) -> &Self {
-        assert_eq!(self.status, status, "unexpected status; body: {} headers: {:?}", self.text, self.headers);
+        assert_eq!(
+            self.status, status,
+            "unexpected status; body: {} headers: {:?}",
+            self.text, self.headers
+        );
         self
     }
 }
@@ -166,7 +191,10 @@ pub struct Url {
 
 impl Url {
     pub fn new(path: &str) -> Url {
-        Url { path: path.to_string(), params: Vec::new() }
+        Url {
+            path: path.to_string(),
+            params: Vec::new(),
+        }
     }
 
     pub fn q(mut self, k: &str, v: &str) -> Url {
@@ -199,7 +227,10 @@ impl Url {
 
     /// A non-live catch-up request at (`handle`, `offset`).
     pub fn catch_up(&self, handle: &str, offset: &str) -> Url {
-        self.clone().q("handle", handle).q("log", "full").q("offset", offset)
+        self.clone()
+            .q("handle", handle)
+            .q("log", "full")
+            .q("offset", offset)
     }
 }
 
@@ -230,6 +261,14 @@ pub struct TestServer {
     publisher: Option<Publisher>,
     redis: Option<fred::clients::Client>,
     db_name: String,
+    /// The configuration the server was started with.
+    pub config: Config,
+}
+
+/// Another runfeed instance on the same database (instance hop, restart).
+pub struct Peer {
+    pub running: Running,
+    pub base: String,
 }
 
 impl TestServer {
@@ -240,23 +279,76 @@ impl TestServer {
 
     /// A server with the given live hold; `tweak` edits the config before start.
     pub async fn start_with(hold_ms: u64, tweak: impl FnOnce(&mut Config)) -> TestServer {
-        let db = within(WAIT, "create test database", TestDb::create(PG_ADMIN)).await.expect("create test database");
+        let db = within(WAIT, "create test database", TestDb::create(PG_ADMIN))
+            .await
+            .expect("create test database");
         let mut config = test_config(&db.url, hold_ms);
         tweak(&mut config);
         let db_name = db.name.clone();
-        let running = within(WAIT, "start runfeed", app::start(config)).await.expect("start runfeed");
+        let running = within(WAIT, "start runfeed", app::start(config.clone()))
+            .await
+            .expect("start runfeed");
         let base = format!("http://{}", running.addr);
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(4096)
             .no_proxy()
             .build()
             .expect("reqwest client");
-        let publisher = within(WAIT, "connect publisher", Publisher::connect(REDIS_URL)).await.expect("connect publisher");
-        let redis = fred::types::Builder::from_config(fred::types::config::Config::from_url(REDIS_URL).expect("redis url"))
-            .build()
-            .expect("redis probe client");
-        within(WAIT, "connect redis probe client", redis.init()).await.expect("connect redis probe client");
-        TestServer { running: Some(running), db: Some(db), base, http, publisher: Some(publisher), redis: Some(redis), db_name }
+        let publisher = within(WAIT, "connect publisher", Publisher::connect(REDIS_URL))
+            .await
+            .expect("connect publisher");
+        let redis = fred::types::Builder::from_config(
+            fred::types::config::Config::from_url(REDIS_URL).expect("redis url"),
+        )
+        .build()
+        .expect("redis probe client");
+        within(WAIT, "connect redis probe client", redis.init())
+            .await
+            .expect("connect redis probe client");
+        TestServer {
+            running: Some(running),
+            db: Some(db),
+            base,
+            http,
+            publisher: Some(publisher),
+            redis: Some(redis),
+            db_name,
+            config,
+        }
+    }
+
+    /// Starts another instance on the same database and Redis; `tweak` edits a copy of this
+    /// server's configuration first (e.g. another handle secret).
+    pub async fn peer(&self, tweak: impl FnOnce(&mut Config)) -> Peer {
+        let mut config = self.config.clone();
+        tweak(&mut config);
+        let running = within(WAIT, "start peer", app::start(config))
+            .await
+            .expect("start peer");
+        let base = format!("http://{}", running.addr);
+        Peer { running, base }
+    }
+
+    /// `GET url` on another instance.
+    pub async fn fetch_at(&self, base: &str, url: &Url, headers: &[(String, String)]) -> Resp {
+        let full = format!("{base}{}", url.render());
+        let mut req = self.http.get(&full);
+        for (k, v) in headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let started = Instant::now();
+        let resp = within(WAIT, &full, req.send()).await.expect("send");
+        let status = resp.status().as_u16();
+        let hdrs = resp.headers().clone();
+        let text = within(WAIT, &full, resp.text()).await.expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Resp {
+            status,
+            headers: hdrs,
+            text,
+            json,
+            elapsed: started.elapsed(),
+        }
     }
 
     pub fn running(&self) -> &Running {
@@ -273,29 +365,55 @@ impl TestServer {
     }
 
     /// `GET url` with `headers`.
-    pub async fn fetch(&self, url: &Url, headers: &[(String, String)]) -> Resp {
-        self.get(&url.render(), headers).await
+    pub fn fetch<'a>(
+        &'a self,
+        url: &Url,
+        headers: &'a [(String, String)],
+    ) -> impl Future<Output = Resp> + 'a {
+        let path = url.render();
+        async move { self.get(&path, headers).await }
     }
 
     /// `GET path` through `client`, bounded by `limit`.
-    pub async fn get_with(&self, client: &reqwest::Client, path: &str, headers: &[(String, String)], limit: Duration) -> Resp {
+    pub async fn get_with(
+        &self,
+        client: &reqwest::Client,
+        path: &str,
+        headers: &[(String, String)],
+        limit: Duration,
+    ) -> Resp {
         let url = format!("{}{}", self.base, path);
         let mut req = client.get(&url);
         for (k, v) in headers {
             req = req.header(k.as_str(), v.as_str());
         }
         let started = Instant::now();
-        let resp = within(limit, &format!("GET {path}"), req.send()).await.unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let resp = within(limit, &format!("GET {path}"), req.send())
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
         let status = resp.status().as_u16();
         let hdrs = resp.headers().clone();
-        let text = within(limit, &format!("body of GET {path}"), resp.text()).await.expect("read body");
+        let text = within(limit, &format!("body of GET {path}"), resp.text())
+            .await
+            .expect("read body");
         let elapsed = started.elapsed();
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp { status, headers: hdrs, text, json, elapsed }
+        Resp {
+            status,
+            headers: hdrs,
+            text,
+            json,
+            elapsed,
+        }
     }
 
     /// An arbitrary request (e.g. `OPTIONS`).
-    pub async fn request(&self, method: reqwest::Method, path: &str, headers: &[(String, String)]) -> Resp {
+    pub async fn request(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        headers: &[(String, String)],
+    ) -> Resp {
         let url = format!("{}{}", self.base, path);
         let mut req = self.http.request(method, &url);
         for (k, v) in headers {
@@ -307,42 +425,85 @@ impl TestServer {
         let hdrs = resp.headers().clone();
         let text = within(WAIT, path, resp.text()).await.expect("body");
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp { status, headers: hdrs, text, json, elapsed: started.elapsed() }
+        Resp {
+            status,
+            headers: hdrs,
+            text,
+            json,
+            elapsed: started.elapsed(),
+        }
     }
 
     // ----- fixtures -----
 
     pub async fn env(&self) -> DemoEnv {
-        within(WAIT, "create env", fixtures::create_env(self.pool(), "DEVELOPMENT")).await.expect("create env")
+        within(
+            WAIT,
+            "create env",
+            fixtures::create_env(self.pool(), "DEVELOPMENT"),
+        )
+        .await
+        .expect("create env")
     }
 
     pub async fn run(&self, env: &DemoEnv, spec: RunSpec) -> CreatedRun {
-        within(WAIT, "create run", fixtures::create_run(self.pool(), env, spec)).await.expect("create run")
+        within(
+            WAIT,
+            "create run",
+            fixtures::create_run(self.pool(), env, spec),
+        )
+        .await
+        .expect("create run")
     }
 
     /// A PENDING run with `tags` (and optional internal batch id).
     pub async fn tagged_run(&self, env: &DemoEnv, tags: &[&str]) -> CreatedRun {
-        let spec = RunSpec { tags: Some(tags.iter().map(|t| t.to_string()).collect()), ..RunSpec::default() };
+        let spec = RunSpec {
+            tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+            ..RunSpec::default()
+        };
         self.run(env, spec).await
     }
 
     pub async fn batch_run(&self, env: &DemoEnv, batch_id: &str) -> CreatedRun {
-        let spec = RunSpec { batch_id: Some(batch_id.to_string()), ..RunSpec::default() };
+        let spec = RunSpec {
+            batch_id: Some(batch_id.to_string()),
+            ..RunSpec::default()
+        };
         self.run(env, spec).await
     }
 
     /// `(internal id, friendly id)`.
     pub async fn batch(&self, env: &DemoEnv) -> (String, String) {
-        within(WAIT, "create batch", fixtures::create_batch(self.pool(), env)).await.expect("create batch")
+        within(
+            WAIT,
+            "create batch",
+            fixtures::create_batch(self.pool(), env),
+        )
+        .await
+        .expect("create batch")
     }
 
     /// Applies `set`; returns the committed `updatedAt` ms.
     pub async fn update(&self, run_id: &str, set: RunUpdate) -> i64 {
-        within(WAIT, "update run", fixtures::update_run(self.pool(), run_id, set)).await.expect("update run")
+        within(
+            WAIT,
+            "update run",
+            fixtures::update_run(self.pool(), run_id, set),
+        )
+        .await
+        .expect("update run")
     }
 
     pub async fn set_status(&self, run_id: &str, status: &str) -> i64 {
-        self.update(run_id, RunUpdate { status: Some(status.into()), ..RunUpdate::default() }).await
+        self.update(
+            run_id,
+            RunUpdate {
+                status: Some(status.into()),
+                ..RunUpdate::default()
+            },
+        )
+        .await
     }
 
     // ----- change records -----
@@ -355,12 +516,17 @@ impl TestServer {
         let deadline = Instant::now() + WAIT;
         loop {
             let counts: Vec<fred::types::Value> =
-                within(WAIT, "PUBSUB NUMSUB", redis.pubsub_numsub(channel.clone())).await.unwrap_or_default();
+                within(WAIT, "PUBSUB NUMSUB", redis.pubsub_numsub(channel.clone()))
+                    .await
+                    .unwrap_or_default();
             let n = counts.get(1).and_then(|v| v.as_i64()).unwrap_or(0);
             if n >= 1 {
                 return;
             }
-            assert!(Instant::now() < deadline, "server never subscribed to {channel}");
+            assert!(
+                Instant::now() < deadline,
+                "server never subscribed to {channel}"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -369,12 +535,24 @@ impl TestServer {
     /// the server's subscriber received it.
     pub async fn publish(&self, record: &ChangeRecord) {
         self.wait_subscribed(&record.env_id).await;
-        let receivers = within(WAIT, "publish", self.publisher.as_ref().unwrap().publish(record)).await.expect("publish");
+        let receivers = within(
+            WAIT,
+            "publish",
+            self.publisher.as_ref().unwrap().publish(record),
+        )
+        .await
+        .expect("publish");
         assert!(receivers >= 1, "no subscriber received the record");
     }
 
     /// A full record for `run` (tags and batch as given) with its committed `updatedAtMs`.
-    pub fn record(env: &DemoEnv, run_id: &str, tags: &[&str], batch_id: Option<&str>, updated_at_ms: i64) -> ChangeRecord {
+    pub fn record(
+        env: &DemoEnv,
+        run_id: &str,
+        tags: &[&str],
+        batch_id: Option<&str>,
+        updated_at_ms: i64,
+    ) -> ChangeRecord {
         ChangeRecord {
             v: 1,
             run_id: run_id.to_string(),
@@ -386,9 +564,17 @@ impl TestServer {
     }
 
     /// Updates the status of a run and publishes its change record.
-    pub async fn change(&self, env: &DemoEnv, run_id: &str, tags: &[&str], batch_id: Option<&str>, status: &str) -> i64 {
+    pub async fn change(
+        &self,
+        env: &DemoEnv,
+        run_id: &str,
+        tags: &[&str],
+        batch_id: Option<&str>,
+        status: &str,
+    ) -> i64 {
         let ms = self.set_status(run_id, status).await;
-        self.publish(&Self::record(env, run_id, tags, batch_id, ms)).await;
+        self.publish(&Self::record(env, run_id, tags, batch_id, ms))
+            .await;
         ms
     }
 
@@ -403,7 +589,14 @@ impl TestServer {
     pub fn token_skip(&self, env: &DemoEnv, scopes: &[&str], skip: &[&str]) -> String {
         let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
         let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
-        mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::from_secs(900), Some(&skip)).expect("mint token")
+        mint_public_token(
+            &env.api_key,
+            &env.env_id,
+            &scopes,
+            Duration::from_secs(900),
+            Some(&skip),
+        )
+        .expect("mint token")
     }
 
     /// Held feeds `(run, tag, batch)`.
@@ -420,7 +613,14 @@ impl TestServer {
 
 pub fn token(env: &DemoEnv, scopes: &[&str]) -> String {
     let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
-    mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::from_secs(900), None).expect("mint token")
+    mint_public_token(
+        &env.api_key,
+        &env.env_id,
+        &scopes,
+        Duration::from_secs(900),
+        None,
+    )
+    .expect("mint token")
 }
 
 impl Drop for TestServer {
@@ -433,9 +633,16 @@ impl Drop for TestServer {
         let name = self.db_name.clone();
         drop(self.db.take());
         let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
                 let _ = rt.block_on(async {
-                    tokio::time::timeout(Duration::from_secs(20), fixtures::drop_database(PG_ADMIN, &name)).await
+                    tokio::time::timeout(
+                        Duration::from_secs(20),
+                        fixtures::drop_database(PG_ADMIN, &name),
+                    )
+                    .await
                 });
             }
         })
@@ -459,7 +666,15 @@ pub struct Follower {
 
 impl Follower {
     pub fn new(url: Url, headers: Vec<(String, String)>) -> Follower {
-        Follower { url, headers, handle: None, offset: "-1".into(), cursor: None, view: HashMap::new(), responses: 0 }
+        Follower {
+            url,
+            headers,
+            handle: None,
+            offset: "-1".into(),
+            cursor: None,
+            view: HashMap::new(),
+            responses: 0,
+        }
     }
 
     /// Applies a response's messages to the view.
@@ -496,12 +711,24 @@ impl Follower {
         for (k, v) in &self.headers {
             req = req.header(k.as_str(), v.as_str());
         }
-        let resp = tokio::time::timeout(WAIT, req.send()).await.map_err(|_| "timeout".to_string())?.map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(WAIT, req.send())
+            .await
+            .map_err(|_| "timeout".to_string())?
+            .map_err(|e| e.to_string())?;
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
-        let text = tokio::time::timeout(WAIT, resp.text()).await.map_err(|_| "timeout".to_string())?.map_err(|e| e.to_string())?;
+        let text = tokio::time::timeout(WAIT, resp.text())
+            .await
+            .map_err(|_| "timeout".to_string())?
+            .map_err(|e| e.to_string())?;
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        let r = Resp { status, headers, text, json, elapsed: Duration::ZERO };
+        let r = Resp {
+            status,
+            headers,
+            text,
+            json,
+            elapsed: Duration::ZERO,
+        };
         if status != 200 {
             return Err(format!("status {status}: {}", r.text));
         }

@@ -2,7 +2,7 @@
 // (protocol.md §5, §6, §10; trigger-facts §2; §11 scenarios 11, 14, 15, 16, 17, 27).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { setupWorld, raw, qs, openShape, sdkSubscribe, sdkRequests, signJwt, jwtClaims, isUpToDate, isChange, sleep } from "./lib.mjs";
+import { setupWorld, startServer, freePort, raw, qs, openShape, sdkSubscribe, sdkRequests, signJwt, jwtClaims, isUpToDate, isChange, sleep } from "./lib.mjs";
 
 const HOLD_MS = 3000;
 let world, fx, envA, envB, tokenA, tokenB, base;
@@ -75,6 +75,45 @@ test("scenario 11: unknown handle → 409", async () => {
   assert.equal([...c.rows.values()][0].friendlyId, run.friendlyId);
   assert.deepEqual(c.streamErrors, []);
   c.close();
+});
+
+test("scenario 11b: handles from before a server restart → 409, Shape and SDK repopulate", async () => {
+  // The instance comes back with another handle secret (as after a restart with no configured
+  // secret, or a rotation), so every handle the clients hold is unknown to it: the real clients
+  // must go through 409 must-refetch and come back with the row (the SDK re-yields it).
+  const port = await freePort();
+  let server = await startServer({
+    databaseUrl: world.db.url,
+    holdMs: 20000,
+    label: "restartable",
+    listen: `127.0.0.1:${port}`,
+    env: { RUNFEED_SERVER__HANDLE_SECRET: "e2e-secret-before-restart" },
+  });
+  world.track(() => server.stop());
+  const run = await fx.createRun(envA, { status: "EXECUTING" });
+  const c = await openShape({ baseUrl: server.baseUrl, path: runPath(run), token: tokenA });
+  world.track(() => c.close());
+  const s = await sdkSubscribe({ baseUrl: server.baseUrl, token: tokenA, kind: "run", id: run.friendlyId });
+  world.track(() => s.close());
+  await c.waitFor(() => c.rows.size === 1 && c.pendingLive(), { what: "Shape live" });
+  await s.waitFor(() => s.runs.length === 1 && s.pendingLive(), { what: "SDK live" });
+
+  server = await server.restart({ RUNFEED_SERVER__HANDLE_SECRET: "e2e-secret-after-restart" });
+  await fx.updateAndPublish(run, { status: "COMPLETED_SUCCESSFULLY", completedAt: Date.now() });
+  await c.waitFor(() => c.requests.some((r) => r.status === 409) && [...c.rows.values()][0]?.status === "COMPLETED_SUCCESSFULLY", {
+    what: "409 then the refetched row",
+    timeoutMs: 15000,
+  });
+  const i409 = c.requests.findIndex((r) => r.status === 409);
+  const refetch = c.requests[i409 + 1];
+  assert.equal(refetch.query.offset, "-1");
+  assert.equal(refetch.status, 200, c.describe());
+  assert.ok(c.batches.some((b) => (b.messages ?? []).some((m) => m?.headers?.control === "must-refetch")));
+  await s.waitFor(() => s.runs.at(-1)?.finishedAt, { what: "SDK re-yields the (now finished) run", timeoutMs: 15000 });
+  assert.equal(s.runs.at(-1).id, run.friendlyId);
+  assert.deepEqual(c.streamErrors, []);
+  c.close();
+  s.close();
 });
 
 test("scenario 14: auth missing / bad", async () => {

@@ -14,6 +14,7 @@
 // E2E_REDIS_URL (default redis://127.0.0.1:6379), E2E_VERBOSE=1 (echo server logs).
 
 import { spawn, execFile } from "node:child_process";
+import net from "node:net";
 import crypto from "node:crypto";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -238,10 +239,10 @@ function serverBaseEnv() {
  * Starts `runfeed serve --listen 127.0.0.1:0` and waits for its `runfeed listening on URL` line.
  * `holdMs` sets RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS (the live long-poll hold).
  */
-export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args = [], label = "server" } = {}) {
+export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args = [], label = "server", listen = "127.0.0.1:0" } = {}) {
   const child = spawn(
     BIN,
-    ["serve", "--listen", "127.0.0.1:0", "--database-url", databaseUrl, "--redis-url", REDIS_URL, ...args],
+    ["serve", "--listen", listen, "--database-url", databaseUrl, "--redis-url", REDIS_URL, ...args],
     {
       env: {
         ...serverBaseEnv(),
@@ -293,6 +294,12 @@ export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args 
     holdMs,
     child,
     logs: () => logLines.join("\n"),
+    /** Stops this process and starts a fresh one on the same address (same options + `envOverrides`). */
+    async restart(envOverrides = {}) {
+      await server.stop();
+      const port = new URL(baseUrl).port;
+      return startServer({ databaseUrl, holdMs, env: { ...env, ...envOverrides }, args, label: `${label}'`, listen: `127.0.0.1:${port}` });
+    },
     get exited() {
       return exited;
     },
@@ -306,6 +313,18 @@ export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args 
     },
   };
   return server;
+}
+
+/** A TCP port that was free a moment ago on 127.0.0.1 (for a server that must keep its address). */
+export function freePort() {
+  return new Promise((resolve, reject) => {
+    const srv = net.createServer();
+    srv.once("error", reject);
+    srv.listen(0, "127.0.0.1", () => {
+      const { port } = srv.address();
+      srv.close(() => resolve(port));
+    });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,2563 @@
+//! HTTP-level integration tests of the three feeds (run, tag, batch) against the real server
+//! started in-process (`runfeed::app::start`) on a fresh Postgres database and the local Redis.
+//!
+//! Specs: behaviours.md §1.9–§1.15 (REQ-*, RUN-*, TAG-*, BAT-*, LIVE-*, SER/TOK/HDR-*, HYD-*),
+//! protocol.md §3–§5, §10, §11 (scenario numbers), trigger-facts.md §2–§3 (auth order, scopes,
+//! request parsing), architecture.md "better than the reference" items.
+//!
+//! Every test owns its server and database; environment ids are random, so Redis channels never
+//! collide and tests run in parallel. Every await that could hang is bounded.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use runfeed::cli::fixtures::{RunSpec, RunUpdate};
+use runfeed::protocol::encode::format_timestamp_ms;
+use serde_json::json;
+use tokio::time::Instant;
+
+fn run_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
+}
+
+fn tag_url(tags: &str) -> Url {
+    Url::new("/realtime/v1/runs").q("tags", tags)
+}
+
+fn batch_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
+}
+
+fn key_of(run_id: &str) -> String {
+    format!("\"public\".\"TaskRun\"/\"{run_id}\"")
+}
+
+fn ts(ms: i64) -> String {
+    format_timestamp_ms(ms).unwrap()
+}
+
+fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+fn op(o: &str, id: &str) -> (String, String) {
+    (o.to_string(), id.to_string())
+}
+
+/// Headers every 200 feed response carries (HDR-01, protocol §3.2, §10).
+fn assert_feed_headers(r: &Resp, non_live: bool) {
+    r.assert_status(200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/json"),
+        "content-type"
+    );
+    assert_eq!(r.header("cache-control"), Some("no-store"), "cache-control");
+    assert!(
+        r.header("electric-handle").is_some_and(|h| !h.is_empty()),
+        "electric-handle: {:?}",
+        r.headers
+    );
+    let offset = r.header("electric-offset").expect("electric-offset");
+    let (ms, seq) = offset.split_once('_').expect("offset is <ms>_<seq>");
+    assert!(
+        ms.parse::<i64>().is_ok() && seq.parse::<u64>().is_ok(),
+        "offset {offset:?}"
+    );
+    assert!(r.has("electric-up-to-date"), "electric-up-to-date");
+    assert!(
+        r.ends_up_to_date(),
+        "body must end with up-to-date: {}",
+        r.text
+    );
+    if non_live {
+        assert!(
+            r.has("electric-schema"),
+            "electric-schema on non-live responses"
+        );
+    } else {
+        assert!(
+            r.has("electric-cursor"),
+            "electric-cursor on live responses"
+        );
+    }
+    for legacy in ["electric-shape-id", "electric-chunk-last-offset"] {
+        assert!(!r.has(legacy), "modern client must not get {legacy}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots
+// ---------------------------------------------------------------------------------------------
+
+/// RUN-01, SER-11, SER-12, HDR-01/02: snapshot = [insert, up-to-date] with handle, offset
+/// `<updatedAtMs>_<seq>`, schema and up-to-date headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_01_snapshot_insert_then_up_to_date() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                status: "EXECUTING".into(),
+                tags: Some(vec!["x".into()]),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let tok = srv.token(&env, &["read:runs"]);
+
+    let r = srv
+        .fetch(&run_url(&run.friendly_id).snapshot(), &modern(&tok))
+        .await;
+    assert_feed_headers(&r, true);
+    assert_eq!(
+        r.offset_ms(),
+        run.updated_at_ms,
+        "offset carries the run's updatedAt"
+    );
+    let msgs = r.messages();
+    assert_eq!(msgs.len(), 2, "insert + up-to-date: {}", r.text);
+    let row = &msgs[0];
+    assert_eq!(row["key"], key_of(&run.id));
+    assert_eq!(row["headers"]["operation"], "insert");
+    assert_eq!(row["value"]["id"], run.id);
+    assert_eq!(row["value"]["friendlyId"], run.friendly_id);
+    assert_eq!(row["value"]["status"], "EXECUTING");
+    assert_eq!(row["value"]["updatedAt"], ts(run.updated_at_ms));
+    assert_eq!(row["value"]["createdAt"], ts(run.created_at_ms));
+    assert_eq!(row["value"]["runTags"], "{\"x\"}");
+    assert_eq!(msgs[1], json!({"headers": {"control": "up-to-date"}}));
+    let schema = r.schema();
+    assert_eq!(schema["id"], json!({"type": "text"}));
+    assert_eq!(schema["runTags"], json!({"type": "text", "dims": 1}));
+    assert_eq!(schema["number"], json!({"type": "int4"}));
+    assert_eq!(
+        schema.as_object().unwrap().len(),
+        26,
+        "all 26 columns without skipColumns"
+    );
+}
+
+/// RUN-01 / ROUTE-01: an unknown run is a 404 JSON with `x-should-retry: false`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_01_missing_run_is_404() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let r = srv
+        .fetch(
+            &run_url("run_doesnotexist0000000000").snapshot(),
+            &modern(&env.api_key),
+        )
+        .await;
+    r.assert_status(404);
+    assert_eq!(r.json, json!({"error": "Not found"}));
+    assert_eq!(r.header("x-should-retry"), Some("false"));
+    assert!(r
+        .header("content-type")
+        .unwrap_or("")
+        .contains("application/json"));
+}
+
+/// TAG-03, BAT-02, SER-12: every feed kind's snapshot has the same header set; tag and batch
+/// snapshots carry one `insert` per run, newest first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_headers_for_each_feed_kind() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let now = runfeed::feeds::now_ms();
+    let older = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["k".into()]),
+                batch_id: Some(batch_id.clone()),
+                created_at_ms: Some(now - 60_000),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let newer = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["k".into()]),
+                batch_id: Some(batch_id.clone()),
+                created_at_ms: Some(now - 1_000),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+
+    let run = srv.fetch(&run_url(&older.friendly_id).snapshot(), &h).await;
+    assert_feed_headers(&run, true);
+    assert_eq!(run.ops(), vec![op("insert", &older.id)]);
+
+    let tag = srv.fetch(&tag_url("k").snapshot(), &h).await;
+    assert_feed_headers(&tag, true);
+    assert_eq!(
+        tag.ops(),
+        vec![op("insert", &newer.id), op("insert", &older.id)],
+        "newest createdAt first"
+    );
+    assert_eq!(
+        tag.offset_ms(),
+        older.updated_at_ms.max(newer.updated_at_ms)
+    );
+
+    let batch = srv.fetch(&batch_url(&batch_fid).snapshot(), &h).await;
+    assert_feed_headers(&batch, true);
+    assert_eq!(
+        batch.ops(),
+        vec![op("insert", &newer.id), op("insert", &older.id)]
+    );
+
+    // Handles of different feeds differ.
+    assert_ne!(run.handle(), tag.handle());
+    assert_ne!(tag.handle(), batch.handle());
+}
+
+/// TAG-03, SER-12: a tag feed with no matching run is a bare up-to-date with offset `0_…`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_03_empty_tag_feed_is_bare_up_to_date_offset_zero() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    srv.tagged_run(&env, &["other"]).await;
+    let r = srv
+        .fetch(&tag_url("nomatch").snapshot(), &modern(&env.api_key))
+        .await;
+    assert_feed_headers(&r, true);
+    assert!(r.is_bare_up_to_date(), "{}", r.text);
+    assert!(r.offset().starts_with("0_"), "offset {}", r.offset());
+
+    // The same for an empty batch.
+    let (_, batch_fid) = srv.batch(&env).await;
+    let b = srv
+        .fetch(&batch_url(&batch_fid).snapshot(), &modern(&env.api_key))
+        .await;
+    assert_feed_headers(&b, true);
+    assert!(b.is_bare_up_to_date(), "{}", b.text);
+    assert!(b.offset().starts_with("0_"), "offset {}", b.offset());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Live
+// ---------------------------------------------------------------------------------------------
+
+/// Scenario 4, RUN-06, LIVE-07: a live poll without change is held for the hold, then answers
+/// `[up-to-date]` with an `electric-cursor` strictly greater than the request's, the same
+/// handle and the same offset watermark — for all three feed kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_04_live_hold_without_change_answers_up_to_date_after_hold() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["h".into()]),
+                batch_id: Some(batch_id),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    for url in [
+        run_url(&run.friendly_id),
+        tag_url("h"),
+        batch_url(&batch_fid),
+    ] {
+        let snap = srv.fetch(&url.snapshot(), &h).await;
+        snap.assert_status(200);
+        let cursor = "100";
+        let live = srv
+            .fetch(&url.live(&snap.handle(), &snap.offset(), Some(cursor)), &h)
+            .await;
+        assert_feed_headers(&live, false);
+        assert!(live.is_bare_up_to_date(), "{}: {}", url.path, live.text);
+        assert!(
+            live.elapsed >= Duration::from_millis(1_450),
+            "{}: held only {:?}",
+            url.path,
+            live.elapsed
+        );
+        assert!(
+            live.elapsed < Duration::from_millis(4_000),
+            "{}: held {:?}",
+            url.path,
+            live.elapsed
+        );
+        assert_eq!(live.handle(), snap.handle(), "{}: handle kept", url.path);
+        assert_eq!(
+            live.offset_ms(),
+            snap.offset_ms(),
+            "{}: offset watermark unchanged",
+            url.path
+        );
+        let c: u64 = live.cursor().unwrap().parse().expect("numeric cursor");
+        assert!(c > 100, "cursor strictly greater than the request's");
+        println!("{}: live hold answered after {:?}", url.path, live.elapsed);
+    }
+}
+
+/// Scenario 5, RUN-05, LIVE-03: a held live poll answers promptly after the row changes and the
+/// change record is published — ONE `update` row, advanced offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
+    let srv = TestServer::start(10_000).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let h = modern(&srv.token(&env, &["read:runs"]));
+    let url = run_url(&run.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    snap.assert_status(200);
+    srv.wait_subscribed(&env.env_id).await;
+
+    let poll = async {
+        let r = srv
+            .fetch(
+                &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
+                &h,
+            )
+            .await;
+        (r, Instant::now())
+    };
+    let change = async {
+        srv.wait_held("run feed held", |h| h.0 == 1).await;
+        let ms = srv.set_status(&run.id, "EXECUTING").await;
+        let rec = TestServer::record(&env, &run.id, &[], None, ms);
+        srv.wait_subscribed(&env.env_id).await;
+        let t = Instant::now();
+        srv.publish(&rec).await;
+        (t, ms)
+    };
+    let ((r, done), (published, ms)) =
+        within(WAIT, "live wake", async { tokio::join!(poll, change) }).await;
+    let latency = done.duration_since(published);
+    println!("scenario_05 run feed wake latency: {latency:?} (hold 10 s)");
+    assert_feed_headers(&r, false);
+    assert_eq!(r.ops(), vec![op("update", &run.id)], "{}", r.text);
+    assert_eq!(r.row(&run.id).unwrap()["value"]["status"], "EXECUTING");
+    assert_eq!(r.offset_ms(), ms, "offset advanced to the new updatedAt");
+    assert!(r.offset_ms() > snap.offset_ms());
+    assert_eq!(r.handle(), snap.handle());
+    assert!(
+        latency < Duration::from_millis(1_000),
+        "wake latency {latency:?}"
+    );
+}
+
+/// LIVE-03: on a tag feed, an advanced known run arrives as `update`, a run the client never
+/// saw arrives as `insert`; unchanged runs are not re-sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_03_tag_wake_diffs_insert_vs_update() {
+    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let known = srv.tagged_run(&env, &["t"]).await;
+    let quiet = srv.tagged_run(&env, &["t"]).await;
+    let h = modern(&srv.token(&env, &["read:tags:t"]));
+    let url = tag_url("t");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert_eq!(
+        sorted(snap.ops()),
+        sorted(vec![op("insert", &known.id), op("insert", &quiet.id)])
+    );
+    srv.wait_subscribed(&env.env_id).await;
+
+    // 1. The known run changes → update.
+    let poll = srv.fetch(
+        &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
+        &h,
+    );
+    let change = async {
+        srv.wait_held("tag feed held", |h| h.1 == 1).await;
+        let t = Instant::now();
+        srv.change(&env, &known.id, &["t"], None, "EXECUTING").await;
+        t
+    };
+    let (r1, t1) = tokio::join!(poll, change);
+    println!(
+        "live_03 tag wake (update) answered {:?} after the change started",
+        t1.elapsed()
+    );
+    assert!(
+        t1.elapsed() < Duration::from_secs(2),
+        "the change must wake the poll, not the 10 s backstop"
+    );
+    assert_feed_headers(&r1, false);
+    assert_eq!(r1.ops(), vec![op("update", &known.id)], "{}", r1.text);
+    assert_eq!(r1.row(&known.id).unwrap()["value"]["status"], "EXECUTING");
+
+    // 2. A new run with the tag → insert.
+    let poll = srv.fetch(
+        &url.live(&r1.handle(), &r1.offset(), r1.cursor().as_deref()),
+        &h,
+    );
+    let create = async {
+        srv.wait_held("tag feed held again", |h| h.1 == 1).await;
+        let fresh = srv.tagged_run(&env, &["t"]).await;
+        srv.publish(&TestServer::record(
+            &env,
+            &fresh.id,
+            &["t"],
+            None,
+            fresh.updated_at_ms,
+        ))
+        .await;
+        fresh
+    };
+    let (r2, fresh) = tokio::join!(poll, create);
+    assert!(
+        r2.elapsed < Duration::from_secs(5),
+        "the new run must wake the poll: {:?}",
+        r2.elapsed
+    );
+    assert_feed_headers(&r2, false);
+    assert_eq!(r2.ops(), vec![op("insert", &fresh.id)], "{}", r2.text);
+    assert!(
+        r2.offset_ms() >= r1.offset_ms(),
+        "offsets never move backwards"
+    );
+}
+
+/// Architecture item 1 / behaviours §4 item 1: the diff is decided by the offset the client
+/// ECHOES. A live response that is lost in transit (the client re-polls with the OLD offset)
+/// must deliver the change again; polling with the new offset then re-sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
+    let srv = TestServer::start(3_000).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["w"]).await;
+    let h = modern(&env.api_key);
+    let url = tag_url("w");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    let (handle, o0) = (snap.handle(), snap.offset());
+    srv.wait_subscribed(&env.env_id).await;
+
+    let poll = srv.fetch(&url.live(&handle, &o0, Some("1")), &h);
+    let change = async {
+        srv.wait_held("held", |h| h.1 == 1).await;
+        srv.change(&env, &run.id, &["w"], None, "EXECUTING").await
+    };
+    let (r1, ms) = tokio::join!(poll, change);
+    assert_eq!(r1.ops(), vec![op("update", &run.id)], "{}", r1.text);
+    let o1 = r1.offset();
+    assert_eq!(r1.offset_ms(), ms);
+
+    // R1 is "lost": re-poll with O0. The change must come again, at once.
+    let again = srv.fetch(&url.live(&handle, &o0, Some("2")), &h).await;
+    assert_feed_headers(&again, false);
+    assert_eq!(
+        again.ops(),
+        vec![op("update", &run.id)],
+        "change lost when the old offset was echoed: {}",
+        again.text
+    );
+    assert_eq!(again.row(&run.id).unwrap()["value"]["status"], "EXECUTING");
+    assert!(
+        again.elapsed < Duration::from_millis(1_500),
+        "redelivery must not wait for the hold: {:?}",
+        again.elapsed
+    );
+
+    // With O1 the client has the change: nothing is re-sent (held to the timeout).
+    let next = srv.fetch(&url.live(&handle, &o1, Some("3")), &h).await;
+    assert_feed_headers(&next, false);
+    assert!(
+        next.is_bare_up_to_date(),
+        "change re-sent to a client that has it: {}",
+        next.text
+    );
+    assert!(
+        next.elapsed >= Duration::from_millis(2_900),
+        "held {:?}",
+        next.elapsed
+    );
+}
+
+/// Scenarios 8 and 9, protocol §4.5–4.6: a non-live request with a handle (resume after pause,
+/// prefetch at the tip) is answered immediately — never held — with `electric-schema` and a body
+/// ending in up-to-date; a change missed in between is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
+    let srv = TestServer::start(10_000).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["c"]).await;
+    let h = modern(&env.api_key);
+    for url in [run_url(&run.friendly_id), tag_url("c")] {
+        let snap = srv.fetch(&url.snapshot(), &h).await;
+        // Scenario 8: resume with cursor, no live.
+        let resume = srv
+            .fetch(
+                &url.clone()
+                    .q("cursor", "5")
+                    .q("handle", &snap.handle())
+                    .q("log", "full")
+                    .q("offset", &snap.offset()),
+                &h,
+            )
+            .await;
+        assert_feed_headers(&resume, true);
+        assert!(
+            resume.elapsed < Duration::from_millis(2_000),
+            "{}: resume held {:?}",
+            url.path,
+            resume.elapsed
+        );
+        assert!(
+            resume.has("electric-cursor"),
+            "cursor sent on every response"
+        );
+        // Scenario 9: prefetch at the tip.
+        let prefetch = srv
+            .fetch(&url.catch_up(&snap.handle(), &snap.offset()), &h)
+            .await;
+        assert_feed_headers(&prefetch, true);
+        assert!(
+            prefetch.elapsed < Duration::from_millis(2_000),
+            "{}: prefetch held {:?}",
+            url.path,
+            prefetch.elapsed
+        );
+    }
+
+    // A change published while no poll was held reaches a catch-up at the old offset.
+    let url = tag_url("c");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    let batches = srv
+        .running()
+        .router
+        .stats()
+        .batches
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let ms = srv.change(&env, &run.id, &["c"], None, "EXECUTING").await;
+    let router = srv.running().router.clone();
+    wait_until(WAIT, "record routed", || {
+        router
+            .stats()
+            .batches
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > batches
+    })
+    .await;
+    let catch_up = srv
+        .fetch(&url.catch_up(&snap.handle(), &snap.offset()), &h)
+        .await;
+    assert_feed_headers(&catch_up, true);
+    assert!(catch_up.elapsed < Duration::from_millis(2_000));
+    let row = catch_up
+        .row(&run.id)
+        .unwrap_or_else(|| panic!("missed change not in catch-up: {}", catch_up.text));
+    assert_eq!(row["value"]["status"], "EXECUTING");
+    assert_eq!(row["headers"]["operation"], "update");
+    assert_eq!(catch_up.offset_ms(), ms);
+}
+
+/// Scenario 13: extra protocol params (`log`, empty `cursor`, `expired_handle`, `live=false`,
+/// `table`) never cause an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_13_extra_protocol_params_tolerated() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let url = run_url(&run.friendly_id)
+        .q("log", "full")
+        .q("cursor", "")
+        .q("expired_handle", "x")
+        .q("live", "false")
+        .q("table", "TaskRun")
+        .q("offset", "-1");
+    let r = srv.fetch(&url, &modern(&env.api_key)).await;
+    assert_feed_headers(&r, true);
+    assert_eq!(r.ops(), vec![op("insert", &run.id)]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tag feed
+// ---------------------------------------------------------------------------------------------
+
+/// TAG-03, LST-01: contains-ALL — a run with only tag `a` is not in `tags=a,b`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_03_contains_all_requested_tags() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let ab = srv.tagged_run(&env, &["a", "b"]).await;
+    let abc = srv.tagged_run(&env, &["c", "b", "a"]).await;
+    let a_only = srv.tagged_run(&env, &["a"]).await;
+    let _untagged = srv.run(&env, RunSpec::default()).await;
+    let r = srv
+        .fetch(&tag_url("a,b").snapshot(), &modern(&env.api_key))
+        .await;
+    assert_feed_headers(&r, true);
+    let ids: Vec<String> = sorted(r.ops()).into_iter().map(|(_, id)| id).collect();
+    let mut want = vec![ab.id.clone(), abc.id.clone()];
+    want.sort();
+    assert_eq!(ids, want);
+    assert!(r.row(&a_only.id).is_none());
+    // The single tag "a,b" (percent-encoded comma would still split: trigger splits the decoded
+    // value) — tags=a alone includes all three tagged runs.
+    let a = srv
+        .fetch(&tag_url("a").snapshot(), &modern(&env.api_key))
+        .await;
+    assert_eq!(a.changes().len(), 3, "{}", a.text);
+}
+
+/// TAG-01: the `createdAt` lookback floor — a run created 2 h ago is not in `createdAt=1h`, but
+/// is in the default 24 h window and in `createdAt=3h`; older than 24 h is never included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_01_created_at_floor_excludes_older_runs() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let now = runfeed::feeds::now_ms();
+    let spec = |age_ms: i64| RunSpec {
+        tags: Some(vec!["f".into()]),
+        created_at_ms: Some(now - age_ms),
+        ..RunSpec::default()
+    };
+    let fresh = srv.run(&env, spec(5 * 60_000)).await;
+    let two_h = srv.run(&env, spec(2 * 3_600_000)).await;
+    let two_days = srv.run(&env, spec(48 * 3_600_000)).await;
+    let h = modern(&env.api_key);
+    let ids = |r: &Resp| -> Vec<String> { r.ops().into_iter().map(|(_, id)| id).collect() };
+
+    let one_h = srv
+        .fetch(&tag_url("f").q("createdAt", "1h").snapshot(), &h)
+        .await;
+    assert_feed_headers(&one_h, true);
+    assert_eq!(ids(&one_h), vec![fresh.id.clone()]);
+
+    let default = srv.fetch(&tag_url("f").snapshot(), &h).await;
+    assert_eq!(ids(&default), vec![fresh.id.clone(), two_h.id.clone()]);
+
+    let three_h = srv
+        .fetch(&tag_url("f").q("createdAt", "3h").snapshot(), &h)
+        .await;
+    assert_eq!(ids(&three_h), vec![fresh.id.clone(), two_h.id.clone()]);
+
+    let week = srv
+        .fetch(&tag_url("f").q("createdAt", "1w").snapshot(), &h)
+        .await;
+    assert!(
+        week.row(&two_days.id).is_none(),
+        "clamped to the 24 h maximum age"
+    );
+}
+
+/// ROUTE-02, trigger-facts §3: an empty tag or one with `"`, `\` or a control character → 400
+/// for modern clients, 422 for legacy clients (which loop on 400); JSON `{"error":…}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_02_bad_tag_is_400_modern_422_legacy() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    for bad in ["a,,b", "a,", ",a", "a\"b", "a\\b", "a\u{1}b", "a\u{7f}"] {
+        let url = tag_url(bad).snapshot();
+        let m = srv.fetch(&url, &modern(&env.api_key)).await;
+        m.assert_status(400);
+        assert!(m.json["error"].is_string(), "{bad:?}: {}", m.text);
+        let l = srv.fetch(&url, &legacy(&env.api_key)).await;
+        l.assert_status(422);
+        assert!(l.json["error"].is_string(), "{bad:?}: {}", l.text);
+    }
+    // Single quotes and non-ASCII are fine.
+    let ok = srv
+        .fetch(&tag_url("it's,ünï").snapshot(), &modern(&env.api_key))
+        .await;
+    ok.assert_status(200);
+}
+
+/// Bad `createdAt` (not the duration grammar) → 400 modern / 422 legacy (scenario 17).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    for bad in ["abc", "1y", "1.5h", "1 h", "-1h", "1H"] {
+        let url = tag_url("a").q("createdAt", bad).snapshot();
+        srv.fetch(&url, &modern(&env.api_key))
+            .await
+            .assert_status(400);
+        srv.fetch(&url, &legacy(&env.api_key))
+            .await
+            .assert_status(422);
+    }
+    for good in ["1hr30m", "90m", "1w2d", "0h", "30s"] {
+        srv.fetch(
+            &tag_url("a").q("createdAt", good).snapshot(),
+            &modern(&env.api_key),
+        )
+        .await
+        .assert_status(200);
+    }
+}
+
+/// TAG-07, trigger-facts §2.5: no `tags` = every run of the environment inside the window; a
+/// `read:tags` token grants it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let other_env = srv.env().await;
+    let r1 = srv.tagged_run(&env, &["a"]).await;
+    let r2 = srv.run(&env, RunSpec::default()).await;
+    let foreign = srv.tagged_run(&other_env, &["a"]).await;
+    let tok = srv.token(&env, &["read:tags"]);
+    let r = srv
+        .fetch(&Url::new("/realtime/v1/runs").snapshot(), &modern(&tok))
+        .await;
+    assert_feed_headers(&r, true);
+    let ids: Vec<String> = sorted(r.ops()).into_iter().map(|(_, id)| id).collect();
+    let mut want = vec![r1.id.clone(), r2.id.clone()];
+    want.sort();
+    assert_eq!(ids, want);
+    assert!(
+        !r.text.contains(&foreign.id),
+        "other environment's run leaked"
+    );
+    // `tags=` (empty) is the same unfiltered feed.
+    let e = srv.fetch(&tag_url("").snapshot(), &modern(&tok)).await;
+    assert_eq!(e.changes().len(), 2);
+}
+
+/// Scenario 22: while a live poll on `tags=a,b` is held, a new run tagged `a` and `b` arrives
+/// as `insert`; a run tagged only `a` never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never() {
+    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let existing = srv.tagged_run(&env, &["a", "b"]).await;
+    let h = modern(&srv.token(&env, &["read:tags:b"]));
+    let url = tag_url("a,b");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert_eq!(snap.ops(), vec![op("insert", &existing.id)]);
+    srv.wait_subscribed(&env.env_id).await;
+
+    let poll = srv.fetch(
+        &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
+        &h,
+    );
+    let create = async {
+        srv.wait_held("held", |h| h.1 == 1).await;
+        // The partial match first: if it were wrongly delivered it would be in this response.
+        let only_a = srv.tagged_run(&env, &["a"]).await;
+        srv.publish(&TestServer::record(
+            &env,
+            &only_a.id,
+            &["a"],
+            None,
+            only_a.updated_at_ms,
+        ))
+        .await;
+        let both = srv.tagged_run(&env, &["b", "a"]).await;
+        srv.publish(&TestServer::record(
+            &env,
+            &both.id,
+            &["b", "a"],
+            None,
+            both.updated_at_ms,
+        ))
+        .await;
+        (only_a, both)
+    };
+    let (r, (only_a, both)) = tokio::join!(poll, create);
+    assert_feed_headers(&r, false);
+    assert_eq!(r.ops(), vec![op("insert", &both.id)], "{}", r.text);
+    assert!(
+        r.elapsed < Duration::from_millis(1_900),
+        "the insert must wake the poll: {:?}",
+        r.elapsed
+    );
+
+    // Next poll: the partial match never arrives, unchanged runs are not re-sent.
+    let next = srv
+        .fetch(
+            &url.live(&r.handle(), &r.offset(), r.cursor().as_deref()),
+            &h,
+        )
+        .await;
+    assert_feed_headers(&next, false);
+    assert!(next.is_bare_up_to_date(), "{}", next.text);
+    assert!(!next.text.contains(&only_a.id));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch feed
+// ---------------------------------------------------------------------------------------------
+
+/// BAT-02, scenario 23: two subscribers of the same batch get distinct handles and both
+/// receive a change (one subscriber's delivery never suppresses the other's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_23_two_batch_subscribers_both_receive_change() {
+    let srv = TestServer::start(10_000).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let r1 = srv.batch_run(&env, &batch_id).await;
+    let r2 = srv.batch_run(&env, &batch_id).await;
+    let _outside = srv.run(&env, RunSpec::default()).await;
+    let h = modern(&srv.token(&env, &[&format!("read:batch:{batch_fid}")]));
+    let url = batch_url(&batch_fid);
+    let s1 = srv.fetch(&url.snapshot(), &h).await;
+    let s2 = srv.fetch(&url.snapshot(), &h).await;
+    assert_feed_headers(&s1, true);
+    assert_eq!(
+        sorted(s1.ops()),
+        sorted(vec![op("insert", &r1.id), op("insert", &r2.id)])
+    );
+    assert_eq!(sorted(s2.ops()), sorted(s1.ops()));
+    assert_ne!(
+        s1.handle(),
+        s2.handle(),
+        "subscribers of one batch must not share a handle"
+    );
+    srv.wait_subscribed(&env.env_id).await;
+
+    let p1 = srv.fetch(&url.live(&s1.handle(), &s1.offset(), None), &h);
+    let p2 = srv.fetch(&url.live(&s2.handle(), &s2.offset(), None), &h);
+    let change = async {
+        srv.wait_held("both batch polls held", |h| h.2 == 2).await;
+        srv.change(&env, &r2.id, &[], Some(&batch_id), "COMPLETED_SUCCESSFULLY")
+            .await
+    };
+    let (a, b, ms) = within(WAIT, "batch fan-out", async {
+        tokio::join!(p1, p2, change)
+    })
+    .await;
+    for (name, r, s) in [("first", &a, &s1), ("second", &b, &s2)] {
+        assert_feed_headers(r, false);
+        assert_eq!(r.ops(), vec![op("update", &r2.id)], "{name}: {}", r.text);
+        assert_eq!(
+            r.row(&r2.id).unwrap()["value"]["status"],
+            "COMPLETED_SUCCESSFULLY"
+        );
+        assert_eq!(r.offset_ms(), ms);
+        assert_eq!(r.handle(), s.handle());
+        assert!(
+            r.elapsed < Duration::from_millis(5_000),
+            "{name} waited {:?}",
+            r.elapsed
+        );
+    }
+}
+
+/// ROUTE-03: an unknown batch (or another environment's) → 404 with `x-should-retry: true`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_03_unknown_batch_is_404_should_retry() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let other = srv.env().await;
+    let (_, foreign_fid) = srv.batch(&other).await;
+    for fid in ["batch_doesnotexist000000000", foreign_fid.as_str()] {
+        let r = srv
+            .fetch(&batch_url(fid).snapshot(), &modern(&env.api_key))
+            .await;
+        r.assert_status(404);
+        assert_eq!(r.json, json!({"error": "Not found"}));
+        assert_eq!(r.header("x-should-retry"), Some("true"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handles
+// ---------------------------------------------------------------------------------------------
+
+/// Architecture item 3, scenario 15: a handle minted for env A's tag feed presented with env B's
+/// token → 409 must-refetch; the body carries neither A's nor B's rows; the refetch with the new
+/// handle returns B's rows only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
+    let srv = TestServer::start(1_500).await;
+    let env_a = srv.env().await;
+    let env_b = srv.env().await;
+    let run_a = srv.tagged_run(&env_a, &["s"]).await;
+    let run_b = srv.tagged_run(&env_b, &["s"]).await;
+    let url = tag_url("s");
+    let snap_a = srv
+        .fetch(&url.snapshot(), &modern(&srv.token(&env_a, &["read:runs"])))
+        .await;
+    assert_eq!(snap_a.ops(), vec![op("insert", &run_a.id)]);
+    let hb = modern(&srv.token(&env_b, &["read:runs"]));
+
+    for req in [
+        url.live(&snap_a.handle(), &snap_a.offset(), Some("1")),
+        url.catch_up(&snap_a.handle(), &snap_a.offset()),
+    ] {
+        let r = srv.fetch(&req, &hb).await;
+        r.assert_status(409);
+        assert_eq!(r.json, json!([{"headers": {"control": "must-refetch"}}]));
+        assert!(!r.text.contains(&run_a.id) && !r.text.contains(&run_b.id));
+        let fresh = r.handle();
+        assert_ne!(fresh, snap_a.handle());
+        let refetch = srv
+            .fetch(
+                &url.clone()
+                    .q("expired_handle", &snap_a.handle())
+                    .q("handle", &fresh)
+                    .q("log", "full")
+                    .q("offset", "-1"),
+                &hb,
+            )
+            .await;
+        assert_feed_headers(&refetch, true);
+        assert_eq!(
+            refetch.ops(),
+            vec![op("insert", &run_b.id)],
+            "B sees only B's rows"
+        );
+    }
+
+    // Same for a run feed handle of A presented on B's run with B's token.
+    let ra = srv
+        .fetch(
+            &run_url(&run_a.friendly_id).snapshot(),
+            &modern(&env_a.api_key),
+        )
+        .await;
+    let r = srv
+        .fetch(
+            &run_url(&run_b.friendly_id).live(&ra.handle(), &ra.offset(), None),
+            &hb,
+        )
+        .await;
+    r.assert_status(409);
+    assert!(!r.text.contains(&run_a.id) && !r.text.contains(&run_b.id));
+}
+
+/// Scenario 11, protocol §5.2: an unknown or tampered handle at offset ≠ -1 → 409,
+/// `content-type: application/json`, body `[must-refetch]`, a fresh `electric-handle`; the
+/// refetch `offset=-1&handle=<new>&expired_handle=<old>` → 200 (not another 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_11_unknown_handle_is_409_must_refetch() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["u"]).await;
+    let h = modern(&env.api_key);
+    for url in [run_url(&run.friendly_id), tag_url("u")] {
+        let snap = srv.fetch(&url.snapshot(), &h).await;
+        let good = snap.handle();
+        // Tamper with one payload character.
+        let mut bytes = good.clone().into_bytes();
+        let i = 4;
+        bytes[i] = if bytes[i] == b'A' { b'B' } else { b'A' };
+        let tampered = String::from_utf8(bytes).unwrap();
+        for bad in ["bogus", tampered.as_str()] {
+            let r = srv
+                .fetch(
+                    &url.clone()
+                        .q("offset", "5_0")
+                        .q("handle", bad)
+                        .q("live", "true")
+                        .q("cursor", "x"),
+                    &h,
+                )
+                .await;
+            r.assert_status(409);
+            assert_eq!(r.header("content-type"), Some("application/json"));
+            assert_eq!(r.text, r#"[{"headers":{"control":"must-refetch"}}]"#);
+            let fresh = r.handle();
+            assert!(!fresh.is_empty() && fresh != bad);
+            assert!(
+                r.header("access-control-expose-headers").is_some(),
+                "409 handle must be exposed"
+            );
+            let refetch = srv
+                .fetch(
+                    &url.clone()
+                        .q("offset", "-1")
+                        .q("handle", &fresh)
+                        .q("expired_handle", bad),
+                    &h,
+                )
+                .await;
+            assert_feed_headers(&refetch, true);
+            assert_eq!(refetch.ops(), vec![op("insert", &run.id)]);
+            // …and the refetched handle resumes.
+            let resume = srv
+                .fetch(&url.catch_up(&refetch.handle(), &refetch.offset()), &h)
+                .await;
+            assert_feed_headers(&resume, true);
+        }
+    }
+}
+
+/// Scenario 12: `offset=-1` with a stale handle is an initial snapshot (200), not 400/409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_12_initial_request_with_stale_handle_is_snapshot() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["z".into()]),
+                batch_id: Some(batch_id),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    for url in [
+        run_url(&run.friendly_id),
+        tag_url("z"),
+        batch_url(&batch_fid),
+    ] {
+        let r = srv
+            .fetch(
+                &url.clone()
+                    .q("offset", "-1")
+                    .q("handle", "old")
+                    .q("expired_handle", "older"),
+                &modern(&env.api_key),
+            )
+            .await;
+        assert_feed_headers(&r, true);
+        assert_eq!(r.ops(), vec![op("insert", &run.id)], "{}", url.path);
+        assert_ne!(r.handle(), "old");
+    }
+}
+
+/// Scenario 17: `offset=abc` → 400; an offset other than -1 without a handle → 400; both 422
+/// for legacy clients (no `x-trigger-electric-version`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_17_malformed_offset_and_offset_without_handle() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (_, batch_fid) = srv.batch(&env).await;
+    let run = srv.tagged_run(&env, &["o"]).await;
+    for url in [
+        run_url(&run.friendly_id),
+        tag_url("o"),
+        batch_url(&batch_fid),
+    ] {
+        let snap = srv.fetch(&url.snapshot(), &modern(&env.api_key)).await;
+        for (req, what) in [
+            (
+                url.clone().q("offset", "abc").q("handle", &snap.handle()),
+                "offset=abc",
+            ),
+            (
+                url.clone().q("offset", "now").q("handle", &snap.handle()),
+                "offset=now",
+            ),
+            (
+                url.clone().q("offset", &snap.offset()),
+                "offset without handle",
+            ),
+            (
+                url.clone().q("offset", &snap.offset()).q("live", "true"),
+                "live offset without handle",
+            ),
+        ] {
+            let m = srv.fetch(&req, &modern(&env.api_key)).await;
+            assert_eq!(m.status, 400, "{} {what}: {}", url.path, m.text);
+            assert!(m.json["error"].is_string());
+            let l = srv.fetch(&req, &legacy(&env.api_key)).await;
+            assert_eq!(l.status, 422, "{} {what} (legacy): {}", url.path, l.text);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Auth
+// ---------------------------------------------------------------------------------------------
+
+/// Scenario 14, trigger-facts §2.2–2.3: no token, malformed, expired, wrong signature → 401 JSON
+/// `{"error": …}` with CORS headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let scopes = vec!["read:runs".to_string()];
+    let expired =
+        runfeed::auth::mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::ZERO, None)
+            .unwrap();
+    let wrong_sig = runfeed::auth::mint_public_token(
+        "tr_dev_notthekey000000000000",
+        &env.env_id,
+        &scopes,
+        Duration::from_secs(900),
+        None,
+    )
+    .unwrap();
+    let origin = ("origin".to_string(), "https://app.example".to_string());
+    let version = (
+        "x-trigger-electric-version".to_string(),
+        ELECTRIC_VERSION.to_string(),
+    );
+    let cases: Vec<(Option<String>, &str)> = vec![
+        (None, "Invalid or Missing API key"),
+        // HTTP strips trailing whitespace from header values: `Bearer ` arrives as `Bearer`,
+        // a non-empty key (as behind Node's parser in trigger.dev).
+        (Some("Bearer ".into()), "Invalid API key"),
+        (Some("Bearer    ".into()), "Invalid API key"),
+        (Some("Bearer garbage".into()), "Invalid API key"),
+        (Some("Bearer a.b.c".into()), "Invalid API key"),
+        (
+            Some(format!("Bearer {expired}")),
+            "Public Access Token is invalid",
+        ),
+        (
+            Some(format!("Bearer {wrong_sig}")),
+            "Public Access Token is invalid",
+        ),
+        (Some(format!("Bearer {}x", env.api_key)), "Invalid API key"),
+    ];
+    for url in [
+        run_url(&run.friendly_id),
+        tag_url("a"),
+        batch_url("batch_x"),
+    ] {
+        for (auth, message) in &cases {
+            let mut h = vec![origin.clone(), version.clone()];
+            if let Some(a) = auth {
+                h.push(("authorization".into(), a.clone()));
+            }
+            let r = srv.fetch(&url.snapshot(), &h).await;
+            assert_eq!(r.status, 401, "{} {auth:?}: {}", url.path, r.text);
+            assert_eq!(r.json, json!({"error": message}), "{} {auth:?}", url.path);
+            assert!(r
+                .header("content-type")
+                .unwrap_or("")
+                .contains("application/json"));
+            assert_eq!(
+                r.header("access-control-allow-origin"),
+                Some("*"),
+                "CORS on 401"
+            );
+        }
+    }
+}
+
+/// Secret (root) keys read every feed (permissive ability).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_secret_key_reads_every_feed() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["k".into()]),
+                batch_id: Some(batch_id),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    for url in [
+        run_url(&run.friendly_id),
+        tag_url("k"),
+        Url::new("/realtime/v1/runs"),
+        batch_url(&batch_fid),
+    ] {
+        let r = srv.fetch(&url.snapshot(), &modern(&env.api_key)).await;
+        assert_feed_headers(&r, true);
+        assert_eq!(r.ops(), vec![op("insert", &run.id)], "{}", url.path);
+    }
+}
+
+/// Scenario 15, trigger-facts §2.1: env A's credentials for env B's run → 404 (the lookup is
+/// scoped to the authenticated environment), with no row data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
+    let srv = TestServer::start(1_500).await;
+    let env_a = srv.env().await;
+    let env_b = srv.env().await;
+    let run_b = srv.run(&env_b, RunSpec::default()).await;
+    for cred in [
+        srv.token(&env_a, &["read:runs"]),
+        srv.token(&env_a, &[&format!("read:runs:{}", run_b.friendly_id)]),
+        env_a.api_key.clone(),
+    ] {
+        let r = srv
+            .fetch(&run_url(&run_b.friendly_id).snapshot(), &modern(&cred))
+            .await;
+        r.assert_status(404);
+        assert_eq!(r.json, json!({"error": "Not found"}));
+        assert!(!r.text.contains(&run_b.id));
+    }
+}
+
+/// Scenario 15, trigger-facts §2.1 step 7: a JWT scoped to another run → 403 with trigger's body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_15_jwt_scoped_to_another_run_is_403() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let r1 = srv.run(&env, RunSpec::default()).await;
+    let r2 = srv.run(&env, RunSpec::default()).await;
+    let tok = srv.token(&env, &[&format!("read:runs:{}", r2.friendly_id)]);
+    let r = srv
+        .fetch(&run_url(&r1.friendly_id).snapshot(), &modern(&tok))
+        .await;
+    r.assert_status(403);
+    assert_eq!(
+        r.json,
+        json!({"error": "Unauthorized", "code": "unauthorized", "param": "access_token", "type": "authorization"})
+    );
+    assert!(!r.text.contains(&r1.id));
+    srv.fetch(&run_url(&r2.friendly_id).snapshot(), &modern(&tok))
+        .await
+        .assert_status(200);
+}
+
+/// trigger-facts §2.4–2.5: which scopes grant the run, tag and batch routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["a".into(), "b".into()]),
+                batch_id: Some(batch_id),
+                task_identifier: "my-task".into(),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let other = srv.run(&env, RunSpec::default()).await;
+    let (_, other_batch) = srv.batch(&env).await;
+    let rf = run.friendly_id.clone();
+
+    let check = |url: Url, scope: String, want: u16| {
+        let srv = &srv;
+        let env = &env;
+        async move {
+            let tok = srv.token(env, &[scope.as_str()]);
+            let r = srv.fetch(&url.snapshot(), &modern(&tok)).await;
+            assert_eq!(
+                r.status,
+                want,
+                "{} with scope {scope:?}: {}",
+                url.render(),
+                r.text
+            );
+        }
+    };
+
+    // Run route (ROUTE-01).
+    for (scope, want) in [
+        (format!("read:runs:{rf}"), 200),
+        ("read:runs".into(), 200),
+        ("read:tasks".into(), 200),
+        ("read:tasks:my-task".into(), 200),
+        ("read:tags".into(), 200),
+        ("read:tags:b".into(), 200),
+        ("read:batch".into(), 200),
+        (format!("read:batch:{batch_fid}"), 200),
+        ("read:all".into(), 200),
+        ("admin".into(), 200),
+        (format!("read:runs:{}", other.friendly_id), 403),
+        ("read:tasks:other-task".into(), 403),
+        ("read:tags:c".into(), 403),
+        (format!("read:batch:{other_batch}"), 403),
+        ("write:runs".into(), 403),
+        ("read".into(), 403),
+        ("admin:runs".into(), 403),
+    ] {
+        check(run_url(&rf), scope, want).await;
+    }
+
+    // Tag route (ROUTE-02): runs, type-level tags, or one of the filter's tags.
+    for (scope, want) in [
+        ("read:runs".into(), 200),
+        ("read:tags".into(), 200),
+        ("read:tags:a".into(), 200),
+        ("read:tags:b".into(), 200),
+        ("read:all".into(), 200),
+        ("admin".into(), 200),
+        ("read:tags:c".into(), 403),
+        (format!("read:runs:{rf}"), 403),
+        ("read:tasks".into(), 403),
+        ("read:batch".into(), 403),
+        ("write:tags".into(), 403),
+    ] {
+        check(tag_url("a,b"), scope, want).await;
+    }
+    // Unfiltered list: read:tags or read:runs; a tag-scoped token does not grant it.
+    for (scope, want) in [
+        ("read:tags".to_string(), 200),
+        ("read:runs".into(), 200),
+        ("read:tags:a".into(), 403),
+        (format!("read:runs:{rf}"), 403),
+    ] {
+        check(Url::new("/realtime/v1/runs"), scope, want).await;
+    }
+
+    // Batch route (ROUTE-03): batch (type or id) or runs.
+    for (scope, want) in [
+        ("read:batch".into(), 200),
+        (format!("read:batch:{batch_fid}"), 200),
+        ("read:runs".into(), 200),
+        ("read:all".into(), 200),
+        (format!("read:batch:{other_batch}"), 403),
+        (format!("read:runs:{rf}"), 403),
+        ("read:tags".into(), 403),
+        ("read:tasks".into(), 403),
+    ] {
+        check(batch_url(&batch_fid), scope, want).await;
+    }
+}
+
+/// trigger-facts §2.1: the check order is authenticate (401) → parse (400) → find (404) →
+/// scopes (403).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_order_401_then_400_then_404_then_403() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let elsewhere = srv.run(&env, RunSpec::default()).await;
+    let scoped = srv.token(&env, &[&format!("read:runs:{}", elsewhere.friendly_id)]);
+    let unknown = run_url("run_unknown000000000000000");
+
+    // Bad credentials beat everything.
+    srv.fetch(&unknown.clone().q("offset", "abc"), &modern("garbage"))
+        .await
+        .assert_status(401);
+    // Then parsing beats the lookup.
+    srv.fetch(&unknown.clone().q("offset", "abc"), &modern(&scoped))
+        .await
+        .assert_status(400);
+    srv.fetch(
+        &tag_url("a,,b").q("offset", "abc"),
+        &modern(&srv.token(&env, &["read:batch"])),
+    )
+    .await
+    .assert_status(400);
+    // Then the lookup beats the scope check.
+    srv.fetch(&unknown.snapshot(), &modern(&scoped))
+        .await
+        .assert_status(404);
+    srv.fetch(
+        &batch_url("batch_unknown00000000000000").snapshot(),
+        &modern(&scoped),
+    )
+    .await
+    .assert_status(404);
+    // Finally scopes.
+    srv.fetch(&run_url(&run.friendly_id).snapshot(), &modern(&scoped))
+        .await
+        .assert_status(403);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Legacy clients and API versions
+// ---------------------------------------------------------------------------------------------
+
+/// HDR-02, scenario 25: without `x-trigger-electric-version` the handle/offset go out as
+/// `electric-shape-id` / `electric-chunk-last-offset` (never the modern names), and `shape_id`
+/// is accepted as the handle parameter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hdr_02_legacy_client_gets_shape_id_and_chunk_last_offset() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["l"]).await;
+    let h = legacy(&env.api_key);
+    for url in [run_url(&run.friendly_id), tag_url("l")] {
+        let snap = srv.fetch(&url.snapshot(), &h).await;
+        snap.assert_status(200);
+        let shape_id = snap
+            .header("electric-shape-id")
+            .expect("electric-shape-id")
+            .to_string();
+        let offset = snap
+            .header("electric-chunk-last-offset")
+            .expect("electric-chunk-last-offset")
+            .to_string();
+        assert!(
+            !snap.has("electric-handle") && !snap.has("electric-offset"),
+            "{:?}",
+            snap.headers
+        );
+        assert!(snap.has("electric-schema"));
+        assert!(
+            snap.has("electric-chunk-up-to-date"),
+            "0.6.3 prefetcher stops on electric-chunk-up-to-date"
+        );
+        assert!(snap.ends_up_to_date());
+        assert_eq!(snap.ops(), vec![op("insert", &run.id)]);
+
+        // `shape_id` is the handle: catch-up …
+        let catch_up = srv
+            .fetch(
+                &url.clone().q("offset", &offset).q("shape_id", &shape_id),
+                &h,
+            )
+            .await;
+        catch_up.assert_status(200);
+        assert_eq!(
+            catch_up.header("electric-shape-id"),
+            Some(shape_id.as_str())
+        );
+        // … and live (held to the timeout).
+        let live = srv
+            .fetch(
+                &url.clone()
+                    .q("offset", &offset)
+                    .q("shape_id", &shape_id)
+                    .q("live", "true"),
+                &h,
+            )
+            .await;
+        live.assert_status(200);
+        assert!(live.is_bare_up_to_date(), "{}", live.text);
+        assert!(live.has("electric-cursor"));
+        assert!(live.has("electric-chunk-last-offset") && !live.has("electric-offset"));
+        // A bogus shape_id → 409 with the new handle under the legacy name.
+        let conflict = srv
+            .fetch(&url.clone().q("offset", &offset).q("shape_id", "bogus"), &h)
+            .await;
+        conflict.assert_status(409);
+        assert!(conflict.has("electric-shape-id") && !conflict.has("electric-handle"));
+    }
+}
+
+/// HDR-04: a missing or old `x-trigger-api-version` rewrites `"status":"DEQUEUED"` to
+/// `EXECUTING` (not inside string columns); the current version `2025-07-16` keeps `DEQUEUED`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hdr_04_legacy_api_version_rewrites_dequeued() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let meta = r#"{"status":"DEQUEUED"}"#;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                status: "DEQUEUED".into(),
+                tags: Some(vec!["d".into()]),
+                metadata: Some(meta.into()),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    for url in [run_url(&run.friendly_id), tag_url("d")] {
+        for (version, want) in [
+            (None, "EXECUTING"),
+            (Some("2024-01-01"), "EXECUTING"),
+            (Some(CURRENT_API_VERSION), "DEQUEUED"),
+        ] {
+            let mut h = modern(&env.api_key);
+            if let Some(v) = version {
+                h = with(h, "x-trigger-api-version", v);
+            }
+            let r = srv.fetch(&url.snapshot(), &h).await;
+            r.assert_status(200);
+            let row = r.row(&run.id).expect("row");
+            assert_eq!(
+                row["value"]["status"], want,
+                "{} api version {version:?}",
+                url.path
+            );
+            assert_eq!(
+                row["value"]["metadata"], meta,
+                "string columns are never rewritten"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// skipColumns
+// ---------------------------------------------------------------------------------------------
+
+/// REQ-01, SER-08, scenario 24: `skipColumns` removes columns from the values and the schema
+/// header; entries are trimmed; reserved columns (id, taskIdentifier, friendlyId, status,
+/// createdAt) are never skipped; unknown names are ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["s"]).await;
+    let skip = "payload, output,id,status,createdAt,taskIdentifier,friendlyId,nope, metadata ";
+    for url in [run_url(&run.friendly_id), tag_url("s")] {
+        let r = srv
+            .fetch(
+                &url.clone().q("skipColumns", skip).snapshot(),
+                &modern(&env.api_key),
+            )
+            .await;
+        assert_feed_headers(&r, true);
+        let value = r.row(&run.id).expect("row")["value"]
+            .as_object()
+            .unwrap()
+            .clone();
+        let schema = r.schema();
+        for gone in ["payload", "output", "metadata"] {
+            assert!(!value.contains_key(gone), "{gone} in value");
+            assert!(schema.get(gone).is_none(), "{gone} in schema");
+        }
+        for kept in [
+            "id",
+            "status",
+            "createdAt",
+            "taskIdentifier",
+            "friendlyId",
+            "updatedAt",
+            "runTags",
+        ] {
+            assert!(value.contains_key(kept), "{kept} missing from value");
+            assert!(schema.get(kept).is_some(), "{kept} missing from schema");
+        }
+        assert_eq!(value.len(), 23);
+        assert_eq!(schema.as_object().unwrap().len(), 23);
+    }
+}
+
+/// REQ-01, trigger-facts §3: the JWT's `realtime.skipColumns` claim — present, even `[]` —
+/// REPLACES the URL parameter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn req_01_skip_columns_from_claim_replace_param() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let url = run_url(&run.friendly_id).q("skipColumns", "payload");
+
+    let claim = srv.token_skip(&env, &["read:runs"], &["metadata", "id"]);
+    let r = srv.fetch(&url.snapshot(), &modern(&claim)).await;
+    assert_feed_headers(&r, true);
+    let v = &r.row(&run.id).unwrap()["value"];
+    assert!(
+        v.get("payload").is_some(),
+        "the claim replaces the param: payload kept"
+    );
+    assert!(v.get("metadata").is_none(), "claim's column skipped");
+    assert!(v.get("id").is_some(), "reserved column kept");
+    assert!(r.schema().get("metadata").is_none() && r.schema().get("payload").is_some());
+
+    let empty_claim = srv.token_skip(&env, &["read:runs"], &[]);
+    let r = srv.fetch(&url.snapshot(), &modern(&empty_claim)).await;
+    assert!(
+        r.row(&run.id).unwrap()["value"].get("payload").is_some(),
+        "an empty claim still replaces the param"
+    );
+    assert_eq!(r.schema().as_object().unwrap().len(), 26);
+
+    let no_claim = srv.token(&env, &["read:runs"]);
+    let r = srv.fetch(&url.snapshot(), &modern(&no_claim)).await;
+    assert!(
+        r.row(&run.id).unwrap()["value"].get("payload").is_none(),
+        "without a claim the param applies"
+    );
+}
+
+/// A handle is bound to its column set: resuming it with other `skipColumns` → 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn req_01_changing_skip_columns_under_a_handle_is_409() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["q"]).await;
+    let url = tag_url("q");
+    let snap = srv
+        .fetch(
+            &url.clone().q("skipColumns", "payload").snapshot(),
+            &modern(&env.api_key),
+        )
+        .await;
+    let r = srv
+        .fetch(
+            &url.clone()
+                .q("skipColumns", "output")
+                .q("handle", &snap.handle())
+                .q("offset", &snap.offset()),
+            &modern(&env.api_key),
+        )
+        .await;
+    r.assert_status(409);
+    assert!(!r.text.contains(&run.id));
+    let same = srv
+        .fetch(
+            &url.clone()
+                .q("skipColumns", "payload")
+                .q("handle", &snap.handle())
+                .q("offset", &snap.offset()),
+            &modern(&env.api_key),
+        )
+        .await;
+    same.assert_status(200);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CORS
+// ---------------------------------------------------------------------------------------------
+
+/// Scenario 27, protocol §6: the preflight succeeds and allows GET and the SDK's headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_27_cors_preflight_allows_sdk_headers() {
+    let srv = TestServer::start(1_500).await;
+    let requested = "authorization, trigger-version, x-trigger-electric-version, x-trigger-api-version, x-trigger-branch";
+    for path in [
+        "/realtime/v1/runs/run_x",
+        "/realtime/v1/runs?tags=a",
+        "/realtime/v1/batches/batch_x",
+    ] {
+        let h = vec![
+            ("origin".to_string(), "https://app.example".to_string()),
+            (
+                "access-control-request-method".to_string(),
+                "GET".to_string(),
+            ),
+            (
+                "access-control-request-headers".to_string(),
+                requested.to_string(),
+            ),
+        ];
+        let r = srv.request(reqwest::Method::OPTIONS, path, &h).await;
+        assert!(
+            (200..300).contains(&r.status),
+            "{path}: preflight status {}",
+            r.status
+        );
+        let origin = r
+            .header("access-control-allow-origin")
+            .expect("allow-origin");
+        assert!(origin == "*" || origin == "https://app.example");
+        let methods = r
+            .header("access-control-allow-methods")
+            .expect("allow-methods")
+            .to_ascii_uppercase();
+        assert!(methods.contains("GET") || methods == "*", "{methods}");
+        let allowed = r
+            .header("access-control-allow-headers")
+            .expect("allow-headers")
+            .to_ascii_lowercase();
+        for name in requested.split(", ") {
+            assert!(
+                allowed == "*" || allowed.contains(name),
+                "{path}: {name} not allowed by {allowed:?}"
+            );
+        }
+    }
+}
+
+/// HDR-01, scenario 27: every GET response (200, 400, 401, 403, 404, 409) carries
+/// `access-control-allow-origin` and exposes the electric headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hdr_01_every_get_response_has_cors_headers() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let other = srv.run(&env, RunSpec::default()).await;
+    let scoped = srv.token(&env, &[&format!("read:runs:{}", other.friendly_id)]);
+    let url = run_url(&run.friendly_id);
+    let cases: Vec<(Url, Vec<(String, String)>, u16)> = vec![
+        (url.snapshot(), modern(&env.api_key), 200),
+        (url.clone().q("offset", "abc"), modern(&env.api_key), 400),
+        (url.snapshot(), modern("garbage"), 401),
+        (url.snapshot(), modern(&scoped), 403),
+        (
+            run_url("run_nope000000000000000000").snapshot(),
+            modern(&env.api_key),
+            404,
+        ),
+        (
+            url.clone().q("offset", "1_1").q("handle", "bogus"),
+            modern(&env.api_key),
+            409,
+        ),
+        (Url::new("/nowhere"), modern(&env.api_key), 404),
+    ];
+    for with_origin in [true, false] {
+        for (u, h, status) in &cases {
+            let mut h = h.clone();
+            if with_origin {
+                h.push(("origin".into(), "https://app.example".into()));
+            }
+            let r = srv.fetch(u, &h).await;
+            assert_eq!(r.status, *status, "{}: {}", u.render(), r.text);
+            assert_eq!(
+                r.header("access-control-allow-origin"),
+                Some("*"),
+                "{} (origin sent: {with_origin})",
+                u.render()
+            );
+            let expose = r
+                .header("access-control-expose-headers")
+                .unwrap_or_else(|| panic!("{}: no expose-headers", u.render()));
+            assert!(
+                expose == "*" || expose.contains("electric-handle"),
+                "{expose}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Disconnects
+// ---------------------------------------------------------------------------------------------
+
+/// Scenario 20, protocol §4.7, architecture item 4: a client that goes away mid-poll releases
+/// the held feed (router index) within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_20_client_disconnect_frees_the_hold() {
+    let srv = Arc::new(TestServer::start(20_000).await);
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["g".into()]),
+                batch_id: Some(batch_id),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+
+    // Run feed: a client-side timeout of 300 ms.
+    let snap = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let live = run_url(&run.friendly_id)
+        .live(&snap.handle(), &snap.offset(), None)
+        .render();
+    let mut req = impatient.get(format!("{}{}", srv.base, live));
+    for (k, v) in &h {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let probe = {
+        let srv = srv.clone();
+        async move {
+            srv.wait_held("run poll held", |h| h.0 == 1).await;
+        }
+    };
+    let (result, ()) = within(WAIT, "impatient poll", async {
+        tokio::join!(req.send(), probe)
+    })
+    .await;
+    assert!(
+        result.is_err(),
+        "the poll should have timed out client-side"
+    );
+    let t = Instant::now();
+    let router = srv.running().router.clone();
+    wait_until(
+        Duration::from_secs(1),
+        "run hold released after client timeout",
+        || router.held_feeds() == (0, 0, 0),
+    )
+    .await;
+    println!(
+        "scenario_20: run hold released {:?} after the client timed out",
+        t.elapsed()
+    );
+
+    // Tag and batch feeds: the polling task is aborted.
+    let mut tasks = Vec::new();
+    for url in [tag_url("g"), batch_url(&batch_fid)] {
+        let snap = srv.fetch(&url.snapshot(), &h).await;
+        let srv2 = srv.clone();
+        let h2 = h.clone();
+        let live = url.live(&snap.handle(), &snap.offset(), None);
+        tasks.push(tokio::spawn(async move { srv2.fetch(&live, &h2).await }));
+    }
+    srv.wait_held("tag and batch polls held", |h| h == (0, 1, 1))
+        .await;
+    for t in &tasks {
+        t.abort();
+    }
+    let t = Instant::now();
+    wait_until(
+        Duration::from_secs(1),
+        "tag/batch holds released after abort",
+        || router.held_feeds() == (0, 0, 0),
+    )
+    .await;
+    println!(
+        "scenario_20: tag/batch holds released {:?} after abort",
+        t.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fan-out cost
+// ---------------------------------------------------------------------------------------------
+
+/// Architecture item 5: 1 000 held live tag feeds on the same tag (same column set) in one
+/// environment; ONE change → every feed gets the row, and the store runs exactly ONE query
+/// (one hydrate) for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
+    const N: usize = 1_000;
+    let test_started = Instant::now();
+    let srv = Arc::new(
+        TestServer::start_with(20_000, |c| {
+            c.feeds.default_concurrency_limit = 100_000;
+            c.caches.working_set_max_entries = 10_000;
+        })
+        .await,
+    );
+    let env = srv.env().await;
+    let hot = srv.tagged_run(&env, &["hot"]).await;
+    let _cold = srv.tagged_run(&env, &["hot", "other"]).await;
+    let h = modern(&srv.token(&env, &["read:tags:hot"]));
+    let url = tag_url("hot");
+
+    // 1 000 snapshots, 32 at a time.
+    use futures::stream::{self, StreamExt};
+    let snaps: Vec<(String, String)> = within(Duration::from_secs(60), "1000 snapshots", async {
+        stream::iter(0..N)
+            .map(|_| {
+                let srv = srv.clone();
+                let h = h.clone();
+                let url = url.clone();
+                async move {
+                    let r = srv.fetch(&url.snapshot(), &h).await;
+                    r.assert_status(200);
+                    assert_eq!(r.changes().len(), 2);
+                    (r.handle(), r.offset())
+                }
+            })
+            .buffer_unordered(32)
+            .collect()
+            .await
+    })
+    .await;
+    println!("fan-out: {N} snapshots in {:?}", test_started.elapsed());
+    srv.wait_subscribed(&env.env_id).await;
+
+    // 1 000 concurrent live polls.
+    let polls_started = Instant::now();
+    let mut tasks = Vec::with_capacity(N);
+    for (handle, offset) in snaps {
+        let srv = srv.clone();
+        let h = h.clone();
+        let live = url.live(&handle, &offset, None);
+        tasks.push(tokio::spawn(async move {
+            let r = srv
+                .get_with(&srv.http, &live.render(), &h, Duration::from_secs(60))
+                .await;
+            (r, Instant::now())
+        }));
+    }
+    let router = srv.running().router.clone();
+    wait_until(Duration::from_secs(30), "1000 tag feeds held", || {
+        router.held_feeds().1 == N
+    })
+    .await;
+    println!(
+        "fan-out: {N} live polls held after {:?}",
+        polls_started.elapsed()
+    );
+
+    let store = srv.running().store.clone();
+    let queries_before = store.query_count();
+    let hydrates_before = router
+        .stats()
+        .hydrates
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let ms = srv.set_status(&hot.id, "EXECUTING").await;
+    let record = TestServer::record(&env, &hot.id, &["hot"], None, ms);
+    let published = Instant::now();
+    srv.publish(&record).await;
+
+    let mut done = Vec::with_capacity(N);
+    for t in tasks {
+        let (r, at) = within(Duration::from_secs(60), "fan-out response", t)
+            .await
+            .expect("poll task");
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.ops(), vec![op("update", &hot.id)], "{}", r.text);
+        assert_eq!(r.row(&hot.id).unwrap()["value"]["status"], "EXECUTING");
+        assert_eq!(r.offset_ms(), ms);
+        done.push(at);
+    }
+    let first = done.iter().min().unwrap().duration_since(published);
+    let last = done.iter().max().unwrap().duration_since(published);
+    let queries = store.query_count() - queries_before;
+    let hydrates = router
+        .stats()
+        .hydrates
+        .load(std::sync::atomic::Ordering::Relaxed)
+        - hydrates_before;
+    println!("fan-out: {N} feeds answered: first {first:?}, last {last:?} after publish; queries for the change: {queries}; hydrates: {hydrates}");
+    assert_eq!(
+        queries, 1,
+        "store queries for one change fanned out to {N} feeds"
+    );
+    assert_eq!(hydrates, 1, "router hydrates for one change");
+    assert!(
+        test_started.elapsed() < Duration::from_secs(60),
+        "fan-out test took {:?}",
+        test_started.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Burst convergence
+// ---------------------------------------------------------------------------------------------
+
+/// Behaviours §4 items 1–2, architecture "fault tests": 50 random updates over several runs
+/// while a tag feed and a batch feed are followed by a client loop (re-polling with the returned
+/// handle/offset/cursor like the real client); the clients' views converge to the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn burst_50_updates_client_views_converge_to_db() {
+    burst_converges(None).await;
+}
+
+/// The same burst with coalescing off: every record is routed on its own, so followers re-poll
+/// many times and records regularly arrive while a follower is between polls (replay path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn burst_50_updates_without_coalescing_client_views_converge_to_db() {
+    burst_converges(Some(0)).await;
+}
+
+async fn burst_converges(coalesce_ms: Option<u64>) {
+    use rand::Rng;
+    // A 20 s hold: convergence (bounded at 10 s below) must come from the change stream, not
+    // from backstop re-reads.
+    let srv = Arc::new(
+        TestServer::start_with(20_000, |c| {
+            if let Some(ms) = coalesce_ms {
+                c.router.env_wake_coalesce_window_ms = ms;
+            }
+        })
+        .await,
+    );
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let mut runs = Vec::new();
+    for _ in 0..6 {
+        runs.push(
+            srv.run(
+                &env,
+                RunSpec {
+                    tags: Some(vec!["burst".into()]),
+                    batch_id: Some(batch_id.clone()),
+                    ..RunSpec::default()
+                },
+            )
+            .await,
+        );
+    }
+    let headers = with(
+        modern(&env.api_key),
+        "x-trigger-api-version",
+        CURRENT_API_VERSION,
+    );
+
+    // Followers: snapshot, then live-poll forever, publishing their view after each response.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut views = Vec::new();
+    let mut followers = Vec::new();
+    for url in [tag_url("burst"), batch_url(&batch_fid)] {
+        let (view_tx, view_rx) =
+            tokio::sync::watch::channel(HashMap::<String, (String, String)>::new());
+        views.push(view_rx);
+        let mut f = Follower::new(url, headers.clone());
+        let srv = srv.clone();
+        let mut stop = stop_rx.clone();
+        followers.push(tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            loop {
+                let step = f.step(&srv.base, &client);
+                tokio::select! {
+                    r = step => {
+                        r.unwrap_or_else(|e| panic!("follower of {}: {e}", f.url.path));
+                        let view = f.view.iter().map(|(id, row)| {
+                            (id.clone(), (row["status"].as_str().unwrap_or("").to_string(), row["updatedAt"].as_str().unwrap_or("").to_string()))
+                        }).collect();
+                        let _ = view_tx.send(view);
+                    }
+                    _ = stop.changed() => return f.responses,
+                }
+            }
+        }));
+    }
+    // Both followers hold a live poll before the burst starts.
+    srv.wait_held("both followers live", |h| h.1 == 1 && h.2 == 1)
+        .await;
+
+    let statuses = [
+        "EXECUTING",
+        "WAITING_TO_RESUME",
+        "RETRYING_AFTER_FAILURE",
+        "PAUSED",
+        "COMPLETED_SUCCESSFULLY",
+        "PENDING",
+    ];
+    let burst_started = Instant::now();
+    for i in 0..50 {
+        let (run_ix, status_ix, gap) = {
+            let mut rng = rand::rng();
+            (
+                rng.random_range(0..runs.len()),
+                rng.random_range(0..statuses.len()),
+                rng.random_range(0..15u64),
+            )
+        };
+        let run = &runs[run_ix];
+        let ms = srv
+            .update(
+                &run.id,
+                RunUpdate {
+                    status: Some(statuses[status_ix].into()),
+                    metadata: Some(format!("{{\"i\":{i}}}")),
+                    ..RunUpdate::default()
+                },
+            )
+            .await;
+        srv.publish(&TestServer::record(
+            &env,
+            &run.id,
+            &["burst"],
+            Some(&batch_id),
+            ms,
+        ))
+        .await;
+        tokio::time::sleep(Duration::from_millis(gap)).await;
+    }
+    println!(
+        "burst (coalesce {coalesce_ms:?}): 50 updates published in {:?}",
+        burst_started.elapsed()
+    );
+
+    // Expected final state from the database.
+    let mut expected = HashMap::new();
+    for run in &runs {
+        let query = sqlx::query_as::<_, (String, i64)>(
+            r#"SELECT status::text, (extract(epoch from "updatedAt") * 1000)::int8 FROM "TaskRun" WHERE id = $1"#,
+        )
+        .bind(&run.id)
+        .fetch_one(srv.pool());
+        let row = within(WAIT, "read run", query).await.expect("read run");
+        expected.insert(run.id.clone(), (row.0, ts(row.1)));
+    }
+    for (i, view) in views.iter_mut().enumerate() {
+        let waited = Instant::now();
+        let result =
+            tokio::time::timeout(Duration::from_secs(10), view.wait_for(|v| *v == expected))
+                .await
+                .map(|_| ());
+        let last = view.borrow().clone();
+        assert!(
+            result.is_ok(),
+            "follower {i} never converged:\n got {last:?}\nwant {expected:?}"
+        );
+        println!(
+            "burst (coalesce {coalesce_ms:?}): follower {i} converged {:?} after the last publish",
+            waited.elapsed()
+        );
+    }
+    let _ = stop_tx.send(true);
+    for f in followers {
+        let n = within(WAIT, "follower stop", f)
+            .await
+            .expect("follower task");
+        println!("burst (coalesce {coalesce_ms:?}): follower made {n} responses");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Probes of the "better than the reference" items
+// ---------------------------------------------------------------------------------------------
+
+/// Architecture item 3 / behaviours §4 item 4: a handle resumes on ANY instance sharing the
+/// handle secret (no shared state). With no state for the offset, a tag feed re-sends every
+/// row at once (labelled `update`), a run feed diffs against the offset watermark. A peer with
+/// another secret answers 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let r1 = srv.tagged_run(&env, &["p"]).await;
+    let r2 = srv.tagged_run(&env, &["p"]).await;
+    let h = modern(&env.api_key);
+    let peer = srv.peer(|_| {}).await;
+
+    let url = tag_url("p");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    let hop = srv
+        .fetch_at(
+            &peer.base,
+            &url.live(&snap.handle(), &snap.offset(), None),
+            &h,
+        )
+        .await;
+    assert_feed_headers(&hop, false);
+    assert_eq!(
+        sorted(hop.ops()),
+        sorted(vec![op("update", &r1.id), op("update", &r2.id)]),
+        "full re-sync on a state miss"
+    );
+    assert!(
+        hop.elapsed < Duration::from_millis(1_000),
+        "re-sync is immediate: {:?}",
+        hop.elapsed
+    );
+    assert_eq!(hop.handle(), snap.handle());
+    let catch_up = srv
+        .fetch_at(
+            &peer.base,
+            &url.catch_up(&snap.handle(), &snap.offset()),
+            &h,
+        )
+        .await;
+    assert_feed_headers(&catch_up, true);
+
+    let run = run_url(&r1.friendly_id);
+    let rs = srv.fetch(&run.snapshot(), &h).await;
+    let held = srv
+        .fetch_at(&peer.base, &run.live(&rs.handle(), &rs.offset(), None), &h)
+        .await;
+    assert_feed_headers(&held, false);
+    assert!(
+        held.is_bare_up_to_date(),
+        "nothing newer than the offset watermark: {}",
+        held.text
+    );
+    assert!(
+        held.elapsed >= Duration::from_millis(1_450),
+        "held {:?}",
+        held.elapsed
+    );
+
+    let other = srv
+        .peer(|c| c.server.handle_secret = Some("another-secret".into()))
+        .await;
+    let r = srv
+        .fetch_at(
+            &other.base,
+            &url.live(&snap.handle(), &snap.offset(), None),
+            &h,
+        )
+        .await;
+    r.assert_status(409);
+    assert_eq!(r.json, json!([{"headers": {"control": "must-refetch"}}]));
+    drop((peer, other));
+}
+
+/// TAG-04: the `createdAt` floor pinned in the handle wins over a later request's `createdAt`:
+/// a run older than the pinned window never appears, even when it changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
+    let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let now = runfeed::feeds::now_ms();
+    let old = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["f".into()]),
+                created_at_ms: Some(now - 2 * 3_600_000),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let fresh = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["f".into()]),
+                created_at_ms: Some(now - 60_000),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    let snap = srv
+        .fetch(&tag_url("f").q("createdAt", "1h").snapshot(), &h)
+        .await;
+    assert_eq!(snap.ops(), vec![op("insert", &fresh.id)]);
+    srv.wait_subscribed(&env.env_id).await;
+
+    let wider = tag_url("f").q("createdAt", "3h");
+    let poll = srv.fetch(&wider.live(&snap.handle(), &snap.offset(), None), &h);
+    let change = async {
+        srv.wait_held("held", |h| h.1 == 1).await;
+        srv.change(&env, &old.id, &["f"], None, "EXECUTING").await
+    };
+    let (r, _) = tokio::join!(poll, change);
+    assert_feed_headers(&r, false);
+    assert!(
+        r.is_bare_up_to_date(),
+        "a run outside the pinned window appeared: {}",
+        r.text
+    );
+    assert!(r.elapsed >= Duration::from_millis(1_450));
+    let catch_up = srv
+        .fetch(
+            &tag_url("f")
+                .q("createdAt", "24h")
+                .catch_up(&snap.handle(), &r.offset()),
+            &h,
+        )
+        .await;
+    assert_feed_headers(&catch_up, true);
+    assert!(catch_up.row(&old.id).is_none(), "{}", catch_up.text);
+}
+
+/// TAG-08 / LST-01: a list feed is capped at `max_list_results`, newest `createdAt` first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_08_list_feed_is_capped_newest_first() {
+    let srv = TestServer::start_with(1_500, |c| c.feeds.max_list_results = 2).await;
+    let env = srv.env().await;
+    let now = runfeed::feeds::now_ms();
+    let mut runs = Vec::new();
+    for age in [30_000, 20_000, 10_000] {
+        runs.push(
+            srv.run(
+                &env,
+                RunSpec {
+                    tags: Some(vec!["cap".into()]),
+                    created_at_ms: Some(now - age),
+                    ..RunSpec::default()
+                },
+            )
+            .await,
+        );
+    }
+    let r = srv
+        .fetch(&tag_url("cap").snapshot(), &modern(&env.api_key))
+        .await;
+    assert_feed_headers(&r, true);
+    assert_eq!(
+        r.ops(),
+        vec![op("insert", &runs[2].id), op("insert", &runs[1].id)]
+    );
+}
+
+/// Behaviours §4 item 6: two versions written in the same millisecond are still told apart —
+/// a same-`updatedAt` change with new content wakes run and tag feeds with an `update`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_same_millisecond_update_with_new_content_is_delivered() {
+    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["m"]).await;
+    let h = modern(&env.api_key);
+    let rs = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
+    let ts_ = srv.fetch(&tag_url("m").snapshot(), &h).await;
+    srv.wait_subscribed(&env.env_id).await;
+
+    let p_run = srv.fetch(
+        &run_url(&run.friendly_id).live(&rs.handle(), &rs.offset(), None),
+        &h,
+    );
+    let p_tag = srv.fetch(&tag_url("m").live(&ts_.handle(), &ts_.offset(), None), &h);
+    let change = async {
+        srv.wait_held("run and tag held", |h| h == (1, 1, 0)).await;
+        let ms = srv
+            .update(
+                &run.id,
+                RunUpdate {
+                    status: Some("EXECUTING".into()),
+                    updated_at_ms: Some(run.updated_at_ms),
+                    ..RunUpdate::default()
+                },
+            )
+            .await;
+        assert_eq!(ms, run.updated_at_ms);
+        srv.publish(&TestServer::record(&env, &run.id, &["m"], None, ms))
+            .await;
+    };
+    let (a, b, ()) = within(WAIT, "same-ms wake", async {
+        tokio::join!(p_run, p_tag, change)
+    })
+    .await;
+    for (name, r) in [("run", &a), ("tag", &b)] {
+        assert_feed_headers(r, false);
+        assert_eq!(r.ops(), vec![op("update", &run.id)], "{name}: {}", r.text);
+        assert_eq!(
+            r.row(&run.id).unwrap()["value"]["status"],
+            "EXECUTING",
+            "{name}"
+        );
+        assert!(
+            r.elapsed < Duration::from_secs(5),
+            "{name}: a same-ms change waited for the backstop ({:?})",
+            r.elapsed
+        );
+    }
+}
+
+/// Behaviours §4 items 3 and 10: a partial record (no tags, no batch id, no watermark) still
+/// reaches tag AND batch feeds (the hydrated row decides membership).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
+    let srv = TestServer::start(10_000).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["pt".into()]),
+                batch_id: Some(batch_id),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    let st = srv.fetch(&tag_url("pt").snapshot(), &h).await;
+    let sb = srv.fetch(&batch_url(&batch_fid).snapshot(), &h).await;
+    srv.wait_subscribed(&env.env_id).await;
+
+    let pt = srv.fetch(&tag_url("pt").live(&st.handle(), &st.offset(), None), &h);
+    let pb = srv.fetch(
+        &batch_url(&batch_fid).live(&sb.handle(), &sb.offset(), None),
+        &h,
+    );
+    let change = async {
+        srv.wait_held("tag and batch held", |h| h == (0, 1, 1))
+            .await;
+        srv.set_status(&run.id, "EXECUTING").await;
+        let partial = runfeed::changes::ChangeRecord {
+            v: 1,
+            run_id: run.id.clone(),
+            env_id: env.env_id.clone(),
+            tags: None,
+            batch_id: None,
+            updated_at_ms: None,
+        };
+        srv.publish(&partial).await;
+    };
+    let (a, b, ()) = within(WAIT, "partial record wake", async {
+        tokio::join!(pt, pb, change)
+    })
+    .await;
+    for (name, r) in [("tag", &a), ("batch", &b)] {
+        assert_feed_headers(r, false);
+        assert_eq!(r.ops(), vec![op("update", &run.id)], "{name}: {}", r.text);
+        assert!(
+            r.elapsed < Duration::from_secs(5),
+            "{name}: waited for the backstop ({:?})",
+            r.elapsed
+        );
+    }
+}
+
+/// LIVE-04, RUN-05, LIVE-06 (hold on empty): a change that does not match the feed, or a
+/// replayed record the client already has, does not end the hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
+    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let mine = srv.tagged_run(&env, &["n"]).await;
+    let other = srv.tagged_run(&env, &["x"]).await;
+    let h = modern(&env.api_key);
+    let st = srv.fetch(&tag_url("n").snapshot(), &h).await;
+    let sr = srv.fetch(&run_url(&mine.friendly_id).snapshot(), &h).await;
+    srv.wait_subscribed(&env.env_id).await;
+    let router = srv.running().router.clone();
+    let batches_before = router
+        .stats()
+        .batches
+        .load(std::sync::atomic::Ordering::Relaxed);
+
+    let pt = srv.fetch(&tag_url("n").live(&st.handle(), &st.offset(), None), &h);
+    let pr = srv.fetch(
+        &run_url(&mine.friendly_id).live(&sr.handle(), &sr.offset(), None),
+        &h,
+    );
+    let noise = async {
+        srv.wait_held("held", |h| h == (1, 1, 0)).await;
+        // A change of a run with another tag (full and partial record).
+        let ms = srv.set_status(&other.id, "EXECUTING").await;
+        srv.publish(&TestServer::record(&env, &other.id, &["x"], None, ms))
+            .await;
+        srv.publish(&runfeed::changes::ChangeRecord {
+            v: 1,
+            run_id: other.id.clone(),
+            env_id: env.env_id.clone(),
+            ..Default::default()
+        })
+        .await;
+        // A replay of the version the clients already have.
+        srv.publish(&TestServer::record(
+            &env,
+            &mine.id,
+            &["n"],
+            None,
+            mine.updated_at_ms,
+        ))
+        .await;
+        let r = router.clone();
+        wait_until(WAIT, "noise routed", move || {
+            r.stats().batches.load(std::sync::atomic::Ordering::Relaxed) >= batches_before + 1
+        })
+        .await;
+    };
+    let (a, b, ()) = within(WAIT, "held polls", async { tokio::join!(pt, pr, noise) }).await;
+    for (name, r) in [("tag", &a), ("run", &b)] {
+        assert_feed_headers(r, false);
+        assert!(r.is_bare_up_to_date(), "{name}: {}", r.text);
+        assert!(
+            r.elapsed >= Duration::from_millis(1_950),
+            "{name}: the hold ended early ({:?})",
+            r.elapsed
+        );
+    }
+}
+
+/// Tenant isolation on the change stream: a record naming another environment's run,
+/// published on this environment's channel, never puts that run into this environment's feeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_env_record_never_leaks_another_envs_row() {
+    let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env_a = srv.env().await;
+    let env_b = srv.env().await;
+    let _run_a = srv.tagged_run(&env_a, &["t"]).await;
+    let run_b = srv.tagged_run(&env_b, &["t"]).await;
+    let h = modern(&env_a.api_key);
+    let snap = srv.fetch(&tag_url("t").snapshot(), &h).await;
+    srv.wait_subscribed(&env_a.env_id).await;
+    let poll = srv.fetch(&tag_url("t").live(&snap.handle(), &snap.offset(), None), &h);
+    let inject = async {
+        srv.wait_held("held", |h| h.1 == 1).await;
+        let ms = srv.set_status(&run_b.id, "EXECUTING").await;
+        // On A's channel, naming B's run.
+        srv.publish(&TestServer::record(&env_a, &run_b.id, &["t"], None, ms))
+            .await;
+    };
+    let (r, ()) = tokio::join!(poll, inject);
+    assert_feed_headers(&r, false);
+    assert!(r.is_bare_up_to_date(), "{}", r.text);
+    assert!(!r.text.contains(&run_b.id));
+}
+
+/// Architecture item 3: a handle only resumes the feed it was minted for — another run, tag
+/// filter, batch or feed kind (same environment) → 409 must-refetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handle_of_another_feed_in_the_same_env_is_409() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let (b1, b1_fid) = srv.batch(&env).await;
+    let (_, b2_fid) = srv.batch(&env).await;
+    let r1 = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["a".into(), "b".into()]),
+                batch_id: Some(b1),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let r2 = srv.tagged_run(&env, &["a"]).await;
+    let h = modern(&env.api_key);
+    let run1 = srv.fetch(&run_url(&r1.friendly_id).snapshot(), &h).await;
+    let tag_a = srv.fetch(&tag_url("a").snapshot(), &h).await;
+    let batch1 = srv.fetch(&batch_url(&b1_fid).snapshot(), &h).await;
+    for (url, from, what) in [
+        (run_url(&r2.friendly_id), &run1, "run handle on another run"),
+        (tag_url("a,b"), &tag_a, "tag handle on another filter"),
+        (
+            tag_url("b,a,a"),
+            &tag_a,
+            "tag handle on another filter (permuted)",
+        ),
+        (batch_url(&b2_fid), &batch1, "batch handle on another batch"),
+        (batch_url(&b1_fid), &tag_a, "tag handle on the batch route"),
+        (tag_url("a"), &batch1, "batch handle on the tag route"),
+        (
+            run_url(&r1.friendly_id),
+            &tag_a,
+            "tag handle on the run route",
+        ),
+    ] {
+        for req in [
+            url.live(&from.handle(), &from.offset(), None),
+            url.catch_up(&from.handle(), &from.offset()),
+        ] {
+            let r = srv.fetch(&req, &h).await;
+            assert_eq!(r.status, 409, "{what}: {}", r.text);
+            assert_eq!(
+                r.json,
+                json!([{"headers": {"control": "must-refetch"}}]),
+                "{what}"
+            );
+        }
+    }
+    // The tag filter digest is order-insensitive: `b,a` resumes an `a,b` handle.
+    let ab = srv.fetch(&tag_url("a,b").snapshot(), &h).await;
+    srv.fetch(&tag_url("b,a").catch_up(&ab.handle(), &ab.offset()), &h)
+        .await
+        .assert_status(200);
+}
+
+/// HYD-04, LIVE-03, architecture item 5: live feeds on the same tag with different column sets
+/// are hydrated once PER column set, and each gets rows in its own shape (skipped columns absent
+/// from live `update` rows too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
+    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["sc"]).await;
+    let h = modern(&env.api_key);
+    let slim_url = tag_url("sc").q("skipColumns", "payload,output");
+    let full_url = tag_url("sc");
+    let slim = srv.fetch(&slim_url.snapshot(), &h).await;
+    let full = srv.fetch(&full_url.snapshot(), &h).await;
+    let full2 = srv.fetch(&full_url.snapshot(), &h).await;
+    srv.wait_subscribed(&env.env_id).await;
+    let router = srv.running().router.clone();
+    let store = srv.running().store.clone();
+
+    let p_slim = srv.fetch(&slim_url.live(&slim.handle(), &slim.offset(), None), &h);
+    let p_full = srv.fetch(&full_url.live(&full.handle(), &full.offset(), None), &h);
+    let p_full2 = srv.fetch(&full_url.live(&full2.handle(), &full2.offset(), None), &h);
+    let change = async {
+        srv.wait_held("three tag feeds held", |h| h.1 == 3).await;
+        let q = store.query_count();
+        let hy = router
+            .stats()
+            .hydrates
+            .load(std::sync::atomic::Ordering::Relaxed);
+        srv.change(&env, &run.id, &["sc"], None, "EXECUTING").await;
+        (q, hy)
+    };
+    let (a, b, c, (q, hy)) = within(WAIT, "wake", async {
+        tokio::join!(p_slim, p_full, p_full2, change)
+    })
+    .await;
+    for r in [&a, &b, &c] {
+        assert_feed_headers(r, false);
+        assert_eq!(r.ops(), vec![op("update", &run.id)], "{}", r.text);
+    }
+    let slim_row = &a.row(&run.id).unwrap()["value"];
+    assert!(
+        slim_row.get("payload").is_none() && slim_row.get("output").is_none(),
+        "skipped columns in a live row: {slim_row}"
+    );
+    assert!(slim_row.get("status").is_some());
+    assert!(b.row(&run.id).unwrap()["value"].get("payload").is_some());
+    let queries = store.query_count() - q;
+    let hydrates = router
+        .stats()
+        .hydrates
+        .load(std::sync::atomic::Ordering::Relaxed)
+        - hy;
+    println!("two column sets, three feeds: {queries} queries, {hydrates} hydrates for one change");
+    assert_eq!(hydrates, 2, "one hydrate per column set");
+    assert_eq!(queries, 2, "one query per column set");
+}
+
+/// HDR-02: an EMPTY `x-trigger-electric-version` counts as absent (legacy names, 422).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hdr_02_empty_electric_version_header_is_legacy() {
+    let srv = TestServer::start(1_500).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let h = with(legacy(&env.api_key), "x-trigger-electric-version", "");
+    let r = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
+    r.assert_status(200);
+    assert!(
+        r.has("electric-shape-id") && !r.has("electric-handle"),
+        "{:?}",
+        r.headers
+    );
+    srv.fetch(&run_url(&run.friendly_id).q("offset", "abc"), &h)
+        .await
+        .assert_status(422);
+}

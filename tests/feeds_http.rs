@@ -1648,7 +1648,8 @@ async fn hdr_01_every_get_response_has_cors_headers() {
     let other = srv.run(&env, RunSpec::default()).await;
     let scoped = srv.token(&env, &[&format!("read:runs:{}", other.friendly_id)]);
     let url = run_url(&run.friendly_id);
-    let cases: Vec<(Url, Vec<(String, String)>, u16)> = vec![
+    type Case = (Url, Vec<(String, String)>, u16);
+    let cases: Vec<Case> = vec![
         (url.snapshot(), modern(&env.api_key), 200),
         (url.clone().q("offset", "abc"), modern(&env.api_key), 400),
         (url.snapshot(), modern("garbage"), 401),
@@ -1804,6 +1805,12 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
     let h = modern(&srv.token(&env, &["read:tags:hot"]));
     let url = tag_url("hot");
 
+    // Subscribe the environment first (one snapshot touches it) so the 1 000 snapshots carry
+    // cursors of a confirmed subscription and their live polls need no cold re-check.
+    srv.fetch(&url.snapshot(), &h).await.assert_status(200);
+    srv.wait_subscribed(&env.env_id).await;
+    let store = srv.running().store.clone();
+
     // 1 000 snapshots, 32 at a time.
     use futures::stream::{self, StreamExt};
     let snaps: Vec<(String, String)> = within(Duration::from_secs(60), "1000 snapshots", async {
@@ -1829,6 +1836,7 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
 
     // 1 000 concurrent live polls.
     let polls_started = Instant::now();
+    let queries_at_polls = store.query_count();
     let mut tasks = Vec::with_capacity(N);
     for (handle, offset) in snaps {
         let srv = srv.clone();
@@ -1851,7 +1859,14 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
         polls_started.elapsed()
     );
 
-    let store = srv.running().store.clone();
+    // A poll counts as held once registered; an uncovered one (snapshot cursor predating the
+    // subscription's confirmation) then runs a cold re-check. Let those finish before the
+    // baseline: the query counter must stay unchanged for 200 ms.
+    let settled = settle_queries(&store).await;
+    println!(
+        "fan-out: registering {N} live polls cost {} store queries (cold re-checks)",
+        settled - queries_at_polls
+    );
     let queries_before = store.query_count();
     let hydrates_before = router
         .stats()
@@ -1892,6 +1907,22 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
         "fan-out test took {:?}",
         test_started.elapsed()
     );
+}
+
+/// Waits until the store's query counter stops moving (unchanged for 200 ms, at most 10 s);
+/// returns the settled count.
+async fn settle_queries(store: &runfeed::store::PgStore) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = store.query_count();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = store.query_count();
+        if now == last {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "store queries never settled");
+        last = now;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2384,7 +2415,7 @@ async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
         .await;
         let r = router.clone();
         wait_until(WAIT, "noise routed", move || {
-            r.stats().batches.load(std::sync::atomic::Ordering::Relaxed) >= batches_before + 1
+            r.stats().batches.load(std::sync::atomic::Ordering::Relaxed) > batches_before
         })
         .await;
     };
@@ -2560,4 +2591,51 @@ async fn hdr_02_empty_electric_version_header_is_legacy() {
     srv.fetch(&run_url(&run.friendly_id).q("offset", "abc"), &h)
         .await
         .assert_status(422);
+}
+
+/// Architecture item 5 at subscription start: once the environment's subscription is
+/// confirmed, N clients that snapshot a hot tag and go live must not cost one store query EACH.
+///
+/// Today the first snapshot's run-set read (taken before confirmation, cursor epoch 0) stays in
+/// the run-set cache for `runset_cache_ttl_ms`; every snapshot served from it hands out that
+/// unusable cursor, so every first live poll is "not covered" and runs its own uncoalesced cold
+/// `read_fresh` — N feeds → N queries (200 here; 1 000 in the fan-out test). Snapshots taken
+/// after the cache entry expired cost 0 queries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "BUG: snapshots served from a run-set cached before the subscription was confirmed carry an epoch-0 cursor; each first live poll then runs its own cold read_fresh (N feeds -> N queries)"]
+async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
+    const N: usize = 200;
+    let srv = Arc::new(TestServer::start(20_000).await);
+    let env = srv.env().await;
+    srv.tagged_run(&env, &["e"]).await;
+    let h = modern(&env.api_key);
+    let url = tag_url("e");
+    // The first snapshot subscribes the environment; wait for Redis to have the subscription.
+    srv.fetch(&url.snapshot(), &h).await.assert_status(200);
+    srv.wait_subscribed(&env.env_id).await;
+    let snaps: Vec<Resp> = within(
+        WAIT,
+        "snapshots",
+        futures::future::join_all((0..N).map(|_| srv.fetch(&url.snapshot(), &h))),
+    )
+    .await;
+    let store = srv.running().store.clone();
+    let before = settle_queries(&store).await;
+    let mut tasks = Vec::new();
+    for s in &snaps {
+        let srv = srv.clone();
+        let h = h.clone();
+        let live = url.live(&s.handle(), &s.offset(), None);
+        tasks.push(tokio::spawn(async move { srv.fetch(&live, &h).await }));
+    }
+    srv.wait_held("all held", |h| h.1 == N).await;
+    let cost = settle_queries(&store).await - before;
+    for t in &tasks {
+        t.abort();
+    }
+    println!("registering {N} live polls right after confirmation cost {cost} store queries");
+    assert!(
+        cost <= 1,
+        "{N} first live polls cost {cost} store queries (one per feed)"
+    );
 }

@@ -14,7 +14,8 @@ BASE_URL="http://127.0.0.1:${PORT}"
 DATABASE_URL="postgres://postgres@127.0.0.1:5432/${RUNFEED_DEV_DB:-runfeed_demo}"
 REDIS_URL="redis://127.0.0.1:6379"
 PROFILE="${RUNFEED_PROFILE:-debug}"
-LOG="$ROOT/target/dev-serve.log"
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+LOG="$TARGET_DIR/dev-serve.log"
 
 say() { printf '\n==> %s\n' "$*"; }
 
@@ -23,7 +24,7 @@ bash scripts/services.sh
 
 say "cargo build ($PROFILE)"
 if [ "$PROFILE" = release ]; then cargo build --release --locked; else cargo build --locked; fi
-BIN="$ROOT/target/$PROFILE/runfeed"
+BIN="$TARGET_DIR/$PROFILE/runfeed"
 
 say "npm ci (tests/e2e: the real clients, for tests/e2e/watch.mjs)"
 if [ ! -d tests/e2e/node_modules ] || [ tests/e2e/package-lock.json -nt tests/e2e/node_modules/.package-lock.json ]; then

@@ -10,7 +10,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$(pwd)
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
-LOG_DIR="$ROOT/target/test-logs"
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+LOG_DIR="$TARGET_DIR/test-logs"
 mkdir -p "$LOG_DIR"
 
 T_START=$SECONDS
@@ -70,7 +71,7 @@ e2e_tests() {
   local log="$LOG_DIR/e2e.log" files=(tests/e2e/*.test.mjs) args=()
   drop_stale_e2e_databases
   [ -n "${E2E_FILTER:-}" ] && args+=(--test-name-pattern "$E2E_FILTER")
-  E2E_RUNFEED_BIN="$ROOT/target/debug/runfeed" \
+  E2E_RUNFEED_BIN="$TARGET_DIR/debug/runfeed" \
     timeout --kill-after=15 "${E2E_TIMEOUT:-480}" \
     node --test --test-concurrency=1 --test-timeout=120000 --test-force-exit --test-reporter=spec \
       "${args[@]}" "${files[@]}" 2>&1 | tee "$log"

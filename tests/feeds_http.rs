@@ -2602,7 +2602,6 @@ async fn hdr_02_empty_electric_version_header_is_legacy() {
 /// `read_fresh` — N feeds → N queries (200 here; 1 000 in the fan-out test). Snapshots taken
 /// after the cache entry expired cost 0 queries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "BUG: snapshots served from a run-set cached before the subscription was confirmed carry an epoch-0 cursor; each first live poll then runs its own cold read_fresh (N feeds -> N queries)"]
 async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
     const N: usize = 200;
     let srv = Arc::new(TestServer::start(20_000).await);

@@ -271,7 +271,7 @@ impl Feeds {
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         if !reg.covered() {
-            let fresh = self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await?;
+            let fresh = self.sets.read_covered(&req.env_id, target, req.cols, deadline, &reg).await?;
             pending.extend(fresh.rows.iter().cloned());
         }
         Ok(self.respond(req, handle, offset, &known, pending, &reg, true, true))
@@ -311,7 +311,7 @@ impl Feeds {
         if !reg.covered() || first.recheck || matches!(known, Known::Nothing) {
             // Cold path: the change stream cannot vouch for the gap; read the store now that
             // the feed is registered (anything after this read reaches the inbox).
-            trusted &= self.recheck(req, target, deadline, &mut pending).await;
+            trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
@@ -321,7 +321,7 @@ impl Feeds {
                 wake = reg.wake() => {
                     pending.extend(wake.rows);
                     if wake.recheck {
-                        trusted &= self.recheck(req, target, deadline, &mut pending).await;
+                        trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
                         return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
@@ -342,9 +342,10 @@ impl Feeds {
         Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted))
     }
 
-    /// Reads the store after the feed registered; false if that failed (logged).
-    async fn recheck(&self, req: &FeedRequest, target: &Target, deadline: Instant, pending: &mut Pending) -> bool {
-        match self.sets.read_fresh(&req.env_id, target, req.cols, deadline).await {
+    /// Reads what the feed carries as of now (shared read + replay, see
+    /// [`Sets::read_covered`]); false if that failed (logged).
+    async fn recheck(&self, req: &FeedRequest, target: &Target, deadline: Instant, reg: &Registration, pending: &mut Pending) -> bool {
+        match self.sets.read_covered(&req.env_id, target, req.cols, deadline, reg).await {
             Ok(set) => {
                 pending.extend(set.rows.iter().cloned());
                 true

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, SerializedRow};
-use crate::router::{ReplayCursor, Router};
+use crate::router::{Registration, ReplayCursor, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 
 /// What a feed is about (internal ids).
@@ -127,6 +127,25 @@ impl Sets {
             Ok(Err(err)) => Err((*err).clone()),
             Err(_) => Err(ReadError::Deadline),
         }
+    }
+
+    /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
+    /// query for every identical caller) plus a replay of the records that arrived after it was
+    /// taken. A shared result whose cursor the stream cannot vouch for (taken before the
+    /// subscription was confirmed, before a reconnect, or evicted) is dropped and read again —
+    /// once for all callers; only if that fails too does this caller read alone.
+    pub async fn read_covered(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant, reg: &Registration) -> Result<Arc<RunSet>, ReadError> {
+        let key = SetKey { env_id: env_id.to_string(), target: target.clone(), cap: self.cap, cols };
+        for _ in 0..2 {
+            let set = self.read_shared(env_id, target, cols, deadline).await?;
+            if reg.replay_since(set.cursor).await {
+                return Ok(set);
+            }
+            if self.sets.get(&key).await.is_some_and(|cached| Arc::ptr_eq(&cached, &set)) {
+                self.sets.invalidate(&key).await;
+            }
+        }
+        self.read_fresh(env_id, target, cols, deadline).await
     }
 
     /// What the feed carries, read now (no cache): for re-checks that must see the store as it

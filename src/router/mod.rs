@@ -615,6 +615,40 @@ impl Registration {
         }
     }
 
+    /// Replays into the inbox the buffered records after `cursor` that this feed is a
+    /// candidate for (a store read taken at `cursor` plus this replay = the state now).
+    /// Returns false when the stream cannot vouch for the gap since `cursor` (another
+    /// subscription epoch, evicted records, a failed hydrate): the caller must read again.
+    pub async fn replay_since(&self, cursor: ReplayCursor) -> bool {
+        if self.inner.cfg.replay_window_ms == 0 {
+            return true;
+        }
+        let ids: Vec<String> = {
+            let state = lock(&self.env.state);
+            let covered = state.active && cursor.epoch == state.epoch && state.buffer.covers(cursor.seq);
+            if !covered {
+                return false;
+            }
+            state
+                .buffer
+                .since(cursor.seq)
+                .filter(|b| self.slot.filter.is_candidate(&b.record))
+                .map(|b| b.record.run_id.clone())
+                .collect()
+        };
+        if ids.is_empty() {
+            return true;
+        }
+        match self.inner.hydrate(&self.env.id, &ids, self.slot.cols).await {
+            Ok(rows) => {
+                let rows: Vec<SerializedRow> = rows.into_values().filter(|r| self.slot.filter.accepts(&r.meta)).collect();
+                self.slot.push(rows, false);
+                true
+            }
+            Err(()) => false,
+        }
+    }
+
     /// Drains the inbox without waiting.
     pub fn take(&self) -> Wake {
         self.slot.take()

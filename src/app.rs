@@ -16,8 +16,8 @@ use crate::config::Config;
 use crate::feeds::Feeds;
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
-use crate::router::Router;
-use crate::store::{EnvStore, PgStore, RunStore};
+use crate::router::{Gate, Router};
+use crate::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
 
 /// A running server (tests start it in-process on port 0).
 pub struct Running {
@@ -56,7 +56,11 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let (tx, rx) = mpsc::unbounded_channel();
     let source: Arc<dyn ChangeSource> =
         Arc::new(RedisChangeSource::connect(&config.redis.url, tx).await.context("connecting the Redis change source")?);
-    let router = Router::start(config.router.clone(), source, store.clone() as Arc<dyn RunStore>, rx);
+    // Read-your-writes gate: only when hydrates read a distinct replica (reference
+    // REPLICA_LAG_GATE_ENABLED, disabled by RUN_READS_FROM_PRIMARY).
+    let gate = (config.replica_lag.gate_enabled && !db.run_reads_from_primary && store.has_distinct_replica())
+        .then(|| Arc::new(Gate::new(store.clone() as Arc<dyn ReplicaProbe>, config.replica_lag.clone())));
+    let router = Router::start_with_gate(config.router.clone(), source, store.clone() as Arc<dyn RunStore>, rx, gate);
     let handles = match &config.server.handle_secret {
         Some(secret) if !secret.is_empty() => HandleKey::new(secret.as_bytes()),
         _ => {

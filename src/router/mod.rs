@@ -18,6 +18,7 @@
 
 mod buffer;
 mod filter;
+pub mod gate;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,8 +27,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, Notify};
 
-pub use buffer::{Eviction, ReplayBuffer};
+pub use buffer::{Buffered, Eviction, ReplayBuffer};
 pub use filter::FeedFilter;
+pub use gate::{Gate, GateOutcome};
 
 use crate::changes::coalesce::Coalescer;
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
@@ -62,8 +64,12 @@ pub struct RouterStats {
     /// Replay-buffer evictions by reason.
     pub evictions_window: AtomicU64,
     pub evictions_cap: AtomicU64,
-    /// Hydrate failures (logged; the feed's backstop covers them).
+    /// Hydrate failures (logged; the feeds re-check from the store).
     pub hydrate_errors: AtomicU64,
+    /// Runs the stale tripwire withheld and a retry then found fresh.
+    pub stale_recovered: AtomicU64,
+    /// Runs delivered stale after the retry budget (echo passes follow).
+    pub stale_gave_up: AtomicU64,
 }
 
 /// What a woken feed finds in its inbox.
@@ -222,6 +228,7 @@ struct Inner {
     cfg: RouterConfig,
     source: Arc<dyn ChangeSource>,
     store: Arc<dyn RunStore>,
+    gate: Option<Arc<Gate>>,
     envs: Mutex<HashMap<String, Arc<Env>>>,
     next_epoch: AtomicU64,
     next_feed_id: AtomicU64,
@@ -247,12 +254,26 @@ impl Router {
         cfg: RouterConfig,
         source: Arc<dyn ChangeSource>,
         store: Arc<dyn RunStore>,
+        events: mpsc::UnboundedReceiver<SourceEvent>,
+    ) -> Router {
+        Router::start_with_gate(cfg, source, store, events, None)
+    }
+
+    /// [`Router::start`] with a read-your-writes gate: wake-path hydrates wait until the
+    /// replica has applied the announced commits, and rows still read stale are withheld and
+    /// re-hydrated (see [`gate`]).
+    pub fn start_with_gate(
+        cfg: RouterConfig,
+        source: Arc<dyn ChangeSource>,
+        store: Arc<dyn RunStore>,
         mut events: mpsc::UnboundedReceiver<SourceEvent>,
+        gate: Option<Arc<Gate>>,
     ) -> Router {
         let inner = Arc::new(Inner {
             cfg: cfg.clone(),
             source,
             store,
+            gate,
             envs: Mutex::new(HashMap::new()),
             next_epoch: AtomicU64::new(1),
             next_feed_id: AtomicU64::new(1),
@@ -288,7 +309,8 @@ impl Router {
         tokio::spawn(async move {
             while let Some((env_id, records)) = batch_rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
-                tokio::spawn(async move { inner.route_batch(&env_id, records).await });
+                let arrived = tokio::time::Instant::now();
+                tokio::spawn(async move { inner.route_batch(env_id, records, 0, arrived).await });
             }
         });
         Router { inner }
@@ -322,20 +344,14 @@ impl Router {
                 _ => 0,
             };
             let covered = !replay_enabled || (same_epoch && state.buffer.covers(from));
-            let ids: Vec<String> = state
-                .buffer
-                .since(from)
-                .filter(|b| filter.is_candidate(&b.record))
-                .map(|b| b.record.run_id.clone())
-                .collect();
-            (covered, ids)
+            let replay: Vec<Buffered> =
+                state.buffer.since(from).filter(|b| filter.is_candidate(&b.record)).cloned().collect();
+            (covered, replay)
         };
         let mut registration = Registration { inner: self.inner.clone(), env, id, slot, covered: false };
         if replay_enabled && !replay_ids.is_empty() {
-            match self.inner.hydrate(env_id, &replay_ids, cols).await {
+            match self.inner.replay(env_id, &filter, cols, &replay_ids).await {
                 Ok(rows) => {
-                    let rows: Vec<SerializedRow> =
-                        rows.into_values().filter(|r| filter.accepts(&r.meta)).collect();
                     let counter = if rows.is_empty() { &self.inner.stats.replays_empty } else { &self.inner.stats.replays_delivered };
                     counter.fetch_add(1, Ordering::Relaxed);
                     registration.slot.push(rows, false);
@@ -363,6 +379,11 @@ impl Router {
     /// Router counters.
     pub fn stats(&self) -> &RouterStats {
         &self.inner.stats
+    }
+
+    /// The read-your-writes gate, when one is active.
+    pub fn gate(&self) -> Option<&Arc<Gate>> {
+        self.inner.gate.as_ref()
     }
 
     /// Held feeds by kind `(run, tag, batch)`.
@@ -483,6 +504,22 @@ impl Inner {
         });
     }
 
+    /// Hydrates buffered records for one feed: behind the read-your-writes gate like the live
+    /// path (a record still in its batch's gate wait must not be read early from the replica),
+    /// then the feed's authoritative filter (REP-06/07).
+    async fn replay(&self, env_id: &str, filter: &FeedFilter, cols: ColumnSet, buffered: &[Buffered]) -> Result<Vec<SerializedRow>, ()> {
+        if let Some(gate) = &self.gate {
+            let newest = buffered.iter().map(|b| b.received_at).max();
+            if let Some(newest) = newest {
+                let records: Vec<ChangeRecord> = buffered.iter().map(|b| b.record.clone()).collect();
+                gate.wait(&records, tokio::time::Instant::from_std(newest)).await;
+            }
+        }
+        let ids: Vec<String> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
+        let rows = self.hydrate(env_id, &ids, cols).await?;
+        Ok(rows.into_values().filter(|r| filter.accepts(&r.meta)).collect())
+    }
+
     /// One store query for `ids`, each row serialized once. `Err(())` after logging a failure.
     async fn hydrate(&self, env_id: &str, ids: &[String], cols: ColumnSet) -> Result<HashMap<String, SerializedRow>, ()> {
         self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
@@ -499,7 +536,10 @@ impl Inner {
         }
     }
 
-    async fn route_batch(self: &Arc<Self>, env_id: &str, records: Vec<ChangeRecord>) {
+    /// Routes one coalesced batch. `attempt` > 0: a re-hydrate of records the stale tripwire
+    /// withheld (or an echo pass after giving up), re-sequenced as a new batch.
+    async fn route_batch(self: &Arc<Self>, env_id: String, records: Vec<ChangeRecord>, attempt: u32, arrived: tokio::time::Instant) {
+        let env_id = env_id.as_str();
         let Some(env) = self.env(env_id) else { return };
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let window = Duration::from_millis(self.cfg.replay_window_ms);
@@ -522,7 +562,7 @@ impl Inner {
             if !window.is_zero() {
                 let cap = self.cfg.replay_max_runs;
                 let mut seq = first_seq;
-                for record in records {
+                for record in records.iter().cloned() {
                     for eviction in state.buffer.insert(seq, record, now, window, cap) {
                         let counter = match eviction {
                             Eviction::Window => &self.stats.evictions_window,
@@ -548,6 +588,12 @@ impl Inner {
         if matches.is_empty() {
             return;
         }
+        // 1b. Read-your-writes: hydrate only what the replica has applied (first pass only;
+        //     retries were already delayed).
+        let outcome = match (&self.gate, attempt) {
+            (Some(gate), 0) => Some(gate.wait(&records, arrived).await),
+            _ => None,
+        };
         // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
         let hydrated = futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
             let ids: Vec<String> = ids.into_iter().collect();
@@ -558,6 +604,9 @@ impl Inner {
         // the store (and answer with an untrusted cursor if that fails too).
         let hydrated: HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>> =
             hydrated.into_iter().map(|(cols, rows)| (cols, rows.ok())).collect();
+        // 2b. Stale tripwire: withhold rows older than their record's watermark (or missing
+        //     although the record says the run exists) and re-hydrate them shortly.
+        let withheld = self.tripwire(env_id, &records, &hydrated, outcome, attempt);
         // 3. Deliver to inboxes, mark the batch routed, then wake (so a woken feed's response
         //    cursor already covers this batch and its next poll does not replay it).
         let mut woken = Vec::new();
@@ -570,6 +619,7 @@ impl Inner {
             };
             let rows: Vec<SerializedRow> = run_ids
                 .iter()
+                .filter(|id| !withheld.contains(*id))
                 .filter_map(|id| rows_by_id.get(id))
                 .filter(|row| slot.filter.accepts(&row.meta))
                 .cloned()
@@ -584,6 +634,85 @@ impl Inner {
         drop(done);
         for slot in woken {
             slot.notify.notify_one();
+        }
+    }
+}
+
+impl Inner {
+    /// Decides which runs of a hydrated batch are stale, schedules their re-hydrate, and
+    /// returns the ones to withhold now (GATE-04..09, better per behaviours §4 item 3).
+    ///
+    /// A run is stale when a hydrated row is older than the newest watermark of its records, or
+    /// when no row came back although a record vouches for the run: a watermark, or — when the
+    /// gate gave up before the replica caught up — any record (a just-created run that is not
+    /// replicated yet must not be lost; the reference drops it silently).
+    fn tripwire(
+        self: &Arc<Self>,
+        env_id: &str,
+        records: &[ChangeRecord],
+        hydrated: &HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>>,
+        outcome: Option<GateOutcome>,
+        attempt: u32,
+    ) -> HashSet<String> {
+        let Some(gate) = self.gate.clone() else { return HashSet::new() };
+        let unsure = matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
+        let now_ms = crate::feeds::now_ms();
+        let mut stale: HashMap<String, ChangeRecord> = HashMap::new();
+        for record in records {
+            let rows: Vec<Option<&SerializedRow>> =
+                hydrated.values().flatten().map(|rows| rows.get(&record.run_id)).collect();
+            if rows.is_empty() {
+                continue; // every hydrate of this batch failed: the feeds re-check instead
+            }
+            let is_stale = match record.updated_at_ms {
+                Some(wm) => rows.iter().any(|r| r.is_none_or(|row| row.meta.updated_at_ms < wm)),
+                None => unsure && rows.iter().all(Option::is_none),
+            };
+            if is_stale {
+                if let Some(wm) = record.updated_at_ms {
+                    gate.observe_stale(u64::try_from(now_ms - wm).unwrap_or(0));
+                }
+                stale
+                    .entry(record.run_id.clone())
+                    .and_modify(|r| r.merge_from(record.clone()))
+                    .or_insert_with(|| record.clone());
+            }
+        }
+        if attempt > 0 && attempt <= gate.retries() {
+            let recovered = records.iter().filter(|r| !stale.contains_key(&r.run_id)).count() as u64;
+            self.stats.stale_recovered.fetch_add(recovered, Ordering::Relaxed);
+        }
+        if stale.is_empty() {
+            return HashSet::new();
+        }
+        let withhold = attempt < gate.retries();
+        if attempt == gate.retries() {
+            self.stats.stale_gave_up.fetch_add(stale.len() as u64, Ordering::Relaxed);
+            tracing::warn!(env_id, runs = stale.len(), "rows still stale after retries; delivering them (echo passes follow)");
+        }
+        // Retry while within the budget; afterwards echo (deliver-and-recheck) while the change
+        // is recent, so the fresh version still arrives once the replica catches up.
+        let horizon_ms = i64::try_from(gate.echo_horizon().as_millis()).unwrap_or(i64::MAX);
+        let newest = stale.values().filter_map(|r| r.updated_at_ms).max();
+        let within_horizon = match newest {
+            Some(wm) => now_ms - wm < horizon_ms,
+            None => attempt < gate.retries() + 10,
+        };
+        if withhold || within_horizon {
+            let retry: Vec<ChangeRecord> = stale.values().cloned().collect();
+            let delay = gate.retry_delay();
+            let inner = self.clone();
+            let env_id = env_id.to_string();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let arrived = tokio::time::Instant::now();
+                inner.route_batch(env_id, retry, attempt + 1, arrived).await;
+            });
+        }
+        if withhold {
+            stale.into_keys().collect()
+        } else {
+            HashSet::new()
         }
     }
 }
@@ -623,25 +752,19 @@ impl Registration {
         if self.inner.cfg.replay_window_ms == 0 {
             return true;
         }
-        let ids: Vec<String> = {
+        let replay: Vec<Buffered> = {
             let state = lock(&self.env.state);
             let covered = state.active && cursor.epoch == state.epoch && state.buffer.covers(cursor.seq);
             if !covered {
                 return false;
             }
-            state
-                .buffer
-                .since(cursor.seq)
-                .filter(|b| self.slot.filter.is_candidate(&b.record))
-                .map(|b| b.record.run_id.clone())
-                .collect()
+            state.buffer.since(cursor.seq).filter(|b| self.slot.filter.is_candidate(&b.record)).cloned().collect()
         };
-        if ids.is_empty() {
+        if replay.is_empty() {
             return true;
         }
-        match self.inner.hydrate(&self.env.id, &ids, self.slot.cols).await {
+        match self.inner.replay(&self.env.id, &self.slot.filter, self.slot.cols, &replay).await {
             Ok(rows) => {
-                let rows: Vec<SerializedRow> = rows.into_values().filter(|r| self.slot.filter.accepts(&r.meta)).collect();
                 self.slot.push(rows, false);
                 true
             }

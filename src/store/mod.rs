@@ -14,9 +14,11 @@ use async_trait::async_trait;
 
 use crate::protocol::{ColumnSet, RunRow};
 
+pub mod lag;
 mod pg;
 mod sql;
 
+pub use lag::{Lsn, ReplicaProbe};
 pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 
 /// A database failure, with the operation it happened in.

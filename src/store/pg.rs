@@ -182,6 +182,11 @@ impl PgStore {
         &self.replica
     }
 
+    /// Whether replica reads go to a different server than the primary.
+    pub fn has_distinct_replica(&self) -> bool {
+        self.distinct_replica
+    }
+
     fn count(&self) {
         self.queries.fetch_add(1, Ordering::Relaxed);
     }

@@ -1694,3 +1694,125 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     assert_eq!(ids(&wake(&b).await.rows), vec!["r1"]);
     assert_eq!(b.cursor().epoch, 0, "subscribe #2 was never confirmed");
 }
+
+// ---------------------------------------------------------------------------------------------
+// §1.7 Read-your-writes gate and stale tripwire (with a fake replica probe)
+// ---------------------------------------------------------------------------------------------
+
+/// A replica whose replay position the test moves by hand.
+struct FakeReplica {
+    primary: std::sync::atomic::AtomicU64,
+    replayed: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait]
+impl crate::store::ReplicaProbe for FakeReplica {
+    async fn primary_lsn(&self) -> Result<crate::store::Lsn, StoreError> {
+        Ok(self.primary.load(Ordering::SeqCst))
+    }
+    async fn replica_replay_lsn(&self) -> Result<Option<crate::store::Lsn>, StoreError> {
+        Ok(Some(self.replayed.load(Ordering::SeqCst)))
+    }
+}
+
+fn gated(max_delay_ms: u64, retries: u32) -> (Harness, Arc<FakeReplica>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let source = Arc::new(MemoryChangeSource::new(tx));
+    let store = Arc::new(FakeStore::default());
+    let replica = Arc::new(FakeReplica { primary: 10.into(), replayed: 10.into() });
+    let lag = crate::config::ReplicaLagConfig { max_delay_ms, stale_hydrate_retries: retries, ..Default::default() };
+    let gate = Arc::new(gate::Gate::new(replica.clone(), lag));
+    let router = Router::start_with_gate(cfg(), source.clone(), store.clone(), rx, Some(gate));
+    (Harness { router, source, store }, replica)
+}
+
+/// Polls `cond` every millisecond for up to [`WAIT`] (real time: gate waits use timers).
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn watermarked(run: &str, ms: i64) -> ChangeRecord {
+    ChangeRecord { updated_at_ms: Some(ms), ..full(run, &[]) }
+}
+
+/// GATE-02 (positions): a wake-path hydrate waits until the replica replayed past the primary
+/// position read after the record arrived, so the row read is the committed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_02_hydrate_waits_for_the_replica_to_replay_the_commit() {
+    let (h, replica) = gated(5_000, 3);
+    let f = h.reg(run_feed("r1"), None).await;
+    replica.primary.store(20, Ordering::SeqCst); // the commit the record announces
+    h.store.put(row("r1", &[], None)); // … is on the primary; the replica (at 10) lags
+    h.push(watermarked("r1", 2_000));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert_eq!(h.store.hydrate_count(), 0, "no hydrate before the replica caught up");
+    replica.replayed.store(20, Ordering::SeqCst);
+    let w = wake(&f).await;
+    assert_eq!(ids(&w.rows), vec!["r1"]);
+    assert_eq!(h.store.hydrate_count(), 1);
+}
+
+/// GATE-05/06: a row older than its record's watermark is withheld and re-hydrated; the fresh
+/// version is delivered ("recovered"), the stale one never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_06_stale_row_is_withheld_and_the_fresh_version_delivered() {
+    let (h, _replica) = gated(1_000, 3);
+    let f = h.reg(run_feed("r1"), None).await;
+    h.store.put(RunRow { updated_at_ms: 1_000, ..row("r1", &[], None) }); // stale copy
+    h.push(watermarked("r1", 2_000));
+    eventually("first hydrate", || h.store.hydrate_count() >= 1).await;
+    assert!(f.take().rows.is_empty(), "stale row withheld");
+    h.store.put(RunRow { updated_at_ms: 2_000, ..row("r1", &[], None) });
+    let w = wake(&f).await;
+    assert_eq!(w.rows.iter().map(|r| r.meta.updated_at_ms).collect::<Vec<_>>(), vec![2_000]);
+    assert_eq!(load(&h.router.stats().stale_recovered), 1);
+}
+
+/// Better than the reference (§4 item 3): a run created by a record WITHOUT a watermark whose
+/// row is not on the replica when the gate gave up is retried, not silently dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn better_3_missing_row_without_watermark_is_retried_when_the_gate_gave_up() {
+    let (h, replica) = gated(50, 3);
+    let f = h.reg(tag_feed(&["t"]), None).await;
+    replica.primary.store(30, Ordering::SeqCst); // replica stuck at 10: the gate gives up
+    h.push(full("new", &["t"])); // runCreated: no updatedAtMs
+    eventually("first hydrate", || h.store.hydrate_count() >= 1).await;
+    assert!(f.take().rows.is_empty());
+    h.store.put(row("new", &["t"], None)); // the insert replicates
+    let w = wake(&f).await;
+    assert_eq!(ids(&w.rows), vec!["new"]);
+}
+
+/// GATE-08/09: after the retry budget the stale row is delivered (liveness), and an echo pass
+/// still delivers the fresh version once the replica catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
+    let (h, _replica) = gated(1_000, 0);
+    let f = h.reg(run_feed("r1"), None).await;
+    let now = crate::feeds::now_ms();
+    h.store.put(RunRow { updated_at_ms: now - 10, ..row("r1", &[], None) });
+    h.push(watermarked("r1", now));
+    let first = wake(&f).await;
+    assert_eq!(first.rows[0].meta.updated_at_ms, now - 10, "liveness: stale row delivered");
+    assert_eq!(load(&h.router.stats().stale_gave_up), 1);
+    h.store.put(RunRow { updated_at_ms: now, ..row("r1", &[], None) });
+    let echo = wake(&f).await;
+    assert_eq!(echo.rows[0].meta.updated_at_ms, now);
+}
+
+/// GATE-10: records without a watermark pass the tripwire when the gate saw the replica catch
+/// up (one hydrate, nothing withheld).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_10_applied_gate_trusts_records_without_watermark() {
+    let (h, _replica) = gated(1_000, 3);
+    let f = h.reg(run_feed("r1"), None).await;
+    h.store.put(RunRow { updated_at_ms: 1, ..row("r1", &[], None) });
+    h.push(full("r1", &[]));
+    let w = wake(&f).await;
+    assert_eq!(ids(&w.rows), vec!["r1"]);
+    assert_eq!(h.store.hydrate_count(), 1);
+}

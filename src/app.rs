@@ -79,7 +79,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         store.clone() as Arc<dyn EnvStore>,
         Duration::from_millis(config.caches.lookup_cache_ttl_ms),
     ));
-    let state = AppState { feeds, auth, max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms };
+    let state = AppState { feeds: feeds.clone(), auth, max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms };
     let listener = TcpListener::bind(&config.server.listen)
         .await
         .with_context(|| format!("binding {}", config.server.listen))?;
@@ -91,6 +91,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let server = axum::serve(listener, service).with_graceful_shutdown(async move {
             let _ = shutdown_rx.await;
+            // Held polls answer up-to-date at once; the server then finishes in-flight responses.
+            feeds.drain();
             let _ = stop_tx.send(true);
         });
         let mut stop_rx = stop_rx;

@@ -2638,3 +2638,43 @@ async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
         "{N} first live polls cost {cost} store queries (one per feed)"
     );
 }
+
+/// Graceful shutdown (issue 7 groundwork): stopping an instance answers every held live poll
+/// at once with a 200 `up-to-date` (clients re-poll elsewhere) instead of holding the shutdown
+/// for the ~20 s hold or resetting connections.
+#[tokio::test]
+async fn shutdown_answers_every_held_poll_with_up_to_date() {
+    let srv = TestServer::start(20_000).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["s"]).await;
+    let peer = srv.peer(|_| {}).await;
+    let h = modern(&env.api_key);
+    let snap = srv.fetch_at(&peer.base, &run_url(&run.friendly_id).snapshot(), &h).await;
+    let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), None);
+    let polls: Vec<_> = (0..200)
+        .map(|_| {
+            let (srv_base, http, live, h) = (peer.base.clone(), srv.http.clone(), live.render(), h.clone());
+            tokio::spawn(async move {
+                let mut req = http.get(format!("{srv_base}{live}"));
+                for (k, v) in &h {
+                    req = req.header(k.as_str(), v.as_str());
+                }
+                let resp = req.send().await.map_err(|e| e.to_string())?;
+                let status = resp.status().as_u16();
+                let body = resp.text().await.map_err(|e| e.to_string())?;
+                Ok::<_, String>((status, body))
+            })
+        })
+        .collect();
+    let router = peer.running.router.clone();
+    wait_until(WAIT, "200 polls held on the peer", || router.held_feeds().0 == 200).await;
+    let t = Instant::now();
+    within(WAIT, "peer shutdown", peer.running.stop()).await;
+    for poll in polls {
+        let (status, body) = within(WAIT, "poll answered", poll).await.expect("join").expect("poll got a response, not a reset");
+        assert_eq!(status, 200);
+        assert_eq!(body, r#"[{"headers":{"control":"up-to-date"}}]"#);
+    }
+    assert!(t.elapsed() < Duration::from_secs(3), "drained in {:?}", t.elapsed());
+    println!("shutdown: 200 held polls answered in {:?}", t.elapsed());
+}

@@ -92,6 +92,9 @@ pub struct Feeds {
     handles: HandleKey,
     sets: Sets,
     conns: Cache<ConnKey, Arc<ConnState>>,
+    /// Set when the server drains: held polls answer at once (woken through `drained`).
+    draining: std::sync::atomic::AtomicBool,
+    drained: tokio::sync::Notify,
 }
 
 impl Feeds {
@@ -101,7 +104,22 @@ impl Feeds {
             .max_capacity(caches.working_set_max_entries.saturating_mul(2))
             .time_to_live(Duration::from_millis(caches.working_set_ttl_ms.max(1)))
             .build();
-        Feeds { sets: Sets::new(store, router.clone(), &cfg, caches), cfg, router, handles, conns }
+        Feeds {
+            sets: Sets::new(store, router.clone(), &cfg, caches),
+            cfg,
+            router,
+            handles,
+            conns,
+            draining: std::sync::atomic::AtomicBool::new(false),
+            drained: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Starts draining (graceful shutdown): every held live poll answers `up-to-date` now, and
+    /// live polls arriving from now on are answered at once (clients re-poll elsewhere).
+    pub fn drain(&self) {
+        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.drained.notify_waiters();
     }
 
     /// The readers (resource lookups for the HTTP layer).
@@ -300,7 +318,14 @@ impl Feeds {
     /// `live=true`: hold until the router delivers a change the client does not have, or the
     /// hold expires (then the backstop re-reads).
     async fn live(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
-        let deadline = Instant::now() + self.hold();
+        let drained = self.drained.notified();
+        tokio::pin!(drained);
+        drained.as_mut().enable();
+        let deadline = if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            Instant::now()
+        } else {
+            Instant::now() + self.hold()
+        };
         let state = self.lookup(req, handle, offset);
         let known = self.known(req, state.as_deref(), offset);
         let reg = self.router.register(&req.env_id, filter_of(target), req.cols, state.as_ref().map(|s| s.cursor)).await;
@@ -328,6 +353,10 @@ impl Feeds {
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
+                _ = &mut drained => {
+                    // Shutting down: answer what we have now, no backstop read.
+                    return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
+                }
             }
         }
         // Backstop: a change the stream never announced (lost publish) surfaces here.

@@ -21,6 +21,7 @@ pub struct Config {
     pub router: RouterConfig,
     pub caches: CachesConfig,
     pub replica_lag: ReplicaLagConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 /// `[server]`
@@ -216,6 +217,35 @@ impl Default for ReplicaLagConfig {
     }
 }
 
+/// `[telemetry]`: metrics export, the admin listener and log format (runfeed's own; the
+/// reference exports through the webapp's OTel setup, behaviours §2.2).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Admin listener serving `/metrics` (Prometheus text), `/healthz` and `/readyz`; an empty
+    /// string disables it. Keep it off the public network.
+    pub admin_listen: String,
+    /// OTLP/HTTP (protobuf) metrics endpoint, e.g. `http://otel-collector:4318/v1/metrics`
+    /// (a bare `http://host:4318` gets `/v1/metrics` appended); unset = no OTLP export.
+    pub otlp_endpoint: Option<String>,
+    /// OTLP export interval, ms.
+    pub otlp_interval_ms: u64,
+    /// `pretty` (human-readable) or `json` (one JSON object per line, for containers).
+    /// `RUNFEED_LOG_FORMAT=json` also selects JSON.
+    pub log_format: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            admin_listen: "127.0.0.1:9464".into(),
+            otlp_endpoint: None,
+            otlp_interval_ms: 30_000,
+            log_format: "pretty".into(),
+        }
+    }
+}
+
 /// The configuration could not be loaded or is invalid.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -235,7 +265,9 @@ impl Config {
             }
             fig = fig.merge(Toml::file(path));
         }
-        fig = fig.merge(Env::prefixed("RUNFEED_").split("__").ignore(&["listen"]));
+        // Only `RUNFEED_<SECTION>__<KEY>` names are configuration; other RUNFEED_* variables
+        // (RUNFEED_LISTEN, RUNFEED_CONFIG, RUNFEED_LOG_FORMAT, …) belong to the CLI.
+        fig = fig.merge(Env::prefixed("RUNFEED_").filter(|key| key.as_str().contains("__")).split("__"));
         let config: Config = fig.extract().map_err(Box::new)?;
         config.validate()?;
         Ok(config)
@@ -253,6 +285,16 @@ impl Config {
         if f.max_list_results == 0 {
             return Err(ConfigError::Invalid("feeds.max_list_results must be > 0".into()));
         }
+        let t = &self.telemetry;
+        if !t.admin_listen.is_empty() && t.admin_listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::Invalid(format!("telemetry.admin_listen {:?} is not an address (empty disables it)", t.admin_listen)));
+        }
+        if t.otlp_interval_ms == 0 {
+            return Err(ConfigError::Invalid("telemetry.otlp_interval_ms must be > 0".into()));
+        }
+        if !matches!(t.log_format.as_str(), "pretty" | "json") {
+            return Err(ConfigError::Invalid(format!("telemetry.log_format {:?} must be \"pretty\" or \"json\"", t.log_format)));
+        }
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::Invalid(format!("server.listen {:?} is not an address", self.server.listen)));
         }
@@ -269,6 +311,19 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
         let from_file: Config = Figment::new().merge(Toml::file(&path)).extract().expect("config/default.toml parses");
         assert_eq!(from_file, Config::default());
+    }
+
+    #[test]
+    fn only_section_key_env_vars_are_configuration() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("RUNFEED_CONFIG", "config/default.toml");
+            jail.set_env("RUNFEED_LOG_FORMAT", "json");
+            jail.set_env("RUNFEED_LISTEN", "127.0.0.1:1");
+            jail.set_env("RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS", "3000");
+            let config = Config::load(None).map_err(|e| e.to_string())?;
+            assert_eq!(config.feeds.live_poll_timeout_ms, 3000);
+            Ok(())
+        });
     }
 
     #[test]

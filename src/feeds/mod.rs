@@ -309,8 +309,15 @@ impl Feeds {
         }
         pending.extend(late.rows);
         let changes = pending.changes(known);
-        let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
         let ws = pending.next_working_set(known);
+        if changes.is_empty() {
+            // Nothing new: the offset stays what the client sent (protocol §10); its state
+            // keeps the same working set and moves the replay cursor forward.
+            let prev = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset)).and_then(|s| s.prev);
+            self.record(req, handle, offset, ConnState { ws, cursor, prev });
+            return self.reply(req, handle.to_string(), offset, &changes, schema);
+        }
+        let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
         self.record(req, handle, next, ConnState { ws, cursor, prev: Some(offset) });
         self.reply(req, handle.to_string(), next, &changes, schema)
     }

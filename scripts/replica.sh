@@ -23,6 +23,7 @@ set -euo pipefail
 PRIMARY_HOST=127.0.0.1
 PRIMARY_PORT=5432
 TIMEOUT="${REPLICA_TIMEOUT:-30}"
+[[ "$TIMEOUT" =~ ^[0-9]+$ ]] && [ "$TIMEOUT" -ge 5 ] || TIMEOUT=5
 
 log() { printf '[replica] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -48,7 +49,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$DELAY_MS" =~ ^[0-9]+$ ]] || die "--delay-ms must be a number of milliseconds"
-[[ "$PORT" =~ ^[0-9]+$ ]] && [ "$PORT" -ne "$PRIMARY_PORT" ] || die "--port must be a port other than $PRIMARY_PORT"
+if ! [[ "$PORT" =~ ^[0-9]+$ ]] || [ "$PORT" -eq "$PRIMARY_PORT" ]; then
+  die "--port must be a port other than $PRIMARY_PORT"
+fi
 
 DIR="/tmp/runfeed-replica-$PORT"
 DATA="$DIR/data"
@@ -92,7 +95,16 @@ bin_dir() {
   echo "$dir"
 }
 
-pid_running() { [ -f "$DATA/postmaster.pid" ] && kill -0 "$(head -n 1 "$DATA/postmaster.pid")" 2>/dev/null; }
+# The replica's postmaster pid: from postmaster.pid, or (while it is still starting) the
+# postgres process serving exactly this data directory.
+postmaster_pid() {
+  local pid=""
+  [ -f "$DATA/postmaster.pid" ] && pid=$(head -n 1 "$DATA/postmaster.pid" 2>/dev/null)
+  [ -n "$pid" ] || pid=$(pgrep -o -x -f "[^ ]*postgres -D $DATA" 2>/dev/null || true)
+  echo "$pid"
+}
+
+pid_running() { local pid; pid=$(postmaster_pid); [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }
 
@@ -107,7 +119,7 @@ stop_replica() {
     fi
     if pid_running; then
       local pid
-      pid=$(head -n 1 "$DATA/postmaster.pid")
+      pid=$(postmaster_pid)
       log "the replica postmaster $pid is still running; SIGKILL"
       kill -KILL "$pid" 2>/dev/null || true
       local deadline=$((SECONDS + 10))
@@ -204,13 +216,16 @@ EOF
   as_postgres tee "$DATA/pg_ident.conf" >/dev/null </dev/null
 
   log "starting the replica on 127.0.0.1:$PORT (recovery_min_apply_delay ${DELAY_MS} ms)"
+  # Never leave a half-started replica behind.
+  READY=0
+  trap 'if [ "$READY" != 1 ]; then log "start failed; removing the replica"; stop_replica; fi' EXIT
   if ! as_postgres timeout $((TIMEOUT + 5)) "$bin/pg_ctl" -D "$DATA" -l "$LOGFILE" -w -t "$TIMEOUT" start >/dev/null 9>&-; then
     tail -n 30 "$LOGFILE" >&2 || true
-    stop_replica
     die "the replica did not start"
   fi
   wait_for "the replica in recovery" test_in_recovery
   wait_for "the replica streaming from the primary" test_streaming
+  READY=1
   log "replica ready in $((SECONDS - t0))s"
   echo "REPLICA_URL=$URL"
 }

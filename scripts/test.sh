@@ -83,10 +83,25 @@ e2e_tests() {
   return "$rc"
 }
 
+# A streaming replica of the local Postgres for tests/replica.rs (read-your-writes on a lagging
+# replica); without RUNFEED_TEST_REPLICA_URL those tests skip. Stopped on exit.
+REPLICA_PORT="${REPLICA_PORT:-5433}"
+start_replica() {
+  local out
+  out=$(bash scripts/replica.sh start --delay-ms 300 --port "$REPLICA_PORT") || return 1
+  RUNFEED_TEST_REPLICA_URL=$(printf '%s\n' "$out" | sed -n 's/^REPLICA_URL=//p')
+  [ -n "$RUNFEED_TEST_REPLICA_URL" ] || return 1
+  export RUNFEED_TEST_REPLICA_URL
+  trap 'bash scripts/replica.sh stop --port "$REPLICA_PORT" >/dev/null 2>&1 || true' EXIT
+}
+
 if ! run_step "services (postgres, redis)" bash scripts/services.sh; then summary; exit 1; fi
 if ! run_step "npm ci (tests/e2e)" npm ci --prefix tests/e2e --no-audit --no-fund --loglevel=error; then summary; exit 1; fi
 if ! run_step "cargo build --locked --all-targets" cargo build --locked --all-targets; then summary; exit 1; fi
-if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then run_step "cargo test --locked" cargo_tests; fi
+if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then
+  run_step "replica (streaming, 300 ms apply delay, port ${REPLICA_PORT})" start_replica
+  run_step "cargo test --locked" cargo_tests
+fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
 
 summary

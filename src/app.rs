@@ -18,6 +18,9 @@ use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
 use crate::router::{Gate, Router};
 use crate::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
+use crate::telemetry::admin::{Admin, Check};
+use crate::telemetry::metrics::Sources;
+use crate::telemetry::Telemetry;
 
 /// A running server (tests start it in-process on port 0).
 pub struct Running {
@@ -25,6 +28,12 @@ pub struct Running {
     pub addr: SocketAddr,
     pub router: Router,
     pub store: Arc<PgStore>,
+    /// The admin listener's address (`/metrics`, `/healthz`, `/readyz`); `None` when
+    /// `telemetry.admin_listen` is empty.
+    pub admin_addr: Option<SocketAddr>,
+    /// The metrics pipeline (instruments and the Prometheus registry).
+    pub telemetry: Arc<Telemetry>,
+    admin: Option<Admin>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -36,6 +45,13 @@ impl Running {
             let _ = tx.send(());
         }
         let _ = (&mut self.task).await;
+        if let Some(admin) = self.admin.take() {
+            admin.stop().await;
+        }
+        // Final OTLP export, if this was the last handle on the pipeline.
+        if let Ok(telemetry) = Arc::try_unwrap(self.telemetry) {
+            telemetry.shutdown().await;
+        }
     }
 }
 
@@ -53,9 +69,11 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         )
         .context("database configuration")?,
     );
+    let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
     let (tx, rx) = mpsc::unbounded_channel();
-    let source: Arc<dyn ChangeSource> =
-        Arc::new(RedisChangeSource::connect(&config.redis.url, tx).await.context("connecting the Redis change source")?);
+    let redis_source =
+        Arc::new(RedisChangeSource::connect_with(&(&config.redis).into(), tx).await.context("connecting the Redis change source")?);
+    let source: Arc<dyn ChangeSource> = redis_source.clone();
     // Read-your-writes gate: only when hydrates read a distinct replica (reference
     // REPLICA_LAG_GATE_ENABLED, disabled by RUN_READS_FROM_PRIMARY).
     let gate = (config.replica_lag.gate_enabled && !db.run_reads_from_primary && store.has_distinct_replica())
@@ -74,19 +92,31 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         store.clone() as Arc<dyn RunStore>,
         router.clone(),
         handles,
-    ));
+    )
+    .with_metrics(telemetry.metrics().clone()));
     let auth = Arc::new(Authenticator::new(
         store.clone() as Arc<dyn EnvStore>,
         Duration::from_millis(config.caches.lookup_cache_ttl_ms),
     ));
     let state = AppState { feeds: feeds.clone(), auth, max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms };
+    telemetry.metrics().observe(Sources {
+        router: router.clone(),
+        feeds: Arc::downgrade(&feeds),
+        store: Arc::downgrade(&store),
+        source: Arc::downgrade(&redis_source),
+    });
+    let admin = match config.telemetry.admin_listen.as_str() {
+        "" => None,
+        listen => Some(Admin::start(listen, telemetry.registry().clone(), readiness_checks(&store, &redis_source)).await?),
+    };
+    let admin_addr = admin.as_ref().map(|a| a.addr);
     let listener = TcpListener::bind(&config.server.listen)
         .await
         .with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
-    let service = app(state).into_make_service();
+    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone()).into_make_service();
     let task = tokio::spawn(async move {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let server = axum::serve(listener, service).with_graceful_shutdown(async move {
@@ -110,7 +140,27 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             } => tracing::info!("shutdown grace period over; closing held polls"),
         }
     });
-    Ok(Running { addr, router, store, shutdown: Some(shutdown_tx), task })
+    Ok(Running { addr, router, store, admin_addr, telemetry, admin, shutdown: Some(shutdown_tx), task })
+}
+
+/// `/readyz`: Postgres answers `SELECT 1` (both pools) and the Redis subscriber is connected.
+fn readiness_checks(store: &Arc<PgStore>, source: &Arc<RedisChangeSource>) -> Vec<(&'static str, Check)> {
+    let store = Arc::downgrade(store);
+    let source = Arc::downgrade(source);
+    let postgres: Check = Arc::new(move || {
+        let store = store.clone();
+        Box::pin(async move {
+            match store.upgrade() {
+                Some(store) => store.ping().await.map_err(|e| e.to_string()),
+                None => Err("stopped".into()),
+            }
+        })
+    });
+    let redis: Check = Arc::new(move || {
+        let connected = source.upgrade().is_some_and(|s| s.is_connected());
+        Box::pin(async move { if connected { Ok(()) } else { Err("subscriber not connected".into()) } })
+    });
+    vec![("postgres", postgres), ("redis", redis)]
 }
 
 /// `runfeed serve`: loads the configuration (file ← env ← flags), serves until SIGINT/SIGTERM.
@@ -132,7 +182,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         config.database.run_reads_from_primary = true;
     }
     config.validate()?;
+    crate::telemetry::init_logging_with(&config.telemetry.log_format);
     let running = start(config).await?;
+    if let Some(admin) = running.admin_addr {
+        tracing::info!("admin listening on http://{admin} (/metrics, /healthz, /readyz)");
+    }
     // The one stdout line scripts and tests wait for.
     println!("runfeed listening on http://{}", running.addr);
     tracing::info!(addr = %running.addr, "runfeed serving");

@@ -76,13 +76,20 @@ impl Default for DatabaseConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
-    /// The Redis carrying change records (`--redis-url`, `REDIS_URL`).
+    /// The Redis carrying change records (`--redis-url`, `REDIS_URL`). With `cluster`, the seed
+    /// nodes: `redis-cluster://host:port?node=host2:port2&node=…` or a comma-separated
+    /// `redis://host1:port1,host2:port2` (see [`crate::changes::RedisOptions`]).
     pub url: String,
+    /// Connect to a Redis Cluster (reference `PUBSUB_REDIS_CLUSTER_MODE_ENABLED`, default off).
+    pub cluster: bool,
+    /// In cluster mode, carry records over sharded pub/sub, `SPUBLISH`/`SSUBSCRIBE` (reference
+    /// `PUBSUB_REDIS_SHARDED_ENABLED`, default on); ignored without `cluster`.
+    pub sharded: bool,
 }
 
 impl Default for RedisConfig {
     fn default() -> Self {
-        RedisConfig { url: "redis://127.0.0.1:6379".into() }
+        RedisConfig { url: "redis://127.0.0.1:6379".into(), cluster: false, sharded: true }
     }
 }
 

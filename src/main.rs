@@ -6,7 +6,10 @@ use runfeed::cli::{Cli, Command};
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    runfeed::telemetry::init_logging();
+    // `serve` installs logging once its configuration (telemetry.log_format) is loaded.
+    if !matches!(cli.command, Command::Serve(_)) {
+        runfeed::telemetry::init_logging();
+    }
     let result = match cli.command {
         Command::Serve(args) => runfeed::app::serve(args).await,
         Command::Migrate(args) => runfeed::cli::migrate::run(args).await,

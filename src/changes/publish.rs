@@ -1,13 +1,14 @@
-//! Publishing change records like trigger.dev's webapp (`PUBLISH realtime:env:{env}`,
-//! `runChangeNotifier.server.ts` `publish`, NTF-01..03). Used by tests and tooling; runfeed
-//! itself only consumes.
+//! Publishing change records like trigger.dev's webapp (`PUBLISH realtime:env:{env}`, or
+//! `SPUBLISH` on a Redis Cluster with sharded pub/sub; `runChangeNotifier.server.ts` `publish`,
+//! NTF-01..04). Used by tests and tooling; runfeed itself only consumes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::ConnectHandle;
 
-use super::conn;
+use super::conn::{self, RedisOptions};
 use super::record::channel_name;
 use super::ChangeRecord;
 
@@ -17,6 +18,15 @@ pub const CONNECT_WAIT: Duration = Duration::from_secs(5);
 /// Per-publish timeout: during an outage a publish fails after this instead of buffering
 /// (the webapp caps per-command retries for the same reason, NTF-03).
 pub const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
+
+static PUBLISHED: AtomicU64 = AtomicU64::new(0);
+static PUBLISH_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// `(ok, error)` publish outcomes of every [`Publisher`] in this process (the
+/// `runfeed.notifier.publishes` metric).
+pub fn publish_counts() -> (u64, u64) {
+    (PUBLISHED.load(Ordering::Relaxed), PUBLISH_ERRORS.load(Ordering::Relaxed))
+}
 
 /// Publishing failed.
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +39,7 @@ impl From<Error> for PublishError {
     }
 }
 
-/// A publisher connection (fred client).
+/// A publisher connection (fred client; a cluster client in cluster mode).
 ///
 /// Reconnects forever in the background once connected; a command in flight when the
 /// connection drops is attempted once only (`max_command_attempts = 1`, like the webapp's
@@ -37,6 +47,8 @@ impl From<Error> for PublishError {
 /// Dropping the publisher closes the connection.
 pub struct Publisher {
     client: Client,
+    /// `SPUBLISH` instead of `PUBLISH`.
+    sharded: bool,
     /// fred's connection task; `None` once closed.
     connection: Option<ConnectHandle>,
 }
@@ -48,7 +60,16 @@ impl Publisher {
     /// [`PublishError`] for an invalid URL, a refused configuration, or no connection within
     /// [`CONNECT_WAIT`].
     pub async fn connect(redis_url: &str) -> Result<Publisher, PublishError> {
-        let mut config = Config::from_url(redis_url)?;
+        Publisher::connect_with(&RedisOptions::standalone(redis_url)).await
+    }
+
+    /// Connects as `options` say (a single server, or a cluster; `SPUBLISH` when sharded, see
+    /// [`RedisOptions`]), waiting at most [`CONNECT_WAIT`] (in a cluster: for every primary).
+    ///
+    /// # Errors
+    /// As [`Publisher::connect`], and a URL that does not fit `options.cluster`.
+    pub async fn connect_with(options: &RedisOptions) -> Result<Publisher, PublishError> {
+        let mut config = options.fred_config().map_err(PublishError)?;
         config.fail_fast = false;
         let client = Builder::from_config(config)
             .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
@@ -60,6 +81,7 @@ impl Publisher {
             Ok(Ok(())) => {
                 return Ok(Publisher {
                     client,
+                    sharded: options.uses_sharded(),
                     connection: Some(connection),
                 });
             }
@@ -70,9 +92,12 @@ impl Publisher {
         Err(error)
     }
 
-    /// Publishes `record` on its env's channel (`record.env_id`); returns the receiver count.
+    /// Publishes `record` on its env's channel (`record.env_id`); returns the receiver count
+    /// (for classic pub/sub on a cluster: the receivers on the node that took the PUBLISH only;
+    /// for SPUBLISH: the receivers on the channel's shard).
     ///
-    /// Sends `PUBLISH realtime:env:{<env_id>} <record.encode()>` (so `v` is stamped `1`).
+    /// Sends `PUBLISH realtime:env:{<env_id>} <record.encode()>`, or `SPUBLISH` in sharded mode
+    /// (so `v` is stamped `1`).
     ///
     /// # Errors
     /// [`PublishError`] when Redis rejects the command, the connection is down, or no reply
@@ -91,11 +116,20 @@ impl Publisher {
         env_id: &str,
         payload: impl Into<String>,
     ) -> Result<u64, PublishError> {
-        let receivers: i64 = self
-            .client
-            .publish(channel_name(env_id), payload.into())
-            .await?;
-        Ok(u64::try_from(receivers).unwrap_or(0))
+        let channel = channel_name(env_id);
+        let result: Result<i64, Error> = if self.sharded {
+            self.client.spublish(channel, payload.into()).await
+        } else {
+            self.client.publish(channel, payload.into()).await
+        };
+        let counter = if result.is_ok() { &PUBLISHED } else { &PUBLISH_ERRORS };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(u64::try_from(result?).unwrap_or(0))
+    }
+
+    /// Whether this publisher sends `SPUBLISH` (cluster + sharded).
+    pub fn is_sharded(&self) -> bool {
+        self.sharded
     }
 
     /// Closes the connection (bounded `QUIT`, errors ignored).
@@ -120,7 +154,18 @@ impl Drop for Publisher {
 /// # Errors
 /// As [`Publisher::connect`] and [`Publisher::publish`].
 pub async fn publish_once(redis_url: &str, record: &ChangeRecord) -> Result<u64, PublishError> {
-    let publisher = Publisher::connect(redis_url).await?;
+    publish_once_with(&RedisOptions::standalone(redis_url), record).await
+}
+
+/// [`publish_once`] as `options` say (see [`Publisher::connect_with`]).
+///
+/// # Errors
+/// As [`Publisher::connect_with`] and [`Publisher::publish`].
+pub async fn publish_once_with(
+    options: &RedisOptions,
+    record: &ChangeRecord,
+) -> Result<u64, PublishError> {
+    let publisher = Publisher::connect_with(options).await?;
     let result = publisher.publish(record).await;
     publisher.close().await;
     result

@@ -1,7 +1,9 @@
-//! Change sources: Redis pub/sub (classic) and an in-memory source for tests.
+//! Change sources: Redis pub/sub (classic, or sharded on a Redis Cluster) and an in-memory source
+//! for tests.
 //!
 //! trigger.dev's webapp subscribes one shared, multiplexed subscriber connection per process to
-//! `realtime:env:{<envId>}` for every environment that has a listener (NTF-07..12). The Redis
+//! `realtime:env:{<envId>}` for every environment that has a listener (NTF-07..12), with
+//! `SSUBSCRIBE` on a cluster with sharded pub/sub (one connection per shard, NTF-04). The Redis
 //! source here does the same with a fred [`SubscriberClient`].
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,11 +14,12 @@ use std::time::Duration;
 use fred::clients::SubscriberClient;
 use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
-use fred::types::ConnectHandle;
+use fred::types::{ClusterHash, ConnectHandle, CustomCommand};
+use fred::util::redis_keyslot;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio::task::JoinHandle;
 
-use super::conn;
+use super::conn::{self, redact, RedisOptions};
 use super::record::{channel_name, env_of_channel};
 use super::ChangeRecord;
 
@@ -121,6 +124,11 @@ impl ChangeSource for MemoryChangeSource {
 /// letting fred keep connecting in the background.
 pub const INITIAL_CONNECT_WAIT: Duration = Duration::from_secs(5);
 
+/// How often, in sharded mode, the source verifies that every confirmed subscription still lives
+/// on the node owning its slot (see [`RedisChangeSource`]: fred drops the server's unsolicited
+/// `sunsubscribe` after a slot migration, so nothing else would notice).
+pub const SHARD_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Reconnect backoff of the subscriber connection: exponential from 100 ms, capped at 2 s,
 /// retried forever (the webapp's ioredis default retries forever too).
 const RECONNECT_MIN_MS: u32 = 100;
@@ -135,27 +143,52 @@ const MESSAGE_BUFFER: usize = 16_384;
 const RETRY_MIN: Duration = Duration::from_millis(250);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Which pub/sub flavour the subscriber speaks. Only classic is implemented; a sharded mode
-/// (`SSUBSCRIBE`/`SUNSUBSCRIBE`, cluster + `SHARDED_ENABLED` in the webapp, NTF-04) slots in here:
-/// group channels by hash slot (all of an env's traffic shares one slot thanks to the `{env}`
-/// hash tag) and issue one call per slot. Incoming messages are handled the same way for both
-/// (fred reports classic and sharded messages on the same stream).
+/// Bound on each command of the shard check (`CLUSTER SLOTS`, `PUBSUB SHARDNUMSUB`).
+const SHARD_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Channels per `PUBSUB SHARDNUMSUB` call of the shard check.
+const SHARDNUMSUB_BATCH: usize = 256;
+
+/// Which pub/sub flavour the subscriber speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
+    /// `SUBSCRIBE`/`UNSUBSCRIBE`: a single server, or a cluster with sharded pub/sub off (fred
+    /// sends every classic subscription to one node; classic messages reach every node).
     Classic,
+    /// `SSUBSCRIBE`/`SUNSUBSCRIBE` (cluster + sharded, NTF-04): a channel lives on the node
+    /// owning its hash slot (one slot per env thanks to the `{env}` hash tag). fred reports these
+    /// messages on the same stream as classic ones.
+    Sharded,
 }
 
 impl Mode {
+    /// Subscribes `channels` in order; returns how many of them (a prefix) Redis confirmed and
+    /// the error that stopped the rest, if any.
     async fn subscribe(
         self,
         client: &SubscriberClient,
-        channels: Vec<String>,
-    ) -> Result<(), Error> {
+        channels: &[String],
+    ) -> (usize, Option<Error>) {
         match self {
-            Mode::Classic => client.subscribe(channels).await,
+            Mode::Classic => match client.subscribe(channels.to_vec()).await {
+                Ok(()) => (channels.len(), None),
+                Err(e) => (0, Some(e)),
+            },
+            // One channel per SSUBSCRIBE: fred routes the call by its first channel and takes
+            // exactly one reply frame per call (awaiting that reply is also how it follows a
+            // MOVED for it), so a multi-channel call would leave stray replies behind.
+            Mode::Sharded => {
+                for (done, channel) in channels.iter().enumerate() {
+                    if let Err(e) = client.ssubscribe(channel.as_str()).await {
+                        return (done, Some(e));
+                    }
+                }
+                (channels.len(), None)
+            }
         }
     }
 
+    /// Unsubscribes `channels`.
     async fn unsubscribe(
         self,
         client: &SubscriberClient,
@@ -163,62 +196,184 @@ impl Mode {
     ) -> Result<(), Error> {
         match self {
             Mode::Classic => client.unsubscribe(channels).await,
+            // A multi-channel SUNSUBSCRIBE must stay within one slot (CROSSSLOT otherwise).
+            Mode::Sharded => {
+                let mut by_slot: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+                for channel in channels {
+                    by_slot.entry(redis_keyslot(channel.as_bytes())).or_default().push(channel);
+                }
+                for (_, group) in by_slot {
+                    client.sunsubscribe(group).await?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
+/// Counters of a [`RedisChangeSource`] (exported as metrics, see [`crate::telemetry::metrics`]).
+#[derive(Debug, Default)]
+pub struct SourceStats {
+    /// Change-record messages received on `realtime:env:*` channels (before coalescing).
+    pub received: AtomicU64,
+    /// Connection errors fred reported (drops, failed (re)connects).
+    pub connection_errors: AtomicU64,
+    /// SUBSCRIBE / UNSUBSCRIBE commands that failed (retried).
+    pub command_errors: AtomicU64,
+    /// Messages lost because the reader fell behind fred's buffer.
+    pub lagged: AtomicU64,
+    /// Sharded subscriptions the periodic shard check found gone (slot migrated, or dropped by
+    /// the server) and had re-subscribed.
+    pub lost_subscriptions: AtomicU64,
+}
+
+/// A subscription Redis confirmed.
+#[derive(Clone, Debug)]
+struct Confirmed {
+    /// The generation last announced for the env.
+    generation: u64,
+    /// Unique per confirmation (the shard check names the confirmation it found lost).
+    epoch: u64,
+    /// Sharded mode: the node that owned the channel's slot when it was confirmed (`None` when
+    /// the slot map was unknown then; the shard check fills it in).
+    server: Option<Server>,
+}
+
 /// State shared between the handle and its background tasks.
 struct Shared {
+    /// Counters (metrics).
+    stats: SourceStats,
     /// Environments the consumer wants (what `subscribe`/`unsubscribe` edit).
     desired: Mutex<BTreeMap<String, u64>>,
-    /// Environments Redis confirmed on the current connection, with the generation last
-    /// announced for each (kept by the reconciler).
-    confirmed: Mutex<BTreeMap<String, u64>>,
+    /// Environments Redis confirmed on the current connection(s) (kept by the reconciler).
+    confirmed: Mutex<BTreeMap<String, Confirmed>>,
     /// Source of subscribe generations.
     generations: AtomicU64,
     /// Wakes the reconciler.
     wake: Notify,
-    /// A (re)connect the reconciler has not handled yet.
+    /// A (re)connect or lost subscriptions the reconciler has not handled yet.
     resync: Mutex<Resync>,
     /// Set once `connect` returned: a connection established after that (including a first
     /// connection that came up in the background) leaves a gap and is announced.
     connect_returned: AtomicBool,
+    /// Sharded mode: slot owners from the last `CLUSTER SLOTS` of the shard check.
+    routing: Mutex<Option<SlotMap>>,
+    /// Runs the shard check now (after a reconnect) instead of at its next tick.
+    check_now: Notify,
 }
 
-/// A pending resync: the server forgot every subscription (`pending`), and whether the consumer
-/// must be told about the gap once everything is subscribed again (`announce`).
+/// Work for the reconciler: subscriptions the server(s) forgot, and whether the consumer must be
+/// told about the gap once everything is subscribed again (`announce`).
 #[derive(Default)]
 struct Resync {
-    pending: bool,
+    /// Every subscription is gone (single server or classic mode reconnected; missed events).
+    all: bool,
+    /// Sharded mode: nodes that (re)connected; the subscriptions placed on them are gone.
+    servers: BTreeSet<Server>,
+    /// Sharded mode: subscriptions the shard check found gone, with the `epoch` it checked.
+    lost: Vec<(String, u64)>,
     announce: bool,
 }
 
-/// Redis classic pub/sub source (fred `SubscriberClient`; subscriptions restored on reconnect).
+/// Slot → primary node, parsed from `CLUSTER SLOTS` (hosts named the way fred names them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct SlotMap {
+    /// `(first slot, last slot, primary)`, sorted by first slot.
+    ranges: Vec<(u16, u16, Server)>,
+}
+
+impl SlotMap {
+    /// Parses a `CLUSTER SLOTS` reply; `default_host` stands in for a node without an endpoint.
+    /// `None` if the reply is malformed.
+    fn parse(value: Value, default_host: &str) -> Option<SlotMap> {
+        let mut ranges = Vec::new();
+        for entry in value.into_array() {
+            let mut fields = entry.into_array().into_iter();
+            let start = u16::try_from(fields.next()?.as_u64()?).ok()?;
+            let end = u16::try_from(fields.next()?.as_u64()?).ok()?;
+            let node = fields.next()?.into_array();
+            let port = u16::try_from(node.get(1)?.as_u64()?).ok()?;
+            // Like fred: the metadata `hostname` wins over an IP, a null endpoint becomes the
+            // default host, and a hostname endpoint is kept.
+            let metadata_host = node.get(3).and_then(|meta| {
+                let meta = meta.clone().into_array();
+                meta.chunks(2)
+                    .find(|kv| kv.first().and_then(Value::as_str).as_deref() == Some("hostname"))
+                    .and_then(|kv| kv.get(1).and_then(Value::as_string))
+                    .filter(|h| !h.is_empty())
+            });
+            let endpoint = node.first().and_then(Value::as_string).filter(|h| !h.is_empty() && h != "?");
+            let host = match endpoint {
+                None => metadata_host.unwrap_or_else(|| default_host.to_owned()),
+                Some(ip) if ip.parse::<std::net::IpAddr>().is_ok() => metadata_host.unwrap_or(ip),
+                Some(hostname) => hostname,
+            };
+            ranges.push((start, end, Server::new(host, port)));
+        }
+        ranges.sort_by_key(|(start, _, _)| *start);
+        Some(SlotMap { ranges })
+    }
+
+    /// The primary owning `slot`, if any.
+    fn owner(&self, slot: u16) -> Option<&Server> {
+        let idx = self.ranges.partition_point(|(start, _, _)| *start <= slot);
+        let (_, end, server) = self.ranges.get(idx.checked_sub(1)?)?;
+        (slot <= *end).then_some(server)
+    }
+
+    /// The primary owning `env_id`'s channel.
+    fn owner_of_env(&self, env_id: &str) -> Option<&Server> {
+        self.owner(redis_keyslot(channel_name(env_id).as_bytes()))
+    }
+
+    /// Whether `server` is one of the primaries.
+    fn has_primary(&self, server: &Server) -> bool {
+        self.ranges.iter().any(|(_, _, s)| s == server)
+    }
+}
+
+/// Redis pub/sub source: classic pub/sub on a single server or a cluster, sharded pub/sub on a
+/// cluster (fred `SubscriberClient`; subscriptions restored after reconnects and slot moves).
 ///
 /// Design:
-/// * One subscriber connection, RESP2, reconnecting forever (exponential backoff up to 2 s), TCP
-///   keepalive on, connection named with fred's client id (`CLIENT SETNAME`, see
-///   [`RedisChangeSource::client_name`]).
+/// * One subscriber connection per server (fred's cluster client keeps one per primary), RESP2,
+///   reconnecting forever (exponential backoff up to 2 s), TCP keepalive on, connections named
+///   with fred's client id (`CLIENT SETNAME`, see [`RedisChangeSource::client_name`]).
 /// * [`ChangeSource::subscribe`]/[`ChangeSource::unsubscribe`] only edit a *desired* set and
-///   wake a single reconciler task, which issues SUBSCRIBE/UNSUBSCRIBE for the difference with
-///   what Redis confirmed. One task keeps commands ordered (a subscribe followed by an
-///   unsubscribe of the same env can never be reordered), batches bursts into one command, and
-///   retries failures with backoff (NTF-10..12 without their edge cases).
-/// * On every reconnect the reconciler re-subscribes the whole desired set (fred's own
-///   `manage_subscriptions` is not used: it only restores channels whose SUBSCRIBE had
-///   succeeded and gives up on error), and only then emits [`SourceEvent::Reconnected`], so a
-///   consumer re-reading on that event cannot miss a record published afterwards.
-/// * A reader task turns fred messages into [`SourceEvent::Record`] (env id from the channel
-///   name; other channels ignored; payload decoded tolerantly). If fred's message buffer
-///   overflows, the reader emits [`SourceEvent::Reconnected`] since records were lost.
+///   wake a single reconciler task, which issues (S)SUBSCRIBE/(S)UNSUBSCRIBE for the difference
+///   with what Redis confirmed. One task keeps commands ordered (a subscribe followed by an
+///   unsubscribe of the same env can never be reordered), batches bursts (classic: one command;
+///   sharded: one SSUBSCRIBE per channel, one SUNSUBSCRIBE per slot), and retries failures with
+///   backoff (NTF-10..12 without their edge cases).
+/// * On a reconnect the reconciler re-subscribes what the server forgot (single server or
+///   classic mode: everything; sharded mode: the channels placed on the node that reconnected)
+///   and only then emits [`SourceEvent::Reconnected`], so a consumer re-reading on that event
+///   cannot miss a record published afterwards. fred's own `manage_subscriptions` is not used:
+///   it only restores channels whose SUBSCRIBE had succeeded and gives up on error.
+/// * Sharded mode, slot moves: after a slot migration the old owner drops our subscription and
+///   pushes an unsolicited `sunsubscribe`, which fred discards, and fred's own slot map only
+///   changes on a MOVED or reconnect. So a *shard check* runs every [`SHARD_CHECK_INTERVAL`]
+///   (and right after any reconnect) on a separate plain cluster client: `CLUSTER SLOTS`, then
+///   every confirmed channel whose slot now has another owner than the node it was subscribed on
+///   — or for which `PUBSUB SHARDNUMSUB` on its owner says 0 subscribers — is re-subscribed (fred
+///   follows the MOVED to the new owner) and a [`SourceEvent::Reconnected`] announces the gap.
+///   Such a loss is therefore repaired within about one interval.
+/// * A reader task turns fred messages (classic `message` and sharded `smessage` alike) into
+///   [`SourceEvent::Record`] (env id from the channel name; other channels ignored; payload
+///   decoded tolerantly). If fred's message buffer overflows, the reader emits
+///   [`SourceEvent::Reconnected`] since records were lost.
 ///
-/// Dropping the handle stops the tasks and closes the connection.
+/// Dropping the handle stops the tasks and closes the connections.
 pub struct RedisChangeSource {
     client: SubscriberClient,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
     /// fred's connection task; `None` once closed.
     connection: Option<ConnectHandle>,
+    /// Sharded mode: the shard check's client and its connection task.
+    control: Option<(Client, ConnectHandle)>,
+    /// The pub/sub flavour in use.
+    mode: Mode,
 }
 
 /// Could not connect the subscriber.
@@ -227,17 +382,11 @@ pub struct RedisChangeSource {
 pub struct SourceError(pub String);
 
 impl RedisChangeSource {
-    /// Connects to `redis_url` and starts delivering to `tx`.
-    ///
-    /// Waits at most [`INITIAL_CONNECT_WAIT`] for the first connection. If Redis is unreachable
-    /// by then, this still returns `Ok` and fred keeps connecting in the background (a warning
-    /// is logged): subscriptions requested meanwhile are issued once connected, and that first
-    /// connection is announced as [`SourceEvent::Reconnected`] because records may have been
-    /// missed. A connection made within the wait is not announced.
+    /// Connects to the single Redis server at `redis_url` (classic pub/sub) and starts
+    /// delivering to `tx`; see [`RedisChangeSource::connect_with`].
     ///
     /// # Errors
-    /// [`SourceError`] for an unparsable URL or a configuration fred refuses, including one
-    /// detected during the initial wait (e.g. an unsupported scheme).
+    /// As [`RedisChangeSource::connect_with`]; a cluster URL is refused.
     pub async fn connect(
         redis_url: &str,
         tx: mpsc::UnboundedSender<SourceEvent>,
@@ -255,83 +404,153 @@ impl RedisChangeSource {
         tx: mpsc::UnboundedSender<SourceEvent>,
         initial_wait: Duration,
     ) -> Result<Self, SourceError> {
-        let mut config = Config::from_url(redis_url).map_err(|e| SourceError(e.to_string()))?;
-        if !matches!(config.server, ServerConfig::Centralized { .. }) {
-            // Cluster/sentinel would need the sharded mode (SSUBSCRIBE) and per-shard
-            // connections; not implemented yet.
-            return Err(SourceError(format!(
-                "only a single Redis server is supported, got {redis_url}"
-            )));
-        }
+        Self::connect_with_options(&RedisOptions::standalone(redis_url), tx, initial_wait).await
+    }
+
+    /// Connects as `options` say (a single server, or a cluster with classic or sharded pub/sub,
+    /// see [`RedisOptions`]) and starts delivering to `tx`.
+    ///
+    /// Waits at most [`INITIAL_CONNECT_WAIT`] for the first connection (in a cluster: to every
+    /// primary). If Redis is unreachable by then, this still returns `Ok` and fred keeps
+    /// connecting in the background (a warning is logged): subscriptions requested meanwhile are
+    /// issued once connected, and that first connection is announced as
+    /// [`SourceEvent::Reconnected`] because records may have been missed. A connection made
+    /// within the wait is not announced.
+    ///
+    /// # Errors
+    /// [`SourceError`] for an unparsable URL, a URL that does not fit `options.cluster`, or a
+    /// configuration fred refuses, including one detected during the initial wait.
+    pub async fn connect_with(
+        options: &RedisOptions,
+        tx: mpsc::UnboundedSender<SourceEvent>,
+    ) -> Result<Self, SourceError> {
+        Self::connect_with_options(options, tx, INITIAL_CONNECT_WAIT).await
+    }
+
+    /// [`RedisChangeSource::connect_with`] with an explicit bound on the wait for the first
+    /// connection (`Duration::ZERO` returns at once and connects in the background).
+    ///
+    /// # Errors
+    /// As [`RedisChangeSource::connect_with`].
+    pub async fn connect_with_options(
+        options: &RedisOptions,
+        tx: mpsc::UnboundedSender<SourceEvent>,
+        initial_wait: Duration,
+    ) -> Result<Self, SourceError> {
+        Self::start(options, tx, initial_wait, SHARD_CHECK_INTERVAL).await
+    }
+
+    /// [`RedisChangeSource::connect_with_options`] with the shard check every `check_interval`
+    /// instead of [`SHARD_CHECK_INTERVAL`] (tests of slot moves; sharded mode only).
+    ///
+    /// # Errors
+    /// As [`RedisChangeSource::connect_with`].
+    #[doc(hidden)]
+    pub async fn connect_with_check_interval(
+        options: &RedisOptions,
+        tx: mpsc::UnboundedSender<SourceEvent>,
+        check_interval: Duration,
+    ) -> Result<Self, SourceError> {
+        Self::start(options, tx, INITIAL_CONNECT_WAIT, check_interval).await
+    }
+
+    async fn start(
+        options: &RedisOptions,
+        tx: mpsc::UnboundedSender<SourceEvent>,
+        initial_wait: Duration,
+        check_interval: Duration,
+    ) -> Result<Self, SourceError> {
+        let mut config = options.fred_config().map_err(SourceError)?;
+        let mode = if options.uses_sharded() { Mode::Sharded } else { Mode::Classic };
+        let seed_host = RedisOptions::seed_host(&config);
         // Keep retrying the first connection too instead of failing `init`.
         config.fail_fast = false;
-        let client = Builder::from_config(config)
-            .set_policy(ReconnectPolicy::new_exponential(
-                0,
-                RECONNECT_MIN_MS,
-                RECONNECT_MAX_MS,
-                2,
-            ))
+        let client = Builder::from_config(config.clone())
+            .set_policy(reconnect_policy())
             .with_performance_config(|perf| perf.broadcast_channel_capacity = MESSAGE_BUFFER)
             .with_connection_config(|conn| {
                 conn.auto_client_setname = true;
-                conn.tcp = TcpConfig {
-                    nodelay: Some(true),
-                    keepalive: Some(
-                        TcpKeepalive::new()
-                            .with_time(Duration::from_secs(30))
-                            .with_interval(Duration::from_secs(10)),
-                    ),
-                    ..TcpConfig::default()
-                };
+                conn.tcp = tcp_config();
             })
             .build_subscriber_client()
             .map_err(|e| SourceError(e.to_string()))?;
 
         let shared = Arc::new(Shared {
+            stats: SourceStats::default(),
             desired: Mutex::default(),
             confirmed: Mutex::default(),
             generations: AtomicU64::new(0),
             wake: Notify::new(),
             resync: Mutex::default(),
             connect_returned: AtomicBool::new(false),
+            routing: Mutex::default(),
+            check_now: Notify::new(),
         });
 
         // Listen before connecting so neither the first connect nor an early message is missed.
         let messages = client.message_rx();
         let reconnects = client.reconnect_rx();
+        let errors = client.error_rx();
         let mut tasks = vec![
-            tokio::spawn(read_messages(messages, tx.clone())),
-            tokio::spawn(watch_reconnects(reconnects, Arc::clone(&shared))),
-            tokio::spawn(reconcile(
-                client.clone(),
-                Mode::Classic,
-                Arc::clone(&shared),
-                tx,
-            )),
+            tokio::spawn(read_messages(messages, tx.clone(), Arc::clone(&shared))),
+            tokio::spawn(count_errors(errors, Arc::clone(&shared))),
+            tokio::spawn(watch_reconnects(reconnects, Arc::clone(&shared), mode)),
+            tokio::spawn(reconcile(client.clone(), mode, Arc::clone(&shared), tx)),
         ];
 
+        // Sharded mode: a plain cluster client for the shard check (a RESP2 subscriber
+        // connection cannot run CLUSTER SLOTS or PUBSUB SHARDNUMSUB).
+        let control = if mode == Mode::Sharded {
+            let control = Builder::from_config(config)
+                .set_policy(reconnect_policy())
+                .with_performance_config(|perf| perf.default_command_timeout = SHARD_CHECK_TIMEOUT)
+                .with_connection_config(|conn| {
+                    conn.max_command_attempts = 1;
+                    conn.tcp = tcp_config();
+                })
+                .build()
+                .map_err(|e| SourceError(e.to_string()))?;
+            let handle = control.connect();
+            tasks.push(tokio::spawn(check_shards(
+                control.clone(),
+                Arc::clone(&shared),
+                seed_host,
+                check_interval,
+            )));
+            Some((control, handle))
+        } else {
+            None
+        };
+
         let connection = client.connect();
+        let url = redact(&options.url);
         match tokio::time::timeout(initial_wait, client.wait_for_connect()).await {
             Ok(Ok(())) => {}
+            // With `fail_fast` off, fred only reports a connect error it will not retry.
             Ok(Err(e)) => {
-                for task in tasks.drain(..) {
+                for task in &tasks {
                     task.abort();
                 }
                 conn::close(&client, connection).await;
+                if let Some((control, handle)) = control {
+                    conn::close(&control, handle).await;
+                }
                 return Err(SourceError(e.to_string()));
             }
             Err(_) => tracing::warn!(
-                redis_url = %redact(redis_url),
-                "redis change source not connected after {initial_wait:?}; connecting in the background"
+                url = %url,
+                "redis not reachable within {initial_wait:?}; the change source keeps connecting in the background"
             ),
         }
+        tracing::info!(url = %url, ?mode, cluster = options.cluster, "redis change source started");
         shared.connect_returned.store(true, Ordering::SeqCst);
         Ok(RedisChangeSource {
             client,
             shared,
             tasks,
             connection: Some(connection),
+            control,
+            mode,
         })
     }
 
@@ -340,31 +559,44 @@ impl RedisChangeSource {
         lock(&self.shared.desired).keys().cloned().collect()
     }
 
-    /// Environments whose SUBSCRIBE Redis confirmed on the current connection (sorted). Lags
-    /// [`RedisChangeSource::subscribed`] by a round trip; its length is the "active
+    /// Environments whose subscription Redis confirmed on the current connection(s) (sorted).
+    /// Lags [`RedisChangeSource::subscribed`] by a round trip; its length is the "active
     /// subscriptions" figure (NTF-07/09).
     pub fn confirmed(&self) -> Vec<String> {
         lock(&self.shared.confirmed).keys().cloned().collect()
     }
 
-    /// Whether the subscriber connection is currently up.
+    /// Counters (messages received, errors).
+    pub fn stats(&self) -> &SourceStats {
+        &self.shared.stats
+    }
+
+    /// Whether the subscriber is connected (in a cluster: to every primary).
     pub fn is_connected(&self) -> bool {
         self.client.is_connected()
     }
 
-    /// The subscriber connection's `CLIENT SETNAME` (fred's client id), to find it in
-    /// `CLIENT LIST`.
+    /// Whether records arrive over sharded pub/sub (`SSUBSCRIBE`).
+    pub fn is_sharded(&self) -> bool {
+        self.mode == Mode::Sharded
+    }
+
+    /// The subscriber connection's `CLIENT SETNAME` (fred's client id; the same on every node of
+    /// a cluster), to find it in `CLIENT LIST`.
     pub fn client_name(&self) -> &str {
         self.client.id()
     }
 
-    /// Stops the background tasks and closes the connection (NTF-20; errors ignored).
+    /// Stops the background tasks and closes the connection(s) (NTF-20; errors ignored).
     pub async fn shutdown(mut self) {
         for task in self.tasks.drain(..) {
             task.abort();
         }
         if let Some(connection) = self.connection.take() {
             conn::close(&self.client, connection).await;
+        }
+        if let Some((control, handle)) = self.control.take() {
+            conn::close(&control, handle).await;
         }
     }
 }
@@ -376,6 +608,9 @@ impl Drop for RedisChangeSource {
         }
         if let Some(connection) = self.connection.take() {
             conn::close_in_background(self.client.clone(), connection);
+        }
+        if let Some((control, handle)) = self.control.take() {
+            conn::close_in_background(control, handle);
         }
     }
 }
@@ -394,13 +629,21 @@ impl ChangeSource for RedisChangeSource {
     }
 }
 
-/// The URL without credentials, for logs.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
-        }
-        _ => url.to_owned(),
+/// The reconnect policy of every connection here (see [`RECONNECT_MIN_MS`]).
+fn reconnect_policy() -> ReconnectPolicy {
+    ReconnectPolicy::new_exponential(0, RECONNECT_MIN_MS, RECONNECT_MAX_MS, 2)
+}
+
+/// TCP settings: no Nagle, keepalive after 30 s idle, probes every 10 s.
+fn tcp_config() -> TcpConfig {
+    TcpConfig {
+        nodelay: Some(true),
+        keepalive: Some(
+            TcpKeepalive::new()
+                .with_time(Duration::from_secs(30))
+                .with_interval(Duration::from_secs(10)),
+        ),
+        ..TcpConfig::default()
     }
 }
 
@@ -408,13 +651,16 @@ fn redact(url: &str) -> String {
 async fn read_messages(
     mut rx: broadcast::Receiver<fred::types::Message>,
     tx: mpsc::UnboundedSender<SourceEvent>,
+    shared: Arc<Shared>,
 ) {
     loop {
         let event = match rx.recv().await {
             Ok(message) => {
+                // Classic `message` and sharded `smessage` alike.
                 let Some(env_id) = env_of_channel(&message.channel) else {
                     continue;
                 };
+                shared.stats.received.fetch_add(1, Ordering::Relaxed);
                 let record = match message.value.as_bytes() {
                     Some(bytes) => ChangeRecord::decode(bytes),
                     None => match message.value.as_str() {
@@ -432,6 +678,7 @@ async fn read_messages(
                 }
             }
             Err(broadcast::error::RecvError::Lagged(missed)) => {
+                shared.stats.lagged.fetch_add(missed, Ordering::Relaxed);
                 tracing::warn!(missed, "redis change source fell behind; reporting a gap");
                 SourceEvent::Reconnected
             }
@@ -443,33 +690,63 @@ async fn read_messages(
     }
 }
 
-/// Turns fred's (re)connect notifications into a resync of the reconciler. fred also reports
-/// the very first connection here; it is announced to the consumer only if it happened after
-/// `connect` returned.
-async fn watch_reconnects(mut rx: broadcast::Receiver<Server>, shared: Arc<Shared>) {
+/// Counts the connection errors fred reports (for metrics; fred reconnects by itself).
+async fn count_errors(mut rx: broadcast::Receiver<(Error, Option<Server>)>, shared: Arc<Shared>) {
     loop {
-        let announce = match rx.recv().await {
-            Ok(server) => {
-                let announce = shared.connect_returned.load(Ordering::SeqCst);
-                tracing::info!(%server, announce, "redis change source connected");
-                announce
+        match rx.recv().await {
+            Ok((error, server)) => {
+                shared.stats.connection_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, server = ?server.map(|s| s.to_string()), "redis change source connection error");
             }
-            // Missed notifications still mean "reconnected since".
-            Err(broadcast::error::RecvError::Lagged(_)) => true,
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                shared.stats.connection_errors.fetch_add(missed, Ordering::Relaxed);
+            }
             Err(broadcast::error::RecvError::Closed) => return,
-        };
-        {
-            let mut resync = lock(&shared.resync);
-            resync.pending = true;
-            resync.announce |= announce;
         }
-        shared.wake.notify_one();
     }
 }
 
-/// The single task that issues SUBSCRIBE/UNSUBSCRIBE: brings what Redis has in line with what
-/// the consumer wants, retrying failures with backoff; after a reconnect, re-subscribes
-/// everything and then emits [`SourceEvent::Reconnected`].
+/// Turns fred's (re)connect notifications (one per server connection) into a resync of the
+/// reconciler: everything in classic mode, the subscriptions placed on that node in sharded mode
+/// (everything if the node is not in the known slot map). fred also reports the very first
+/// connection(s) here; they are announced to the consumer only if they happened after `connect`
+/// returned.
+async fn watch_reconnects(mut rx: broadcast::Receiver<Server>, shared: Arc<Shared>, mode: Mode) {
+    loop {
+        let (announce, server) = match rx.recv().await {
+            Ok(server) => {
+                let announce = shared.connect_returned.load(Ordering::SeqCst);
+                tracing::info!(%server, announce, "redis change source connected");
+                (announce, Some(server))
+            }
+            // Missed notifications still mean "reconnected since".
+            Err(broadcast::error::RecvError::Lagged(_)) => (true, None),
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        let known = match (&server, mode) {
+            (Some(server), Mode::Sharded) => lock(&shared.routing)
+                .as_ref()
+                .is_none_or(|routing| routing.has_primary(server)),
+            _ => false,
+        };
+        {
+            let mut resync = lock(&shared.resync);
+            match server {
+                Some(server) if known => {
+                    resync.servers.insert(server);
+                }
+                _ => resync.all = true,
+            }
+            resync.announce |= announce;
+        }
+        shared.wake.notify_one();
+        shared.check_now.notify_one();
+    }
+}
+
+/// The single task that issues (S)SUBSCRIBE/(S)UNSUBSCRIBE: brings what Redis has in line with
+/// what the consumer wants, retrying failures with backoff; after a reconnect or a lost
+/// subscription, re-subscribes what is missing and then emits [`SourceEvent::Reconnected`].
 async fn reconcile(
     client: SubscriberClient,
     mode: Mode,
@@ -477,18 +754,29 @@ async fn reconcile(
     tx: mpsc::UnboundedSender<SourceEvent>,
 ) {
     let mut backoff = RETRY_MIN;
-    // A reconnect to announce once every desired env is subscribed again.
+    // A gap to announce once every desired env is subscribed again.
     let mut announce = false;
+    let mut epochs: u64 = 0;
     loop {
         {
             let mut resync = lock(&shared.resync);
-            if resync.pending {
-                lock(&shared.confirmed).clear();
-                announce |= resync.announce;
-                *resync = Resync::default();
+            let mut confirmed = lock(&shared.confirmed);
+            if resync.all {
+                confirmed.clear();
+            } else if !resync.servers.is_empty() {
+                // Unknown placement: assume it was on a reconnected node.
+                confirmed.retain(|_, c| c.server.as_ref().is_some_and(|s| !resync.servers.contains(s)));
             }
+            for (env, epoch) in resync.lost.drain(..) {
+                if confirmed.get(&env).is_some_and(|c| c.epoch == epoch) {
+                    confirmed.remove(&env);
+                }
+            }
+            announce |= resync.announce;
+            *resync = Resync::default();
         }
         let (to_subscribe, to_unsubscribe, to_announce) = {
+            let routing = lock(&shared.routing);
             let desired = lock(&shared.desired);
             let mut confirmed = lock(&shared.confirmed);
             let to_subscribe: Vec<(String, u64)> = desired
@@ -496,15 +784,30 @@ async fn reconcile(
                 .filter(|(env, _)| !confirmed.contains_key(*env))
                 .map(|(env, generation)| (env.clone(), *generation))
                 .collect();
-            let to_unsubscribe: Vec<String> =
+            let mut to_unsubscribe: Vec<String> =
                 confirmed.keys().filter(|env| !desired.contains_key(*env)).cloned().collect();
+            if let Some(routing) = routing.as_ref().filter(|_| mode == Mode::Sharded) {
+                // Its slot moved away: the old owner already dropped the subscription (and would
+                // answer SUNSUBSCRIBE with a MOVED that fred does not expect).
+                to_unsubscribe.retain(|env| {
+                    let moved = confirmed
+                        .get(env)
+                        .and_then(|c| c.server.as_ref())
+                        .zip(routing.owner_of_env(env))
+                        .is_some_and(|(placed, owner)| placed != owner);
+                    if moved {
+                        confirmed.remove(env);
+                    }
+                    !moved
+                });
+            }
             // Still subscribed at Redis (an unsubscribe never reached it), but a newer subscribe
             // asked: the subscription never lapsed, so the new generation is confirmed as is.
             let mut to_announce = Vec::new();
             for (env, generation) in desired.iter() {
-                if let Some(announced) = confirmed.get_mut(env) {
-                    if announced != generation {
-                        *announced = *generation;
+                if let Some(c) = confirmed.get_mut(env) {
+                    if c.generation != *generation {
+                        c.generation = *generation;
                         to_announce.push((env.clone(), *generation));
                     }
                 }
@@ -528,26 +831,37 @@ async fn reconcile(
                     }
                 }
                 Err(e) => {
+                    shared.stats.command_errors.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(error = %e, envs = to_unsubscribe.len(), "redis UNSUBSCRIBE failed; will retry");
                     failed = true;
                 }
             }
         }
         if !to_subscribe.is_empty() {
-            let channels = to_subscribe.iter().map(|(env, _)| channel_name(env)).collect();
-            match mode.subscribe(&client, channels).await {
-                Ok(()) => {
-                    lock(&shared.confirmed).extend(to_subscribe.iter().cloned());
-                    for (env_id, generation) in to_subscribe.iter().cloned() {
-                        if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
-                            return;
-                        }
-                    }
+            let channels: Vec<String> = to_subscribe.iter().map(|(env, _)| channel_name(env)).collect();
+            let (done, error) = mode.subscribe(&client, &channels).await;
+            let done = &to_subscribe[..done.min(to_subscribe.len())];
+            {
+                let routing = lock(&shared.routing);
+                let mut confirmed = lock(&shared.confirmed);
+                for (env, generation) in done {
+                    epochs += 1;
+                    let server = match mode {
+                        Mode::Sharded => routing.as_ref().and_then(|r| r.owner_of_env(env)).cloned(),
+                        Mode::Classic => None,
+                    };
+                    confirmed.insert(env.clone(), Confirmed { generation: *generation, epoch: epochs, server });
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, envs = to_subscribe.len(), "redis SUBSCRIBE failed; will retry");
-                    failed = true;
+            }
+            for (env_id, generation) in done.iter().cloned() {
+                if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
+                    return;
                 }
+            }
+            if let Some(e) = error {
+                shared.stats.command_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, envs = to_subscribe.len() - done.len(), "redis SUBSCRIBE failed; will retry");
+                failed = true;
             }
         }
 
@@ -558,9 +872,9 @@ async fn reconcile(
         }
         backoff = RETRY_MIN;
         if to_subscribe.is_empty() && to_unsubscribe.is_empty() {
-            // In sync: every desired env is subscribed on the current connection, so a consumer
-            // reacting to the announcement cannot miss a later record. (If the connection dropped
-            // again meanwhile, that reconnect is announced in turn.)
+            // In sync: every desired env is subscribed on the current connection(s), so a
+            // consumer reacting to the announcement cannot miss a later record. (If a connection
+            // dropped again meanwhile, that reconnect is announced in turn.)
             if std::mem::take(&mut announce) && tx.send(SourceEvent::Reconnected).is_err() {
                 return;
             }
@@ -570,6 +884,127 @@ async fn reconcile(
             shared.wake.notified().await;
         }
     }
+}
+
+/// Sharded mode: every `interval` (or when poked after a reconnect) refreshes the slot map with
+/// `CLUSTER SLOTS` and reports confirmed subscriptions that are gone: the channel's slot is now
+/// owned by another node than the one it was subscribed on (a migration: the old owner dropped
+/// it), or `PUBSUB SHARDNUMSUB` on the owner counts no subscriber at all.
+async fn check_shards(control: Client, shared: Arc<Shared>, seed_host: String, interval: Duration) {
+    let mut first = true;
+    loop {
+        if !std::mem::take(&mut first) {
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = shared.check_now.notified() => {}
+            }
+        }
+        let routing = match fetch_slot_map(&control, &seed_host).await {
+            Ok(routing) => routing,
+            Err(e) => {
+                tracing::debug!(error = %e, "shard check: CLUSTER SLOTS failed; retrying at the next tick");
+                continue;
+            }
+        };
+        *lock(&shared.routing) = Some(routing.clone());
+        let snapshot: Vec<(String, u64, Option<Server>)> = lock(&shared.confirmed)
+            .iter()
+            .map(|(env, c)| (env.clone(), c.epoch, c.server.clone()))
+            .collect();
+        if snapshot.is_empty() {
+            continue;
+        }
+        let mut lost: Vec<(String, u64)> = Vec::new();
+        let mut by_owner: BTreeMap<Server, Vec<(String, u64, bool)>> = BTreeMap::new();
+        for (env, epoch, placed) in snapshot {
+            let Some(owner) = routing.owner_of_env(&env) else {
+                continue; // an uncovered slot: nothing to subscribe to until it is assigned
+            };
+            match placed {
+                Some(placed) if placed != *owner => lost.push((env, epoch)),
+                placed => by_owner.entry(owner.clone()).or_default().push((env, epoch, placed.is_none())),
+            }
+        }
+        let mut located: Vec<(String, u64, Server)> = Vec::new();
+        for (server, envs) in by_owner {
+            for chunk in envs.chunks(SHARDNUMSUB_BATCH) {
+                let channels: Vec<String> = chunk.iter().map(|(env, _, _)| channel_name(env)).collect();
+                let counts = match shard_numsub(&control, &server, channels).await {
+                    Ok(counts) => counts,
+                    Err(e) => {
+                        tracing::debug!(error = %e, %server, "shard check: PUBSUB SHARDNUMSUB failed");
+                        continue;
+                    }
+                };
+                for (env, epoch, unknown) in chunk {
+                    match counts.get(&channel_name(env)) {
+                        Some(0) => lost.push((env.clone(), *epoch)),
+                        Some(_) if *unknown => located.push((env.clone(), *epoch, server.clone())),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        if !located.is_empty() {
+            let mut confirmed = lock(&shared.confirmed);
+            for (env, epoch, server) in located {
+                if let Some(c) = confirmed.get_mut(&env).filter(|c| c.epoch == epoch) {
+                    c.server = Some(server);
+                }
+            }
+        }
+        if !lost.is_empty() {
+            shared.stats.lost_subscriptions.fetch_add(lost.len() as u64, Ordering::Relaxed);
+            tracing::warn!(envs = lost.len(), "sharded subscriptions gone (slot moved or dropped by the server); re-subscribing");
+            {
+                let mut resync = lock(&shared.resync);
+                resync.lost.extend(lost);
+                resync.announce = true;
+            }
+            shared.wake.notify_one();
+        }
+    }
+}
+
+/// `CLUSTER SLOTS` on any node, parsed.
+async fn fetch_slot_map(control: &Client, seed_host: &str) -> Result<SlotMap, String> {
+    let reply: Value = tokio::time::timeout(
+        SHARD_CHECK_TIMEOUT,
+        control.custom(CustomCommand::new_static("CLUSTER", ClusterHash::Random, false), vec!["SLOTS"]),
+    )
+    .await
+    .map_err(|_| "timed out".to_owned())?
+    .map_err(|e| e.to_string())?;
+    SlotMap::parse(reply, seed_host).ok_or_else(|| "malformed CLUSTER SLOTS reply".to_owned())
+}
+
+/// `PUBSUB SHARDNUMSUB <channels…>` on `server`: subscriber count per channel.
+async fn shard_numsub(
+    control: &Client,
+    server: &Server,
+    channels: Vec<String>,
+) -> Result<BTreeMap<String, i64>, String> {
+    let mut args = Vec::with_capacity(channels.len() + 1);
+    args.push("SHARDNUMSUB".to_owned());
+    args.extend(channels);
+    let reply: Value = tokio::time::timeout(
+        SHARD_CHECK_TIMEOUT,
+        control
+            .with_cluster_node(server.clone())
+            .custom(CustomCommand::new_static("PUBSUB", ClusterHash::Random, false), args),
+    )
+    .await
+    .map_err(|_| "timed out".to_owned())?
+    .map_err(|e| e.to_string())?;
+    let mut counts = BTreeMap::new();
+    for pair in reply.into_array().chunks(2) {
+        if let [channel, count] = pair {
+            if let (Some(channel), Some(count)) = (channel.as_string(), count.as_i64()) {
+                counts.insert(channel, count);
+            }
+        }
+    }
+    Ok(counts)
 }
 
 #[cfg(test)]
@@ -623,6 +1058,67 @@ mod tests {
             "redis://***@host:6379/0"
         );
         assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    fn node(host: Option<&str>, port: i64, hostname: Option<&str>) -> Value {
+        let mut fields = vec![
+            host.map_or(Value::Null, |h| Value::String(h.into())),
+            Value::Integer(port),
+            Value::String("node-id".into()),
+        ];
+        if let Some(hostname) = hostname {
+            fields.push(Value::Array(vec![Value::String("hostname".into()), Value::String(hostname.into())]));
+        }
+        Value::Array(fields)
+    }
+
+    fn range(start: i64, end: i64, primary: Value) -> Value {
+        Value::Array(vec![Value::Integer(start), Value::Integer(end), primary, node(Some("10.0.0.9"), 1, None)])
+    }
+
+    #[test]
+    fn slot_map_parses_cluster_slots() {
+        let reply = Value::Array(vec![
+            range(10923, 16383, node(Some("127.0.0.1"), 7102, None)),
+            range(0, 5460, node(Some("127.0.0.1"), 7100, None)),
+            range(5461, 10922, node(None, 7101, None)),
+        ]);
+        let map = SlotMap::parse(reply, "seed.example").expect("parses");
+        assert_eq!(map.owner(0), Some(&Server::new("127.0.0.1", 7100)));
+        assert_eq!(map.owner(5460), Some(&Server::new("127.0.0.1", 7100)));
+        assert_eq!(map.owner(5461), Some(&Server::new("seed.example", 7101)));
+        assert_eq!(map.owner(16383), Some(&Server::new("127.0.0.1", 7102)));
+        assert!(map.has_primary(&Server::new("127.0.0.1", 7102)));
+        assert!(!map.has_primary(&Server::new("10.0.0.9", 1)));
+        let slot = redis_keyslot(channel_name("env_a").as_bytes());
+        assert_eq!(map.owner_of_env("env_a"), map.owner(slot));
+
+        // A gap (slot 100 unassigned) and fred's host naming: metadata hostname wins over an IP,
+        // a hostname endpoint is kept.
+        let reply = Value::Array(vec![
+            range(0, 99, node(Some("10.0.0.1"), 6379, Some("redis-a.internal"))),
+            range(101, 16383, node(Some("redis-b.internal"), 6379, None)),
+        ]);
+        let map = SlotMap::parse(reply, "seed").expect("parses");
+        assert_eq!(map.owner(50), Some(&Server::new("redis-a.internal", 6379)));
+        assert_eq!(map.owner(100), None);
+        assert_eq!(map.owner(101), Some(&Server::new("redis-b.internal", 6379)));
+        assert_eq!(SlotMap::parse(Value::Array(vec![Value::Integer(1)]), "seed"), None);
+        assert_eq!(SlotMap::parse(Value::Array(vec![]), "seed").map(|m| m.ranges.len()), Some(0));
+    }
+
+    #[tokio::test]
+    async fn cluster_url_needs_cluster_mode() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let url = "redis-cluster://127.0.0.1:1?node=127.0.0.1:2";
+        let err = RedisChangeSource::connect(url, tx.clone()).await.err().expect("refused");
+        assert!(err.0.contains("redis.cluster"), "{err}");
+        // Cluster mode accepts it (and keeps connecting in the background).
+        let source = RedisChangeSource::connect_with_options(&RedisOptions::cluster(url, true), tx, Duration::ZERO)
+            .await
+            .expect("cluster mode");
+        assert!(source.is_sharded());
+        source.shutdown().await;
     }
 
     #[tokio::test]

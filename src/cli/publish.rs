@@ -1,17 +1,26 @@
 //! `runfeed publish`: publishes one change record exactly as trigger.dev's webapp does
-//! (`PUBLISH realtime:env:{<envId>} <json>`, trigger-facts §5).
+//! (`PUBLISH realtime:env:{<envId>} <json>`, `SPUBLISH` on a cluster with sharded pub/sub,
+//! trigger-facts §5).
 
 use anyhow::Context;
 use clap::Args;
 
 use crate::changes::publish::Publisher;
-use crate::changes::ChangeRecord;
+use crate::changes::{ChangeRecord, RedisOptions};
 
 /// `runfeed publish --env ENV_ID --run RUN_ID [--tags a,b] [--batch BATCH_ID] [--updated-at-ms N]`.
 #[derive(Debug, Args, Clone)]
 pub struct PublishArgs {
     #[command(flatten)]
     pub redis: super::RedisArgs,
+    /// The Redis is a cluster (`--redis-url` lists seed nodes), like `redis.cluster`.
+    #[arg(long, env = "RUNFEED_REDIS__CLUSTER")]
+    pub cluster: bool,
+    /// With `--cluster`: SPUBLISH (sharded pub/sub, the default, like `redis.sharded`);
+    /// `--sharded=false` for classic PUBLISH through the cluster.
+    #[arg(long, env = "RUNFEED_REDIS__SHARDED", default_value_t = true, num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub sharded: bool,
     /// Internal environment id.
     #[arg(long)]
     pub env: String,
@@ -54,7 +63,8 @@ pub fn record_of(args: &PublishArgs) -> ChangeRecord {
 /// Publishes one record and reports the channel, payload and receiver count on stderr.
 pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     let record = record_of(&args);
-    let publisher = Publisher::connect(&args.redis.redis_url)
+    let options = RedisOptions { url: args.redis.redis_url.clone(), cluster: args.cluster, sharded: args.sharded };
+    let publisher = Publisher::connect_with(&options)
         .await
         .with_context(|| format!("connect to Redis at {}", args.redis.redis_url))?;
     let receivers = publisher.publish(&record).await.with_context(|| {

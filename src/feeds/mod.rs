@@ -26,6 +26,7 @@ use crate::protocol::offset::{Offset, OffsetParam};
 use crate::protocol::{ColumnSet, SerializedRow};
 use crate::router::{FeedFilter, Registration, ReplayCursor, Router};
 use crate::store::RunStore;
+use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
 pub use sets::{ReadError, RunSet, Sets, Target};
@@ -55,6 +56,8 @@ pub struct FeedReply {
     pub body: FragmentBody,
     /// Rows carried (for logs and metrics).
     pub rows: usize,
+    /// The newest `updatedAt` (epoch ms) among the rows carried (delivery-lag metric).
+    pub newest_ms: Option<i64>,
 }
 
 /// Why a feed request did not produce a 200.
@@ -95,6 +98,8 @@ pub struct Feeds {
     /// Set when the server drains: held polls answer at once (woken through `drained`).
     draining: std::sync::atomic::AtomicBool,
     drained: tokio::sync::Notify,
+    /// Instruments (no-op unless [`Feeds::with_metrics`]).
+    metrics: Arc<Metrics>,
 }
 
 impl Feeds {
@@ -112,7 +117,33 @@ impl Feeds {
             conns,
             draining: std::sync::atomic::AtomicBool::new(false),
             drained: tokio::sync::Notify::new(),
+            metrics: Metrics::noop(),
         }
+    }
+
+    /// Records into `metrics` (feeds and run-set instruments) instead of the no-op default.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Feeds {
+        self.sets.set_metrics(metrics.clone());
+        self.metrics = metrics;
+        self
+    }
+
+    /// Per-connection states kept now (working sets with replay cursors). Runs the cache's
+    /// pending housekeeping first (metrics read it once per collection), so the count is exact.
+    pub fn working_set_size(&self) -> u64 {
+        self.conns.run_pending_tasks();
+        self.conns.entry_count()
+    }
+
+    /// Resolve admission permits held now (0 when admission is unbounded).
+    pub fn admission_in_use(&self) -> usize {
+        self.sets.admission_available().map_or(0, |free| self.cfg.resolve_admission_limit.saturating_sub(free))
+    }
+
+    /// Records a live emission of `reply` through `path` and passes it on.
+    fn emitted(&self, path: DeliveryPath, reply: FeedReply) -> FeedReply {
+        self.metrics.emitted(path, reply.rows, reply.newest_ms);
+        reply
     }
 
     /// Starts draining (graceful shutdown): every held live poll answers `up-to-date` now, and
@@ -145,7 +176,11 @@ impl Feeds {
         let claims = self.verify(&req, handle)?;
         let target = self.resume_target(&req.target, &claims);
         if req.live {
-            self.live(&req, handle, &target, offset).await
+            // Dropped unfinished (client gone) = an `abort` wakeup.
+            let guard = self.metrics.live_guard();
+            let reply = self.live(&req, handle, &target, offset).await;
+            guard.finish();
+            reply
         } else {
             self.catch_up(&req, handle, &target, offset).await
         }
@@ -231,15 +266,19 @@ impl Feeds {
             },
             body,
             rows: changes.len(),
+            newest_ms: changes.iter().map(|(_, r)| r.meta.updated_at_ms).max(),
         }
     }
 
     fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
+        self.metrics.cursor_set();
         self.conns.insert((req.env_id.clone(), handle.to_string(), offset), Arc::new(state));
     }
 
     fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Option<Arc<ConnState>> {
-        let state = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset))?;
+        let state = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset));
+        self.metrics.cursor_get(state.is_some());
+        let state = state?;
         if let Some(prev) = state.prev {
             // The client has moved past `prev`: its state can go.
             self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
@@ -340,29 +379,43 @@ impl Feeds {
         let first = reg.take();
         pending.extend(first.rows);
         let mut trusted = true;
+        let mut path = DeliveryPath::Replay;
         if !reg.covered() || first.recheck || matches!(known, Known::Nothing) {
             // Cold path: the change stream cannot vouch for the gap; read the store now that
             // the feed is registered (anything after this read reaches the inbox).
+            self.metrics.live_poll(LivePath::ColdResolve);
+            path = DeliveryPath::Cold;
             trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
-                return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
+                return Ok(self.emitted(path, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
             }
             tokio::select! {
                 wake = reg.wake() => {
+                    self.metrics.wakeup(WakeReason::Notify);
+                    if !wake.rows.is_empty() {
+                        self.metrics.live_poll(LivePath::FastHydrate);
+                        path = DeliveryPath::Notify;
+                    }
                     pending.extend(wake.rows);
                     if wake.recheck {
+                        self.metrics.live_poll(LivePath::FullResolve);
+                        path = DeliveryPath::Recheck;
                         trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
-                        return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
+                        return Ok(self.emitted(path, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
                     }
                 }
-                _ = tokio::time::sleep_until(deadline) => break,
+                _ = tokio::time::sleep_until(deadline) => {
+                    self.metrics.wakeup(WakeReason::Timeout);
+                    break;
+                }
                 _ = &mut drained => {
                     // Shutting down: answer what we have now, no backstop read.
-                    return Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted));
+                    self.metrics.wakeup(WakeReason::Abort);
+                    return Ok(self.emitted(DeliveryPath::Drain, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
                 }
             }
         }
@@ -375,13 +428,17 @@ impl Feeds {
                 trusted = false;
             }
         }
-        Ok(self.respond(req, handle, offset, &known, pending, &reg, false, trusted))
+        let reply = self.respond(req, handle, offset, &known, pending, &reg, false, trusted);
+        self.metrics.backstop(reply.rows > 0);
+        Ok(self.emitted(DeliveryPath::Backstop, reply))
     }
 
     /// Reads what the feed carries as of now (shared read + replay, see
     /// [`Sets::read_covered`]); false if that failed (logged).
     async fn recheck(&self, req: &FeedRequest, target: &Target, deadline: Instant, reg: &Registration, pending: &mut Pending) -> bool {
-        match self.sets.read_covered(&req.env_id, target, req.cols, deadline, reg).await {
+        // Bounded by the poll's deadline (a replay may wait on the read-your-writes gate).
+        let read = tokio::time::timeout_at(deadline, self.sets.read_covered(&req.env_id, target, req.cols, deadline, reg));
+        match read.await.unwrap_or(Err(ReadError::Deadline)) {
             Ok(set) => {
                 pending.extend(set.rows.iter().cloned());
                 true

@@ -17,6 +17,7 @@ use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, SerializedRow};
 use crate::router::{Registration, ReplayCursor, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
+use crate::telemetry::metrics::{Metrics, ResolveResult};
 
 /// What a feed is about (internal ids).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -60,6 +61,17 @@ pub struct Sets {
     runs: Cache<(String, String), Arc<RunResource>>,
     batches: Cache<(String, String), Arc<BatchResource>>,
     admission: Option<Arc<Semaphore>>,
+    /// Instruments (no-op unless set through [`crate::feeds::Feeds::with_metrics`]).
+    metrics: Arc<Metrics>,
+}
+
+/// The `kind` label of a target.
+fn target_kind(target: &Target) -> &'static str {
+    match target {
+        Target::Run { .. } => "run",
+        Target::Tag { .. } => "tag",
+        Target::Batch { .. } => "batch",
+    }
 }
 
 impl Sets {
@@ -87,7 +99,18 @@ impl Sets {
             runs: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
             batches: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
             admission: (feeds.resolve_admission_limit > 0).then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
+            metrics: Metrics::noop(),
         }
+    }
+
+    /// Records into `metrics` from now on.
+    pub fn set_metrics(&mut self, metrics: Arc<Metrics>) {
+        self.metrics = metrics;
+    }
+
+    /// Free admission permits (`None`: admission is unbounded).
+    pub fn admission_available(&self) -> Option<usize> {
+        self.admission.as_ref().map(|sem| sem.available_permits())
     }
 
     /// The run named by a friendly id (replica, then primary; positive results cached briefly,
@@ -121,12 +144,26 @@ impl Sets {
     /// one query; a miss takes an admission permit for list feeds).
     pub async fn read_shared(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant) -> Result<Arc<RunSet>, ReadError> {
         let key = SetKey { env_id: env_id.to_string(), target: target.clone(), cap: self.cap, cols };
-        let fut = self.sets.try_get_with(key, self.read_fresh_inner(env_id, target, cols, true));
-        match tokio::time::timeout_at(deadline, fut).await {
+        // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
+        let cached = self.sets.contains_key(&key);
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let init = async {
+            ran.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.read_fresh_inner(env_id, target, cols, true).await
+        };
+        let fut = self.sets.try_get_with(key, init);
+        let result = match tokio::time::timeout_at(deadline, fut).await {
             Ok(Ok(set)) => Ok(set),
             Ok(Err(err)) => Err((*err).clone()),
             Err(_) => Err(ReadError::Deadline),
-        }
+        };
+        let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
+            (true, _) => ResolveResult::Miss,
+            (false, true) => ResolveResult::Hit,
+            (false, false) => ResolveResult::Coalesced,
+        };
+        self.metrics.resolve(target_kind(target), outcome);
+        result
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
@@ -158,17 +195,24 @@ impl Sets {
     }
 
     async fn read_fresh_inner(&self, env_id: &str, target: &Target, cols: ColumnSet, admit: bool) -> Result<Arc<RunSet>, ReadError> {
+        let admission_started = Instant::now();
         let _permit = match (&self.admission, target, admit) {
             (Some(sem), Target::Tag { .. } | Target::Batch { .. }, true) => sem.clone().acquire_owned().await.ok(),
             _ => None,
         };
+        if _permit.is_some() {
+            self.metrics.admission_waited(admission_started.elapsed());
+        }
         let cursor = self.router.touch(env_id);
+        let query_started = Instant::now();
         let rows = match target {
             Target::Run { run_id } => self.store.read_run(env_id, run_id, cols).await.map(|r| r.into_iter().collect::<Vec<_>>()),
             Target::Tag { tags, floor_ms } => self.store.resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols).await,
             Target::Batch { batch_id } => self.store.resolve_batch_set(env_id, batch_id, self.cap, cols).await,
         }
+        .inspect_err(|_| self.metrics.run_set_query(target_kind(target), false, query_started.elapsed()))
         .map_err(|e| ReadError::Store(Arc::new(e)))?;
+        self.metrics.run_set_query(target_kind(target), true, query_started.elapsed());
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
             tracing::warn!(env_id, cap = self.cap, "run set truncated at the list cap");
         }

@@ -52,8 +52,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "Not found") })
         .with_state(state)
-        // One span per request (method, path and query: no credentials travel in the URL).
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        // One span per request: method, route, path, env id, status (never headers or query).
+        .layer(crate::telemetry::http::trace_layer())
         .layer(cors)
 }
 
@@ -121,6 +121,7 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principa
                 error(status, &err.to_string())
             }
         })?;
+    crate::telemetry::http::record_env_id(&principal.env.id);
     Ok((principal, Ctx { legacy_client, legacy_api_version, params: Params::default() }))
 }
 

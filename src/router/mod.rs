@@ -56,6 +56,10 @@ pub struct RouterStats {
     pub hydrated_rows: AtomicU64,
     /// Coalesced batches routed.
     pub batches: AtomicU64,
+    /// Coalesced batches handed over by the change source (excludes stale re-hydrate passes).
+    pub coalesced_batches: AtomicU64,
+    /// Σ distinct (column set, run) per routed batch (deliveries / this = fan-out).
+    pub distinct_runs: AtomicU64,
     /// Σ (feed, row) deliveries.
     pub deliveries: AtomicU64,
     /// Replays that delivered rows / found nothing to deliver after hydrating.
@@ -309,6 +313,7 @@ impl Router {
         tokio::spawn(async move {
             while let Some((env_id, records)) = batch_rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
+                inner.stats.coalesced_batches.fetch_add(1, Ordering::Relaxed);
                 let arrived = tokio::time::Instant::now();
                 tokio::spawn(async move { inner.route_batch(env_id, records, 0, arrived).await });
             }
@@ -595,6 +600,7 @@ impl Inner {
             _ => None,
         };
         // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
+        self.stats.distinct_runs.fetch_add(groups.values().map(|ids| ids.len() as u64).sum(), Ordering::Relaxed);
         let hydrated = futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
             let ids: Vec<String> = ids.into_iter().collect();
             (cols, self.hydrate(env_id, &ids, cols).await)

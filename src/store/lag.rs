@@ -27,7 +27,10 @@ pub trait ReplicaProbe: Send + Sync + 'static {
 }
 
 fn lag_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |source| StoreError { op, source }
+    move |source| {
+        super::pg::count_error(&source);
+        StoreError { op, source }
+    }
 }
 
 #[async_trait]

@@ -35,8 +35,27 @@ pub struct PgStore {
     sql: SqlCache,
 }
 
+/// Errors of every [`PgStore`] in this process by kind (the `runfeed.pg.errors` metric):
+/// connection, pool_timeout, database, other.
+static ERRORS: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+const ERROR_KINDS: [&str; 4] = ["connection", "pool_timeout", "database", "other"];
+
+/// Counts `err` in the process-wide Postgres error counters.
+pub(super) fn count_error(err: &sqlx::Error) {
+    let kind = match err {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolClosed | sqlx::Error::Protocol(_) => 0,
+        sqlx::Error::PoolTimedOut => 1,
+        sqlx::Error::Database(_) => 2,
+        _ => 3,
+    };
+    ERRORS[kind].fetch_add(1, Ordering::Relaxed);
+}
+
 fn store_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |source| StoreError { op, source }
+    move |source| {
+        count_error(&source);
+        StoreError { op, source }
+    }
 }
 
 fn pool_for(
@@ -170,6 +189,13 @@ impl PgStore {
     /// Total queries issued by this store so far (tests and the bench count hydrates with it).
     pub fn query_count(&self) -> u64 {
         self.queries.load(Ordering::Relaxed)
+    }
+
+    /// Query errors of every store in this process by kind: `connection` (I/O, TLS, protocol,
+    /// pool closed), `pool_timeout`, `database` (SQL errors, statement timeouts), `other`
+    /// (decoding, configuration). Exported as `runfeed.pg.errors`.
+    pub fn error_counts() -> [(&'static str, u64); 4] {
+        std::array::from_fn(|i| (ERROR_KINDS[i], ERRORS[i].load(Ordering::Relaxed)))
     }
 
     /// The primary pool (CLI commands: migrate, demo, token).

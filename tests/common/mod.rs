@@ -63,6 +63,8 @@ pub fn test_config(db_url: &str, hold_ms: u64) -> Config {
     c.redis.url = REDIS_URL.into();
     c.feeds.live_poll_timeout_ms = hold_ms;
     c.feeds.live_poll_jitter_ratio = 0.0;
+    // Every in-process server gets its own admin listener (/metrics, /readyz) on a free port.
+    c.telemetry.admin_listen = "127.0.0.1:0".into();
     c
 }
 
@@ -597,6 +599,24 @@ impl TestServer {
             Some(&skip),
         )
         .expect("mint token")
+    }
+
+    /// `http://<admin listener>` (`/metrics`, `/healthz`, `/readyz`).
+    pub fn admin_base(&self) -> String {
+        let addr = self.running().admin_addr.expect("admin listener enabled");
+        format!("http://{addr}")
+    }
+
+    /// The Prometheus text the admin listener serves at `/metrics`.
+    pub async fn scrape_text(&self) -> String {
+        let url = format!("{}/metrics", self.admin_base());
+        let resp = within(WAIT, "GET /metrics", self.http.get(&url).send())
+            .await
+            .expect("GET /metrics");
+        assert_eq!(resp.status().as_u16(), 200, "GET /metrics status");
+        within(WAIT, "/metrics body", resp.text())
+            .await
+            .expect("/metrics body")
     }
 
     /// Held feeds `(run, tag, batch)`.

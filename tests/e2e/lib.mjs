@@ -249,6 +249,7 @@ export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args 
         RUST_LOG: process.env.RUST_LOG ?? "info",
         NO_COLOR: "1",
         RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS: String(holdMs),
+        RUNFEED_TELEMETRY__ADMIN_LISTEN: "127.0.0.1:0", // several servers at once: no fixed admin port
         ...env,
       },
       stdio: ["ignore", "pipe", "pipe"],

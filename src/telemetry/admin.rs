@@ -1,0 +1,199 @@
+//! The admin listener: `/metrics` (Prometheus text exposition of the server's meter provider),
+//! `/healthz` (the process is alive) and `/readyz` (Postgres and Redis reachable). On its own
+//! address (`telemetry.admin_listen`) so it never shares the public port.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Json;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+/// A readiness check: `Ok` when the dependency answers, `Err(reason)` otherwise.
+pub type Check =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+
+/// Each `/readyz` check is bounded by this.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Clone)]
+struct AdminState {
+    registry: prometheus::Registry,
+    checks: Arc<Vec<(&'static str, Check)>>,
+}
+
+/// A running admin listener.
+pub struct Admin {
+    /// The bound address.
+    pub addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Admin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admin")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Admin {
+    /// Binds `listen` and serves `registry` and the readiness `checks` (named, e.g.
+    /// `"postgres"`).
+    ///
+    /// Errors: the address does not parse or is in use.
+    pub async fn start(
+        listen: &str,
+        registry: prometheus::Registry,
+        checks: Vec<(&'static str, Check)>,
+    ) -> anyhow::Result<Admin> {
+        let listener = TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding the admin listener {listen}"))?;
+        let addr = listener.local_addr().context("reading the admin address")?;
+        let router = router(AdminState {
+            registry,
+            checks: Arc::new(checks),
+        });
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let served = axum::serve(listener, router).with_graceful_shutdown(async move {
+                let _ = rx.await;
+            });
+            if let Err(err) = served.await {
+                tracing::error!(error = %err, "admin listener stopped with an error");
+            }
+        });
+        Ok(Admin {
+            addr,
+            shutdown: Some(tx),
+            task,
+        })
+    }
+
+    /// Stops serving and waits for the task.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.task).await;
+        self.task.abort();
+    }
+}
+
+fn router(state: AdminState) -> axum::Router {
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    match super::encode_prometheus(&state.registry) {
+        Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
+        Err(err) => {
+            tracing::error!(error = %err, "encoding metrics failed");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "encoding metrics failed\n",
+            )
+                .into_response()
+        }
+    }
+}
+
+/// 200 `{"status":"ready","checks":{…:"ok"}}` when every check passes, else 503 with the
+/// failing checks' reasons.
+async fn readyz(State(state): State<AdminState>) -> Response {
+    let results = futures::future::join_all(state.checks.iter().map(|(name, check)| async move {
+        let result = match tokio::time::timeout(CHECK_TIMEOUT, check()).await {
+            Ok(result) => result,
+            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+        };
+        (*name, result)
+    }))
+    .await;
+    let ready = results.iter().all(|(_, r)| r.is_ok());
+    let checks: serde_json::Map<String, serde_json::Value> = results
+        .into_iter()
+        .map(|(name, r)| {
+            (
+                name.to_string(),
+                json!(r.err().unwrap_or_else(|| "ok".to_string())),
+            )
+        })
+        .collect();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"status": if ready { "ready" } else { "not ready" }, "checks": checks})),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(ok: bool) -> Check {
+        Arc::new(move || {
+            Box::pin(async move {
+                if ok {
+                    Ok(())
+                } else {
+                    Err("down".to_string())
+                }
+            })
+        })
+    }
+
+    #[tokio::test]
+    async fn readyz_reports_each_check() {
+        let admin = Admin::start(
+            "127.0.0.1:0",
+            prometheus::Registry::new(),
+            vec![("postgres", check(true)), ("redis", check(false))],
+        )
+        .await
+        .expect("admin");
+        let addr = admin.addr;
+        let get = |path: &'static str| async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let (mut r, mut w) = stream.into_split();
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            w.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .expect("write");
+            let mut out = String::new();
+            r.read_to_string(&mut out).await.expect("read");
+            out
+        };
+        let ready = get("/readyz").await;
+        assert!(ready.starts_with("HTTP/1.0 503"), "{ready}");
+        assert!(
+            ready.contains(r#""redis":"down""#) && ready.contains(r#""postgres":"ok""#),
+            "{ready}"
+        );
+        assert!(get("/healthz").await.starts_with("HTTP/1.0 200"));
+        let metrics = get("/metrics").await;
+        assert!(
+            metrics.starts_with("HTTP/1.0 200") && metrics.contains("text/plain"),
+            "{metrics}"
+        );
+        admin.stop().await;
+    }
+}

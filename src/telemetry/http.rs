@@ -1,0 +1,236 @@
+//! HTTP observability: one `tracing` span per request ([`trace_layer`]) and the request
+//! metrics middleware ([`instrument`]).
+//!
+//! The span carries method, route (the matched path pattern), path, `live`, the environment id
+//! (recorded by the handler once authenticated, [`record_env_id`]), status, outcome and
+//! latency. Headers and the query string are never recorded: bearer tokens stay out of the
+//! logs.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use http_body::{Frame, SizeHint};
+use tokio::time::Instant;
+use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
+use tower_http::trace::{DefaultOnRequest, MakeSpan, OnResponse, TraceLayer};
+use tracing::field::Empty;
+use tracing::Span;
+
+use super::Metrics;
+
+/// Route label of requests outside every route (404 fallback).
+pub const UNMATCHED: &str = "unmatched";
+
+/// The request span layer (tower-http `TraceLayer` with runfeed's span and response log).
+/// Apply it with `Router::layer` so the matched route is known.
+pub fn trace_layer(
+) -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, RequestSpan, DefaultOnRequest, ResponseLog>
+{
+    TraceLayer::new_for_http()
+        .make_span_with(RequestSpan)
+        .on_response(ResponseLog)
+}
+
+/// Records the authenticated environment id on the current request span.
+pub fn record_env_id(env_id: &str) {
+    Span::current().record("env_id", env_id);
+}
+
+fn route_of<B>(req: &axum::http::Request<B>) -> &str {
+    req.extensions()
+        .get::<MatchedPath>()
+        .map_or(UNMATCHED, MatchedPath::as_str)
+}
+
+/// Whether the query asks for a live poll (`live=true`, last value wins like the feed parser).
+fn is_live(query: Option<&str>) -> bool {
+    let mut live = false;
+    for pair in query.unwrap_or("").split('&') {
+        if let Some(v) = pair.strip_prefix("live=") {
+            live = v == "true";
+        }
+    }
+    live
+}
+
+/// Outcome label of a status.
+fn outcome(status: u16) -> &'static str {
+    match status {
+        200..=299 => "ok",
+        409 => "must_refetch",
+        429 => "rejected",
+        400..=499 => "client_error",
+        _ => "server_error",
+    }
+}
+
+/// Makes the `request` span.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestSpan;
+
+impl<B> MakeSpan<B> for RequestSpan {
+    fn make_span(&mut self, req: &axum::http::Request<B>) -> Span {
+        tracing::info_span!(
+            "request",
+            method = %req.method(),
+            route = route_of(req),
+            path = req.uri().path(),
+            live = is_live(req.uri().query()),
+            env_id = Empty,
+            status = Empty,
+            outcome = Empty,
+            latency_ms = Empty,
+        )
+    }
+}
+
+/// Records status, outcome and latency on the span and logs the response at debug level
+/// (server errors are also logged at error level by the layer's failure classifier).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ResponseLog;
+
+impl<B> OnResponse<B> for ResponseLog {
+    fn on_response(self, response: &axum::http::Response<B>, latency: Duration, span: &Span) {
+        let status = response.status().as_u16();
+        let latency_ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        span.record("status", status);
+        span.record("outcome", outcome(status));
+        span.record("latency_ms", latency_ms);
+        tracing::debug!(parent: span, status, latency_ms, "response");
+    }
+}
+
+/// Adds the HTTP metrics middleware to every route of `router` (requests by route, method and
+/// status; duration by route, status and live; body bytes by route; 429s as concurrency
+/// rejections). A request whose client goes away first counts as status 499.
+pub fn instrument(router: axum::Router, metrics: Arc<Metrics>) -> axum::Router {
+    router.layer(axum::middleware::from_fn_with_state(metrics, track))
+}
+
+/// Counts the request as 499 if dropped before the response.
+struct Pending {
+    metrics: Arc<Metrics>,
+    route: String,
+    method: String,
+    live: bool,
+    started: Instant,
+    done: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.done {
+            self.metrics.http_request(
+                &self.route,
+                &self.method,
+                499,
+                self.live,
+                self.started.elapsed(),
+            );
+        }
+    }
+}
+
+async fn track(State(metrics): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
+    let mut pending = Pending {
+        route: route_of(&req).to_string(),
+        method: req.method().as_str().to_string(),
+        live: is_live(req.uri().query()),
+        started: Instant::now(),
+        metrics,
+        done: false,
+    };
+    let response = next.run(req).await;
+    pending.done = true;
+    let status = response.status().as_u16();
+    let m = &pending.metrics;
+    m.http_request(
+        &pending.route,
+        &pending.method,
+        status,
+        pending.live,
+        pending.started.elapsed(),
+    );
+    if status == 429 {
+        m.concurrency_rejections.add(1, &[]);
+    }
+    let (parts, body) = response.into_parts();
+    let counted = CountedBody {
+        inner: body,
+        bytes: 0,
+        metrics: m.clone(),
+        route: std::mem::take(&mut pending.route),
+    };
+    Response::from_parts(parts, Body::new(counted))
+}
+
+/// A response body that adds the bytes it yielded to `runfeed.http.sent` when dropped.
+struct CountedBody {
+    inner: Body,
+    bytes: u64,
+    metrics: Arc<Metrics>,
+    route: String,
+}
+
+impl http_body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                this.bytes += data.len() as u64;
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.metrics.http_bytes(&self.route, self.bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_is_the_last_value() {
+        assert!(is_live(Some("offset=1_2&live=true")));
+        assert!(!is_live(Some("live=true&live=false")));
+        assert!(!is_live(Some("live=1")));
+        assert!(!is_live(None));
+    }
+
+    #[test]
+    fn outcomes() {
+        assert_eq!(outcome(200), "ok");
+        assert_eq!(outcome(409), "must_refetch");
+        assert_eq!(outcome(429), "rejected");
+        assert_eq!(outcome(401), "client_error");
+        assert_eq!(outcome(503), "server_error");
+    }
+}

@@ -1,0 +1,788 @@
+//! Every metric runfeed exports, in one place (the reference's instruments, behaviours §2.1, plus
+//! what an operator of this server needs).
+//!
+//! Names are `runfeed.<area>.<name>` with UCUM units; the Prometheus exporter turns dots into
+//! underscores, appends the unit (`ms` → `_milliseconds`, `By` → `_bytes`; annotations such as
+//! `{feed}` add nothing) and `_total` to counters. The Prometheus name of each instrument is
+//! given in its doc line.
+//!
+//! Two kinds of instruments:
+//! - **synchronous** ones, recorded through the methods of [`Metrics`] from small hooks in the
+//!   feeds, the run-set readers and the HTTP middleware;
+//! - **observable** ones, registered by [`Metrics::observe`]: callbacks that read counters the
+//!   code keeps anyway ([`crate::router::RouterStats`], [`crate::router::Gate`],
+//!   [`crate::store::PgStore`], the Redis source's [`crate::changes::source::SourceStats`]) at
+//!   collection time, so nothing is counted twice.
+//!
+//! Counters with a fixed label set are created with every label combination at zero, so their
+//! series exist (and `rate()` works) from the first scrape.
+
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider};
+use opentelemetry::KeyValue;
+
+use crate::changes::source::RedisChangeSource;
+use crate::feeds::Feeds;
+use crate::router::Router;
+use crate::store::PgStore;
+
+/// Meter (instrumentation scope) name: the `otel_scope_name` label of every series.
+pub const METER_NAME: &str = "runfeed";
+
+/// Bucket bounds for latencies of writes reaching clients, ms (the hold is ~20 s).
+const LAG_BOUNDS_MS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0,
+    20_000.0, 30_000.0,
+];
+/// Bucket bounds for HTTP request durations, ms (snapshots: ms; live polls: up to the hold).
+const HTTP_BOUNDS_MS: &[f64] = &[
+    1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0, 15_000.0,
+    20_000.0, 25_000.0, 30_000.0,
+];
+/// Bucket bounds for store query latencies, ms.
+const QUERY_BOUNDS_MS: &[f64] = &[
+    0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0,
+];
+/// Bucket bounds for rows per emission.
+const ROW_BOUNDS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0,
+];
+
+/// Which path a live response's rows came through (`path` label of delivery lag and emitted
+/// rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryPath {
+    /// Replayed from the router's buffer when the poll registered (a change between polls).
+    Replay,
+    /// The cold re-check at registration (the change stream could not vouch for the gap).
+    Cold,
+    /// A router wake (change record → hydrate once → inbox): the fast path.
+    Notify,
+    /// A store re-check during the hold (a gap was reported: reconnect, failed hydrate).
+    Recheck,
+    /// The backstop re-read at the end of the hold (a change nobody announced).
+    Backstop,
+    /// Answered early because the server is draining.
+    Drain,
+}
+
+impl DeliveryPath {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryPath::Replay => "replay",
+            DeliveryPath::Cold => "cold",
+            DeliveryPath::Notify => "notify",
+            DeliveryPath::Recheck => "recheck",
+            DeliveryPath::Backstop => "backstop",
+            DeliveryPath::Drain => "drain",
+        }
+    }
+}
+
+/// Path events of the live loop (`path` label of `runfeed.feeds.live_polls`, reference names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LivePath {
+    /// A wake carrying rows the router hydrated for the changed runs only.
+    FastHydrate,
+    /// The store re-read at registration (no cursor the stream can vouch for).
+    ColdResolve,
+    /// A store re-read of the whole set during the hold (gap reported).
+    FullResolve,
+}
+
+impl LivePath {
+    const ALL: [LivePath; 3] = [
+        LivePath::FastHydrate,
+        LivePath::ColdResolve,
+        LivePath::FullResolve,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LivePath::FastHydrate => "fast-hydrate",
+            LivePath::ColdResolve => "cold-resolve",
+            LivePath::FullResolve => "full-resolve",
+        }
+    }
+}
+
+/// How a live poll's wait ended (`reason` label of `runfeed.feeds.wakeups`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WakeReason {
+    /// The router woke the feed.
+    Notify,
+    /// The hold expired (the backstop follows).
+    Timeout,
+    /// The client went away, or the server is draining.
+    Abort,
+}
+
+impl WakeReason {
+    const ALL: [WakeReason; 3] = [WakeReason::Notify, WakeReason::Timeout, WakeReason::Abort];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WakeReason::Notify => "notify",
+            WakeReason::Timeout => "timeout",
+            WakeReason::Abort => "abort",
+        }
+    }
+}
+
+/// Outcome of a run-set read through the shared cache (`result` label of
+/// `runfeed.runset.resolves`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResolveResult {
+    /// Served from the cache.
+    Hit,
+    /// This caller ran the query.
+    Miss,
+    /// Joined a query another caller had in flight.
+    Coalesced,
+}
+
+impl ResolveResult {
+    const ALL: [ResolveResult; 3] = [
+        ResolveResult::Hit,
+        ResolveResult::Miss,
+        ResolveResult::Coalesced,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResolveResult::Hit => "hit",
+            ResolveResult::Miss => "miss",
+            ResolveResult::Coalesced => "coalesced",
+        }
+    }
+}
+
+/// Feed kinds (`kind` label).
+pub const FEED_KINDS: [&str; 3] = ["run", "tag", "batch"];
+
+/// The synchronous instruments, and the registration of the observable ones.
+///
+/// Cheap to share (`Arc<Metrics>`); [`Metrics::noop`] records nothing (for services built
+/// without telemetry, e.g. in unit tests).
+pub struct Metrics {
+    /// `runfeed.feeds.delivery_lag` (ms; Prometheus `runfeed_feeds_delivery_lag_milliseconds`):
+    /// now − the newest emitted row's `updatedAt` per live emission, by `path`
+    /// ([`DeliveryPath`]); app clock vs the writer's clock, negatives clamped to 0. The
+    /// end-to-end SLI.
+    pub delivery_lag: Histogram<f64>,
+    /// `runfeed.feeds.emitted_rows` (`{row}`; `runfeed_feeds_emitted_rows`): rows per live
+    /// emission, by `path`.
+    pub emitted_rows: Histogram<u64>,
+    /// `runfeed.feeds.live_polls` (`runfeed_feeds_live_polls_total`): live-loop path events by
+    /// `path` ([`LivePath`]); one poll can add several.
+    pub live_polls: Counter<u64>,
+    /// `runfeed.feeds.wakeups` (`runfeed_feeds_wakeups_total`): how live waits ended, by
+    /// `reason` ([`WakeReason`]). A rising `timeout` share means publishes are not reaching
+    /// feeds.
+    pub wakeups: Counter<u64>,
+    /// `runfeed.feeds.backstops` (`runfeed_feeds_backstops_total`): backstop re-reads at the
+    /// end of a hold by `result` = `delivered` | `empty`. Sustained `delivered` = the
+    /// notify/replay path leaks.
+    pub backstops: Counter<u64>,
+    /// `runfeed.feeds.cursor_store_ops` (`runfeed_feeds_cursor_store_ops_total`): the
+    /// per-connection state store (working set + replay cursor per handed-out offset) by `op` =
+    /// `get` (`result` = `hit` | `miss`; a miss on a live poll means a cold re-check) | `set`
+    /// (`result` = `ok`).
+    pub cursor_store_ops: Counter<u64>,
+    /// `runfeed.feeds.concurrency_rejections` (`runfeed_feeds_concurrency_rejections_total`):
+    /// requests answered 429 (per-environment concurrency limit).
+    pub concurrency_rejections: Counter<u64>,
+    /// `runfeed.runset.resolves` (`runfeed_runset_resolves_total`): reads through the shared
+    /// run-set cache by `result` ([`ResolveResult`]) and feed `kind`.
+    pub resolves: Counter<u64>,
+    /// `runfeed.runset.query_duration` (ms; `runfeed_runset_query_duration_milliseconds`):
+    /// store resolve + hydrate latency of run-set reads that reached Postgres, by `kind` and
+    /// `result` = `ok` | `error`.
+    pub query_duration: Histogram<f64>,
+    /// `runfeed.runset.admission_waits` (`runfeed_runset_admission_waits_total`): fresh
+    /// list resolves that waited ≥ 1 ms for an admission permit.
+    pub admission_waits: Counter<u64>,
+    /// `runfeed.http.requests` (`runfeed_http_requests_total`): HTTP requests by `route`
+    /// (matched path, `unmatched` for 404s outside the routes), `method` and `status` (`499`
+    /// = the client went away before the response).
+    pub http_requests: Counter<u64>,
+    /// `runfeed.http.duration` (ms; `runfeed_http_duration_milliseconds`): time to the response
+    /// head by `route`, `status` and `live` (`true` = the poll hold duration).
+    pub http_duration: Histogram<f64>,
+    /// `runfeed.http.sent` (By; `runfeed_http_sent_bytes_total`): response body bytes by
+    /// `route`.
+    pub http_sent: Counter<u64>,
+    meter: Meter,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn kv(key: &'static str, value: &'static str) -> KeyValue {
+    KeyValue::new(key, value)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1_000.0
+}
+
+impl Metrics {
+    /// Creates every synchronous instrument on `meter` (fixed label sets start at zero).
+    pub fn new(meter: &Meter) -> Metrics {
+        let m = Metrics {
+            delivery_lag: meter
+                .f64_histogram("runfeed.feeds.delivery_lag")
+                .with_unit("ms")
+                .with_description("Now minus the newest emitted row's updatedAt, per live emission, by delivery path")
+                .with_boundaries(LAG_BOUNDS_MS.to_vec())
+                .build(),
+            emitted_rows: meter
+                .u64_histogram("runfeed.feeds.emitted_rows")
+                .with_unit("{row}")
+                .with_description("Rows per live emission, by delivery path")
+                .with_boundaries(ROW_BOUNDS.to_vec())
+                .build(),
+            live_polls: meter
+                .u64_counter("runfeed.feeds.live_polls")
+                .with_unit("{event}")
+                .with_description("Live-loop path events: fast-hydrate (router wake), cold-resolve (registration re-read), full-resolve (re-read on a gap)")
+                .build(),
+            wakeups: meter
+                .u64_counter("runfeed.feeds.wakeups")
+                .with_unit("{wakeup}")
+                .with_description("How live waits ended: notify, timeout (backstop follows) or abort (client gone, draining)")
+                .build(),
+            backstops: meter
+                .u64_counter("runfeed.feeds.backstops")
+                .with_unit("{backstop}")
+                .with_description("Backstop re-reads at the end of a hold: delivered (a missed change; should be ~0) or empty")
+                .build(),
+            cursor_store_ops: meter
+                .u64_counter("runfeed.feeds.cursor_store_ops")
+                .with_unit("{operation}")
+                .with_description("Per-connection state (working set, replay cursor) store operations by op and result")
+                .build(),
+            concurrency_rejections: meter
+                .u64_counter("runfeed.feeds.concurrency_rejections")
+                .with_unit("{request}")
+                .with_description("Requests rejected with 429 by the per-environment concurrency limit")
+                .build(),
+            resolves: meter
+                .u64_counter("runfeed.runset.resolves")
+                .with_unit("{resolve}")
+                .with_description("Run-set reads through the shared cache: hit, miss (ran the query) or coalesced (joined one in flight)")
+                .build(),
+            query_duration: meter
+                .f64_histogram("runfeed.runset.query_duration")
+                .with_unit("ms")
+                .with_description("Latency of run-set store reads (resolve and hydrate), by feed kind and result")
+                .with_boundaries(QUERY_BOUNDS_MS.to_vec())
+                .build(),
+            admission_waits: meter
+                .u64_counter("runfeed.runset.admission_waits")
+                .with_unit("{wait}")
+                .with_description("Fresh list resolves that waited at least 1 ms for an admission permit")
+                .build(),
+            http_requests: meter
+                .u64_counter("runfeed.http.requests")
+                .with_unit("{request}")
+                .with_description("HTTP requests by route, method and status (499: client went away)")
+                .build(),
+            http_duration: meter
+                .f64_histogram("runfeed.http.duration")
+                .with_unit("ms")
+                .with_description("Time to the response head by route, status and live (live=true: the poll hold)")
+                .with_boundaries(HTTP_BOUNDS_MS.to_vec())
+                .build(),
+            http_sent: meter
+                .u64_counter("runfeed.http.sent")
+                .with_unit("By")
+                .with_description("Response body bytes sent, by route")
+                .build(),
+            meter: meter.clone(),
+        };
+        for path in LivePath::ALL {
+            m.live_polls.add(0, &[kv("path", path.as_str())]);
+        }
+        for reason in WakeReason::ALL {
+            m.wakeups.add(0, &[kv("reason", reason.as_str())]);
+        }
+        for result in ["delivered", "empty"] {
+            m.backstops.add(0, &[kv("result", result)]);
+        }
+        for (op, result) in [("get", "hit"), ("get", "miss"), ("set", "ok")] {
+            m.cursor_store_ops
+                .add(0, &[kv("op", op), kv("result", result)]);
+        }
+        m.concurrency_rejections.add(0, &[]);
+        for result in ResolveResult::ALL {
+            for kind in FEED_KINDS {
+                m.resolves
+                    .add(0, &[kv("result", result.as_str()), kv("kind", kind)]);
+            }
+        }
+        m.admission_waits.add(0, &[]);
+        m
+    }
+
+    /// A shared instance that records nothing.
+    pub fn noop() -> Arc<Metrics> {
+        static NOOP: OnceLock<Arc<Metrics>> = OnceLock::new();
+        NOOP.get_or_init(|| {
+            let provider = opentelemetry::metrics::NoopMeterProvider::new();
+            Arc::new(Metrics::new(&provider.meter(METER_NAME)))
+        })
+        .clone()
+    }
+
+    /// One live emission of `rows` rows (nothing when 0) whose newest row was updated at
+    /// `newest_ms` (epoch ms): records `emitted_rows` and `delivery_lag` for `path`.
+    pub fn emitted(&self, path: DeliveryPath, rows: usize, newest_ms: Option<i64>) {
+        if rows == 0 {
+            return;
+        }
+        let attrs = [kv("path", path.as_str())];
+        self.emitted_rows
+            .record(u64::try_from(rows).unwrap_or(u64::MAX), &attrs);
+        if let Some(newest) = newest_ms {
+            let lag = (crate::feeds::now_ms() - newest).max(0);
+            self.delivery_lag.record(lag as f64, &attrs);
+        }
+    }
+
+    /// A live-loop path event.
+    pub fn live_poll(&self, path: LivePath) {
+        self.live_polls.add(1, &[kv("path", path.as_str())]);
+    }
+
+    /// A live wait ended.
+    pub fn wakeup(&self, reason: WakeReason) {
+        self.wakeups.add(1, &[kv("reason", reason.as_str())]);
+    }
+
+    /// A backstop re-read; `delivered` = it found changes the client did not have.
+    pub fn backstop(&self, delivered: bool) {
+        self.backstops.add(
+            1,
+            &[kv("result", if delivered { "delivered" } else { "empty" })],
+        );
+    }
+
+    /// A lookup in the per-connection state store.
+    pub fn cursor_get(&self, hit: bool) {
+        self.cursor_store_ops.add(
+            1,
+            &[
+                kv("op", "get"),
+                kv("result", if hit { "hit" } else { "miss" }),
+            ],
+        );
+    }
+
+    /// A write to the per-connection state store.
+    pub fn cursor_set(&self) {
+        self.cursor_store_ops
+            .add(1, &[kv("op", "set"), kv("result", "ok")]);
+    }
+
+    /// A read through the shared run-set cache.
+    pub fn resolve(&self, kind: &'static str, result: ResolveResult) {
+        self.resolves
+            .add(1, &[kv("result", result.as_str()), kv("kind", kind)]);
+    }
+
+    /// A run-set store read took `took`.
+    pub fn run_set_query(&self, kind: &'static str, ok: bool, took: Duration) {
+        self.query_duration.record(
+            ms(took),
+            &[
+                kv("kind", kind),
+                kv("result", if ok { "ok" } else { "error" }),
+            ],
+        );
+    }
+
+    /// A fresh resolve waited `waited` for its admission permit (counted from 1 ms).
+    pub fn admission_waited(&self, waited: Duration) {
+        if waited >= Duration::from_millis(1) {
+            self.admission_waits.add(1, &[]);
+        }
+    }
+
+    /// A [`LiveGuard`] for one live poll: counts a `abort` wakeup unless
+    /// [`LiveGuard::finish`]ed (the poll's future was dropped: the client went away).
+    pub fn live_guard(self: &Arc<Self>) -> LiveGuard {
+        LiveGuard {
+            metrics: Some(self.clone()),
+        }
+    }
+
+    /// One finished HTTP request.
+    pub fn http_request(&self, route: &str, method: &str, status: u16, live: bool, took: Duration) {
+        let status = KeyValue::new("status", i64::from(status));
+        let route = KeyValue::new("route", route.to_string());
+        self.http_requests.add(
+            1,
+            &[
+                route.clone(),
+                KeyValue::new("method", method.to_string()),
+                status.clone(),
+            ],
+        );
+        self.http_duration
+            .record(ms(took), &[route, status, KeyValue::new("live", live)]);
+    }
+
+    /// `bytes` of response body sent on `route`.
+    pub fn http_bytes(&self, route: &str, bytes: u64) {
+        self.http_sent
+            .add(bytes, &[KeyValue::new("route", route.to_string())]);
+    }
+
+    /// Registers the observable instruments over `sources` (weak references: the callbacks
+    /// never keep the server alive). Call once per meter.
+    ///
+    /// | Instrument | Prometheus | Source |
+    /// |---|---|---|
+    /// | `runfeed.router.held_feeds` {feed}, `kind` | `runfeed_router_held_feeds` | [`Router::held_feeds`] |
+    /// | `runfeed.router.active_envs` | `runfeed_router_active_envs` | [`Router::active_envs`] (incl. lingering) |
+    /// | `runfeed.router.hydrates`, `result` = ok \| error | `runfeed_router_hydrates_total` | `RouterStats::hydrates`, `hydrate_errors` |
+    /// | `runfeed.router.hydrated_runs` | `runfeed_router_hydrated_runs_total` | `RouterStats::hydrated_rows` |
+    /// | `runfeed.router.deliveries` | `runfeed_router_deliveries_total` | `RouterStats::deliveries` (Σ feed × row) |
+    /// | `runfeed.router.distinct_runs` | `runfeed_router_distinct_runs_total` | `RouterStats::distinct_runs` (Σ column set × run) |
+    /// | `runfeed.router.replays`, `result` | `runfeed_router_replays_total` | `RouterStats::replays_*` |
+    /// | `runfeed.router.replay_evictions`, `reason` = window \| cap | `runfeed_router_replay_evictions_total` | `RouterStats::evictions_*` |
+    /// | `runfeed.router.stale_hydrates` {run}, `outcome` = recovered \| gave_up | `runfeed_router_stale_hydrates_total` | `RouterStats::stale_*` |
+    /// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` |
+    /// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
+    /// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
+    /// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's [`crate::changes::Publisher`]s |
+    /// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | [`crate::router::Gate::estimate_ms`] (only with a gate) |
+    /// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
+    /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | [`Feeds::working_set_size`] |
+    /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | [`Feeds::admission_in_use`] |
+    /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | [`PgStore::query_count`] |
+    /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | [`PgStore::error_counts`] (process-wide) |
+    /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription | `runfeed_redis_errors_total` | Redis source |
+    /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
+    /// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
+    pub fn observe(&self, sources: Sources) {
+        let meter = &self.meter;
+        let Sources {
+            router,
+            feeds,
+            store,
+            source,
+        } = sources;
+
+        let r = router.clone();
+        meter
+            .u64_observable_gauge("runfeed.router.held_feeds")
+            .with_unit("{feed}")
+            .with_description("Feeds held by a live poll now, by kind: the capacity unit")
+            .with_callback(move |o| {
+                let (run, tag, batch) = r.held_feeds();
+                for (kind, n) in [("run", run), ("tag", tag), ("batch", batch)] {
+                    o.observe(n as u64, &[kv("kind", kind)]);
+                }
+            })
+            .build();
+        let r = router.clone();
+        meter
+            .u64_observable_gauge("runfeed.router.active_envs")
+            .with_unit("{environment}")
+            .with_description("Environments routed now (including lingering ones)")
+            .with_callback(move |o| o.observe(r.active_envs() as u64, &[]))
+            .build();
+
+        let stat =
+            |name: &'static str, unit: &'static str, description: &'static str, read: ReadStats| {
+                let r = router.clone();
+                meter
+                    .u64_observable_counter(name)
+                    .with_unit(unit)
+                    .with_description(description)
+                    .with_callback(move |o| {
+                        for (value, attrs) in read(&r) {
+                            o.observe(value, &attrs);
+                        }
+                    })
+                    .build();
+            };
+        use std::sync::atomic::Ordering::Relaxed;
+        stat(
+            "runfeed.router.hydrates",
+            "{query}",
+            "Router hydrate queries (live and replay) by result",
+            |r| {
+                let s = r.stats();
+                let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
+                vec![
+                    (all.saturating_sub(errors), vec![kv("result", "ok")]),
+                    (errors, vec![kv("result", "error")]),
+                ]
+            },
+        );
+        stat(
+            "runfeed.router.hydrated_runs",
+            "{run}",
+            "Rows returned by router hydrates (live and replay)",
+            |r| vec![(r.stats().hydrated_rows.load(Relaxed), vec![])],
+        );
+        stat(
+            "runfeed.router.deliveries",
+            "{delivery}",
+            "Sum of (feed, row) deliveries per routed batch",
+            |r| vec![(r.stats().deliveries.load(Relaxed), vec![])],
+        );
+        stat("runfeed.router.distinct_runs", "{run}", "Sum of distinct (column set, run) per routed batch; deliveries / distinct_runs = fan-out", |r| {
+            vec![(r.stats().distinct_runs.load(Relaxed), vec![])]
+        });
+        stat(
+            "runfeed.router.replays",
+            "{replay}",
+            "Replays that hydrated: delivered rows or found nothing for the feed",
+            |r| {
+                let s = r.stats();
+                vec![
+                    (
+                        s.replays_delivered.load(Relaxed),
+                        vec![kv("result", "delivered")],
+                    ),
+                    (s.replays_empty.load(Relaxed), vec![kv("result", "empty")]),
+                ]
+            },
+        );
+        stat("runfeed.router.replay_evictions", "{record}", "Replay-buffer evictions: window (aged out) or cap (an env churns more runs than the buffer holds)", |r| {
+            let s = r.stats();
+            vec![
+                (s.evictions_window.load(Relaxed), vec![kv("reason", "window")]),
+                (s.evictions_cap.load(Relaxed), vec![kv("reason", "cap")]),
+            ]
+        });
+        stat("runfeed.router.stale_hydrates", "{run}", "Runs the stale tripwire withheld: recovered by a retry, or delivered stale after the retries (gave_up)", |r| {
+            let s = r.stats();
+            vec![
+                (s.stale_recovered.load(Relaxed), vec![kv("outcome", "recovered")]),
+                (s.stale_gave_up.load(Relaxed), vec![kv("outcome", "gave_up")]),
+            ]
+        });
+        stat("runfeed.notifier.batches_delivered", "{batch}", "Coalesced change-record batches handed to the router; messages_received / batches_delivered = coalesce ratio", |r| {
+            vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]
+        });
+
+        if let Some(gate) = router.gate() {
+            let g = Arc::downgrade(gate);
+            meter
+                .u64_observable_gauge("runfeed.replica.lag_estimate")
+                .with_unit("ms")
+                .with_description(
+                    "Current replica-lag estimate of the read-your-writes gate (clock rule)",
+                )
+                .with_callback(move |o| {
+                    if let Some(g) = g.upgrade() {
+                        o.observe(g.estimate_ms(), &[]);
+                    }
+                })
+                .build();
+            let g = Arc::downgrade(gate);
+            meter
+                .u64_observable_counter("runfeed.replica.gate_waits")
+                .with_unit("{wait}")
+                .with_description("Read-your-writes gate waits that actually waited for the replica, or gave up at max_delay_ms")
+                .with_callback(move |o| {
+                    if let Some(g) = g.upgrade() {
+                        o.observe(g.waited.load(Relaxed), &[kv("outcome", "waited")]);
+                        o.observe(g.gave_up.load(Relaxed), &[kv("outcome", "gave_up")]);
+                    }
+                })
+                .build();
+        }
+
+        let f = feeds.clone();
+        meter
+            .u64_observable_gauge("runfeed.feeds.working_set_size")
+            .with_unit("{entry}")
+            .with_description("Per-connection feed states kept (working sets and replay cursors), including expired but unswept")
+            .with_callback(move |o| {
+                if let Some(f) = f.upgrade() {
+                    o.observe(f.working_set_size(), &[]);
+                }
+            })
+            .build();
+        let f = feeds;
+        meter
+            .u64_observable_gauge("runfeed.runset.admission_in_use")
+            .with_unit("{permit}")
+            .with_description("Resolve admission permits held now")
+            .with_callback(move |o| {
+                if let Some(f) = f.upgrade() {
+                    o.observe(f.admission_in_use() as u64, &[]);
+                }
+            })
+            .build();
+
+        let s = store;
+        meter
+            .u64_observable_counter("runfeed.pg.queries")
+            .with_unit("{query}")
+            .with_description("Postgres queries issued")
+            .with_callback(move |o| {
+                if let Some(s) = s.upgrade() {
+                    o.observe(s.query_count(), &[]);
+                }
+            })
+            .build();
+        meter
+            .u64_observable_counter("runfeed.pg.errors")
+            .with_unit("{error}")
+            .with_description("Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide")
+            .with_callback(|o| {
+                for (kind, n) in PgStore::error_counts() {
+                    o.observe(n, &[kv("kind", kind)]);
+                }
+            })
+            .build();
+
+        let src = source.clone();
+        meter
+            .u64_observable_counter("runfeed.notifier.messages_received")
+            .with_unit("{message}")
+            .with_description("Raw change-record messages received from Redis, before coalescing")
+            .with_callback(move |o| {
+                if let Some(src) = src.upgrade() {
+                    o.observe(src.stats().received.load(Relaxed), &[]);
+                }
+            })
+            .build();
+        let src = source.clone();
+        meter
+            .u64_observable_gauge("runfeed.notifier.active_subscriptions")
+            .with_unit("{channel}")
+            .with_description(
+                "Environment channels Redis confirmed on the current subscriber connection",
+            )
+            .with_callback(move |o| {
+                if let Some(src) = src.upgrade() {
+                    o.observe(src.confirmed().len() as u64, &[]);
+                }
+            })
+            .build();
+        meter
+            .u64_observable_counter("runfeed.notifier.publishes")
+            .with_unit("{publish}")
+            .with_description("Change-record publishes by this process (tooling, demo) by result; errors make feeds fall back to backstops")
+            .with_callback(|o| {
+                let (ok, errors) = crate::changes::publish::publish_counts();
+                o.observe(ok, &[kv("result", "ok")]);
+                o.observe(errors, &[kv("result", "error")]);
+            })
+            .build();
+        let src = source.clone();
+        meter
+            .u64_observable_counter("runfeed.redis.errors")
+            .with_unit("{error}")
+            .with_description("Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone)")
+            .with_callback(move |o| {
+                if let Some(src) = src.upgrade() {
+                    let st = src.stats();
+                    o.observe(st.connection_errors.load(Relaxed), &[kv("kind", "connection")]);
+                    o.observe(st.command_errors.load(Relaxed), &[kv("kind", "command")]);
+                    o.observe(st.lagged.load(Relaxed), &[kv("kind", "lagged")]);
+                    o.observe(st.lost_subscriptions.load(Relaxed), &[kv("kind", "lost_subscription")]);
+                }
+            })
+            .build();
+        let src = source;
+        meter
+            .u64_observable_gauge("runfeed.redis.connected")
+            .with_unit("{connection}")
+            .with_description("Whether the Redis subscriber connection is up (1) or not (0)")
+            .with_callback(move |o| {
+                if let Some(src) = src.upgrade() {
+                    o.observe(u64::from(src.is_connected()), &[]);
+                }
+            })
+            .build();
+
+        meter
+            .u64_observable_gauge("runfeed.process.resident_memory")
+            .with_unit("By")
+            .with_description("Resident set size of this process (VmRSS)")
+            .with_callback(|o| {
+                if let Some(bytes) = resident_memory_bytes() {
+                    o.observe(bytes, &[]);
+                }
+            })
+            .build();
+    }
+}
+
+/// Reads router counters as `(value, labels)` observations.
+type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
+
+/// What the observable instruments read. Weak references: a stopped server's callbacks observe
+/// nothing.
+pub struct Sources {
+    pub router: Router,
+    pub feeds: Weak<Feeds>,
+    pub store: Weak<PgStore>,
+    pub source: Weak<RedisChangeSource>,
+}
+
+/// Counts an `abort` wakeup when dropped unfinished (see [`Metrics::live_guard`]).
+pub struct LiveGuard {
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl LiveGuard {
+    /// The poll answered: nothing to count.
+    pub fn finish(mut self) {
+        self.metrics = None;
+    }
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        if let Some(m) = self.metrics.take() {
+            m.wakeup(WakeReason::Abort);
+        }
+    }
+}
+
+/// This process's resident set size in bytes (`VmRSS` of `/proc/self/status`); `None` where
+/// that file does not exist (non-Linux) or does not parse.
+pub fn resident_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_memory_is_read() {
+        let rss = resident_memory_bytes().expect("VmRSS on Linux");
+        assert!(rss > 1024 * 1024, "rss {rss}");
+    }
+
+    #[test]
+    fn noop_records_nothing_and_does_not_panic() {
+        let m = Metrics::noop();
+        m.emitted(DeliveryPath::Notify, 3, Some(0));
+        m.live_guard().finish();
+        drop(m.live_guard());
+    }
+}

@@ -13,6 +13,7 @@ use crate::changes::source::RedisChangeSource;
 use crate::changes::ChangeSource;
 use crate::cli::ServeArgs;
 use crate::config::Config;
+use crate::feeds::limit::Limiter;
 use crate::feeds::Feeds;
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
@@ -98,7 +99,17 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         store.clone() as Arc<dyn EnvStore>,
         Duration::from_millis(config.caches.lookup_cache_ttl_ms),
     ));
-    let state = AppState { feeds: feeds.clone(), auth, max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms };
+    let limiter = Arc::new(Limiter::new(
+        Some(kv_client(&(&config.redis).into()).context("building the limiter's Redis client")?),
+        config.feeds.default_concurrency_limit,
+        config.feeds.concurrency_limit_overrides.clone().into_iter().collect(),
+    ));
+    let state = AppState {
+        feeds: feeds.clone(),
+        auth,
+        limiter,
+        max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms,
+    };
     telemetry.metrics().observe(Sources {
         router: router.clone(),
         feeds: Arc::downgrade(&feeds),
@@ -161,6 +172,20 @@ fn readiness_checks(store: &Arc<PgStore>, source: &Arc<RedisChangeSource>) -> Ve
         Box::pin(async move { if connected { Ok(()) } else { Err("subscriber not connected".into()) } })
     });
     vec![("postgres", postgres), ("redis", redis)]
+}
+
+/// A Redis client for small key/value work (limiter, shared cursors): connects in the
+/// background and keeps reconnecting; callers bound every command with their own deadline.
+fn kv_client(options: &crate::changes::RedisOptions) -> anyhow::Result<fred::clients::Client> {
+    use fred::interfaces::ClientLike;
+    let mut config = options.fred_config().map_err(|e| anyhow::anyhow!(e))?;
+    config.fail_fast = false;
+    let client = fred::types::Builder::from_config(config)
+        .set_policy(fred::prelude::ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
+        .with_connection_config(|conn| conn.max_command_attempts = 1)
+        .build()?;
+    let _connection = client.connect();
+    Ok(client)
 }
 
 /// `runfeed serve`: loads the configuration (file ← env ← flags), serves until SIGINT/SIGTERM.

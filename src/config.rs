@@ -113,6 +113,9 @@ pub struct FeedsConfig {
     pub resolve_admission_limit: usize,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,
+    /// Per-organization live-poll limits (org id → limit), replacing the default for that
+    /// organization's environments (trigger.dev's plan limit `realtimeConcurrentConnections`).
+    pub concurrency_limit_overrides: std::collections::BTreeMap<String, u64>,
 }
 
 impl Default for FeedsConfig {
@@ -126,6 +129,7 @@ impl Default for FeedsConfig {
             runset_created_at_bucket_ms: 60_000,
             resolve_admission_limit: 16,
             default_concurrency_limit: 100_000,
+            concurrency_limit_overrides: std::collections::BTreeMap::new(),
         }
     }
 }

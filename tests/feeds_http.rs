@@ -2678,3 +2678,34 @@ async fn shutdown_answers_every_held_poll_with_up_to_date() {
     assert!(t.elapsed() < Duration::from_secs(3), "drained in {:?}", t.elapsed());
     println!("shutdown: 200 held polls answered in {:?}", t.elapsed());
 }
+
+/// REQ-02..05 / scenario 18 groundwork: with a limit of 2 live polls per environment, the third
+/// concurrent live poll is a 429 `{"error":"Too many concurrent requests"}` (with CORS), a
+/// snapshot is never limited, and aborting a held poll frees its slot at once.
+#[tokio::test]
+async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() {
+    let srv = Arc::new(TestServer::start_with(20_000, |c| c.feeds.default_concurrency_limit = 2).await);
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["l"]).await;
+    let h = modern(&env.api_key);
+    let snap = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
+    let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), None);
+    let spawn_poll = || {
+        let (srv, live, h) = (srv.clone(), live.clone(), h.clone());
+        tokio::spawn(async move { srv.fetch(&live, &h).await.status })
+    };
+    let a = spawn_poll();
+    let b = spawn_poll();
+    srv.wait_held("two live polls held", |held| held.0 == 2).await;
+    let third = srv.fetch(&live, &with(h.clone(), "origin", "https://app.example")).await;
+    assert_eq!(third.status, 429);
+    assert_eq!(third.json, json!({"error": "Too many concurrent requests"}));
+    assert!(third.has("access-control-allow-origin"));
+    assert_eq!(srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await.status, 200, "snapshots are not limited");
+    a.abort();
+    srv.wait_held("aborted poll released", |held| held.0 == 1).await;
+    let c = spawn_poll();
+    srv.wait_held("a new poll takes the freed slot", |held| held.0 == 2).await;
+    b.abort();
+    c.abort();
+}

@@ -79,7 +79,7 @@ impl RedisOptions {
     /// # Errors
     /// A description of what is wrong with the URL (unparsable, a cluster or sentinel URL without
     /// `cluster`, …).
-    pub(super) fn fred_config(&self) -> Result<Config, String> {
+    pub fn fred_config(&self) -> Result<Config, String> {
         if !self.cluster {
             let config = Config::from_url(&self.url).map_err(|e| e.to_string())?;
             return match config.server {

@@ -7,6 +7,7 @@
 //! simply answered again. States expire (working-set TTL) and are bounded in number.
 
 pub mod diff;
+pub mod limit;
 pub mod sets;
 
 use std::sync::Arc;

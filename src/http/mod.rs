@@ -16,6 +16,7 @@ use serde_json::json;
 use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
 use crate::auth::{batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal};
+use crate::feeds::limit::Limiter;
 use crate::feeds::{now_ms, FeedError, FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::body::FragmentBody;
 use crate::protocol::headers::ElectricHeaders;
@@ -32,6 +33,8 @@ pub const CURRENT_API_VERSION: &str = "2025-07-16";
 pub struct AppState {
     pub feeds: Arc<Feeds>,
     pub auth: Arc<Authenticator>,
+    /// Per-environment live-poll limit.
+    pub limiter: Arc<Limiter>,
     /// Tag feed lookback ceiling, ms.
     pub max_created_at_age_ms: u64,
 }
@@ -263,6 +266,16 @@ async fn serve(state: &AppState, principal: &Principal, ctx: &Ctx, target: Targe
         live: ctx.params.live,
         cursor: ctx.params.cursor.clone(),
         legacy_api_version: ctx.legacy_api_version,
+    };
+    // Only live polls take a concurrency slot (REQ-02); it is released when this future ends,
+    // whether answered or dropped because the client went away.
+    let _slot = if req.live && matches!(req.offset, OffsetParam::At(_)) {
+        match state.limiter.acquire(&principal.env.id, &principal.env.organization_id).await {
+            Some(slot) => Some(slot),
+            None => return error(StatusCode::TOO_MANY_REQUESTS, "Too many concurrent requests"),
+        }
+    } else {
+        None
     };
     match state.feeds.serve(req).await {
         Ok(reply) => ok(reply, ctx.legacy_client),

@@ -1,0 +1,176 @@
+//! Per-environment concurrency limit for live polls, compatible with trigger.dev's
+//! (trigger-facts §4; behaviours REQ-02..05, LIM-01..03).
+//!
+//! Fleet-wide count: a Redis sorted set per environment, key
+//! `tr:realtime:native:concurrency:<envId>`, members = poll ids scored by start time (ms); one
+//! atomic script drops members older than 300 s, adds this poll, refreshes the key TTL, and
+//! rejects (removing the member again) when the cardinality exceeds the limit. A slot is
+//! released the moment the poll ends — including when the client disconnects, since the
+//! [`Slot`] guard is dropped with the request future.
+//!
+//! When the limiter's Redis is unreachable or slow (250 ms deadline), the reference fails
+//! closed (HTTP 500 for every live poll). runfeed degrades instead: it counts locally, per
+//! instance, against the same limit — a fleet of N instances may then admit up to N × limit
+//! during the outage, but no poll fails because of the limiter.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fred::clients::Client;
+use fred::interfaces::{LuaInterface, SortedSetsInterface};
+
+/// Key prefix of the per-environment sorted sets (trigger.dev's native backend uses the same).
+pub const KEY_PREFIX: &str = "tr:realtime:native:concurrency:";
+/// Members older than this are swept (a crashed instance's slots free themselves), seconds.
+pub const ENTRY_TTL_S: i64 = 300;
+/// How long admission waits for Redis before counting locally.
+pub const REDIS_DEADLINE: Duration = Duration::from_millis(250);
+
+const ADMIT: &str = r#"
+local key = KEYS[1]
+local now = tonumber(ARGV[1])
+local id = ARGV[2]
+local limit = tonumber(ARGV[3])
+local ttl = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - ttl * 1000)
+redis.call('ZADD', key, now, id)
+redis.call('EXPIRE', key, ttl)
+if redis.call('ZCARD', key) > limit then
+  redis.call('ZREM', key, id)
+  return 0
+end
+return 1
+"#;
+
+/// Counters of the limiter (metrics read them).
+#[derive(Debug, Default)]
+pub struct LimiterStats {
+    /// Polls refused with 429.
+    pub rejections: AtomicU64,
+    /// Admissions decided locally because Redis failed or was slow.
+    pub degraded: AtomicU64,
+}
+
+/// The limiter. `client == None`: local counting only (tests, single instance without Redis).
+pub struct Limiter {
+    client: Option<Client>,
+    default_limit: u64,
+    overrides: HashMap<String, u64>,
+    local: Arc<Mutex<HashMap<String, u64>>>,
+    next_id: AtomicU64,
+    instance: u64,
+    /// Counters.
+    pub stats: LimiterStats,
+}
+
+/// A held concurrency slot; dropping it releases the slot (in Redis: a fire-and-forget ZREM).
+pub struct Slot {
+    release: Option<Release>,
+}
+
+enum Release {
+    Redis { client: Client, key: String, member: String },
+    Local { local: Arc<Mutex<HashMap<String, u64>>>, env_id: String },
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        match self.release.take() {
+            Some(Release::Redis { client, key, member }) => {
+                if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                    handle.spawn(async move {
+                        let _: Result<i64, _> = client.zrem(key, member).await;
+                    });
+                }
+            }
+            Some(Release::Local { local, env_id }) => {
+                let mut counts = local.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(n) = counts.get_mut(&env_id) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        counts.remove(&env_id);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+}
+
+impl Limiter {
+    /// A limiter with `default_limit` live polls per environment and per-organization
+    /// `overrides` (org id → limit; 0 is a real limit that refuses every live poll).
+    pub fn new(client: Option<Client>, default_limit: u64, overrides: HashMap<String, u64>) -> Limiter {
+        Limiter {
+            client,
+            default_limit,
+            overrides,
+            local: Arc::default(),
+            next_id: AtomicU64::new(0),
+            instance: rand::random(),
+            stats: LimiterStats::default(),
+        }
+    }
+
+    /// The limit that applies to an organization.
+    pub fn limit_for(&self, organization_id: &str) -> u64 {
+        self.overrides.get(organization_id).copied().unwrap_or(self.default_limit)
+    }
+
+    /// Takes a slot for a live poll of `env_id`, or `None` when the environment is at its limit
+    /// (answer 429 `{"error":"Too many concurrent requests"}`).
+    pub async fn acquire(&self, env_id: &str, organization_id: &str) -> Option<Slot> {
+        let limit = self.limit_for(organization_id);
+        if let Some(client) = &self.client {
+            let key = format!("{KEY_PREFIX}{env_id}");
+            let member = format!("{:x}-{}", self.instance, self.next_id.fetch_add(1, Ordering::Relaxed));
+            let now = crate::feeds::now_ms();
+            let args = vec![now.to_string(), member.clone(), limit.to_string(), ENTRY_TTL_S.to_string()];
+            let admit = client.eval::<i64, _, _, _>(ADMIT, vec![key.clone()], args);
+            match tokio::time::timeout(REDIS_DEADLINE, admit).await {
+                Ok(Ok(1)) => {
+                    return Some(Slot { release: Some(Release::Redis { client: client.clone(), key, member }) });
+                }
+                Ok(Ok(_)) => {
+                    self.stats.rejections.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                Ok(Err(err)) => tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally"),
+                Err(_) => tracing::warn!(env_id, "concurrency limiter timed out; counting locally"),
+            }
+            self.stats.degraded.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut counts = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let held = counts.entry(env_id.to_string()).or_insert(0);
+        if *held >= limit {
+            if *held == 0 {
+                counts.remove(env_id);
+            }
+            self.stats.rejections.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *held += 1;
+        Some(Slot { release: Some(Release::Local { local: self.local.clone(), env_id: env_id.to_string() }) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn req_04_local_limit_rejects_over_the_limit_and_release_frees_at_once() {
+        let limiter = Limiter::new(None, 2, HashMap::from([("small".to_string(), 0)]));
+        let a = limiter.acquire("e", "org").await;
+        let b = limiter.acquire("e", "org").await;
+        assert!(a.is_some() && b.is_some());
+        assert!(limiter.acquire("e", "org").await.is_none(), "third live poll over a limit of 2");
+        assert!(limiter.acquire("other", "org").await.is_some(), "counted per environment");
+        drop(a);
+        assert!(limiter.acquire("e", "org").await.is_some(), "a released slot is free at once");
+        assert!(limiter.acquire("e2", "small").await.is_none(), "REQ-03: a limit of 0 is a real limit");
+        assert_eq!(limiter.stats.rejections.load(Ordering::Relaxed), 2);
+    }
+}

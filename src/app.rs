@@ -13,6 +13,7 @@ use crate::changes::source::RedisChangeSource;
 use crate::changes::ChangeSource;
 use crate::cli::ServeArgs;
 use crate::config::Config;
+use crate::feeds::cursors::CursorStore;
 use crate::feeds::limit::Limiter;
 use crate::feeds::Feeds;
 use crate::http::{app, AppState};
@@ -87,20 +88,19 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             HandleKey::random()
         }
     };
-    let feeds = Arc::new(Feeds::new(
-        config.feeds.clone(),
-        &config.caches,
-        store.clone() as Arc<dyn RunStore>,
-        router.clone(),
-        handles,
-    )
-    .with_metrics(telemetry.metrics().clone()));
+    let kv = kv_client(&(&config.redis).into()).context("building the key/value Redis client")?;
+    let mut feeds = Feeds::new(config.feeds.clone(), &config.caches, store.clone() as Arc<dyn RunStore>, router.clone(), handles)
+        .with_metrics(telemetry.metrics().clone());
+    if config.router.shared_replay_cursors {
+        feeds = feeds.with_cursor_store(CursorStore::new(kv.clone(), config.caches.working_set_ttl_ms));
+    }
+    let feeds = Arc::new(feeds);
     let auth = Arc::new(Authenticator::new(
         store.clone() as Arc<dyn EnvStore>,
         Duration::from_millis(config.caches.lookup_cache_ttl_ms),
     ));
     let limiter = Arc::new(Limiter::new(
-        Some(kv_client(&(&config.redis).into()).context("building the limiter's Redis client")?),
+        Some(kv),
         config.feeds.default_concurrency_limit,
         config.feeds.concurrency_limit_overrides.clone().into_iter().collect(),
     ));

@@ -146,6 +146,12 @@ pub struct RouterConfig {
     pub replay_max_runs: usize,
     /// Keep an environment subscribed this long after its last feed leaves, ms (5 000).
     pub unsubscribe_linger_ms: u64,
+    /// Store each response's replay cursor in Redis so a poll landing on another instance
+    /// replays its gap instead of re-reading the feed (`SHARED_REPLAY_CURSORS`, true).
+    pub shared_replay_cursors: bool,
+    /// Slack for cursors handed out by another instance (clock skew, stream skew), ms: the
+    /// replay starts this much before the cursor's wall time (1 000).
+    pub hop_margin_ms: u64,
 }
 
 impl Default for RouterConfig {
@@ -155,6 +161,8 @@ impl Default for RouterConfig {
             replay_window_ms: 2_000,
             replay_max_runs: 512,
             unsubscribe_linger_ms: 5_000,
+            shared_replay_cursors: true,
+            hop_margin_ms: 1_000,
         }
     }
 }

@@ -2709,3 +2709,46 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
     b.abort();
     c.abort();
 }
+
+/// Issue 4 (fleet): with shared replay cursors, a live poll that hops to another instance whose
+/// change stream already covers the client's gap costs no store read (no cold resolve), and a
+/// change made between the two polls is still delivered (replayed from the other instance's
+/// buffer by wall time).
+#[tokio::test]
+async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
+    let srv = TestServer::start_with(20_000, |c| c.router.hop_margin_ms = 200).await;
+    let env = srv.env().await;
+    let r1 = srv.tagged_run(&env, &["hop"]).await;
+    let r2 = srv.tagged_run(&env, &["hop"]).await;
+    let h = modern(&env.api_key);
+    let peer = srv.peer(|c| c.router.hop_margin_ms = 200).await;
+    let url = tag_url("hop");
+    // Both instances already serve this environment (other clients), so their streams are warm.
+    let warm = srv.fetch_at(&peer.base, &run_url(&r2.friendly_id).snapshot(), &h).await;
+    assert_eq!(warm.status, 200);
+    assert_eq!(srv.fetch(&run_url(&r2.friendly_id).snapshot(), &h).await.status, 200);
+    let router = srv.running().router.clone();
+    wait_until(WAIT, "subscription confirmed", || router.touch(&env.env_id).epoch != 0).await;
+    srv.wait_subscribed(&env.env_id).await;
+    let peer_router = peer.running.router.clone();
+    wait_until(WAIT, "peer subscription confirmed", || {
+        // A touch returns a usable cursor once the subscription is confirmed.
+        peer_router.touch(&env.env_id).epoch != 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(250)).await; // let the peer's stream age past the hop margin
+
+    // The client's previous response comes from instance A …
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    // … a change lands between its polls …
+    srv.change(&env, &r1.id, &["hop"], None, "EXECUTING").await;
+    wait_until(WAIT, "peer routed the change", || peer_router.stats().batches.load(std::sync::atomic::Ordering::SeqCst) >= 1).await;
+    // … and its next live poll lands on the peer.
+    let queries_before = peer.running.store.query_count();
+    let hop = srv.fetch_at(&peer.base, &url.live(&snap.handle(), &snap.offset(), None), &h).await;
+    assert_eq!(hop.status, 200);
+    assert_eq!(hop.ops(), vec![op("update", &r1.id)], "exactly the gap: {}", hop.text);
+    assert!(hop.elapsed < Duration::from_millis(1_000), "not via the backstop: {:?}", hop.elapsed);
+    let hop_queries = peer.running.store.query_count() - queries_before;
+    assert!(hop_queries <= 1, "the replay hydrate at most, no full resolve: {hop_queries} queries");
+}

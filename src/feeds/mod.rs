@@ -6,6 +6,7 @@
 //! ([`ConnState`]). The next poll looks up the offset the client ECHOES, so a lost response is
 //! simply answered again. States expire (working-set TTL) and are bounded in number.
 
+pub mod cursors;
 pub mod diff;
 pub mod limit;
 pub mod sets;
@@ -101,6 +102,16 @@ pub struct Feeds {
     drained: tokio::sync::Notify,
     /// Instruments (no-op unless [`Feeds::with_metrics`]).
     metrics: Arc<Metrics>,
+    /// Fleet-shared replay cursors (None: per-instance only).
+    cursors: Option<cursors::CursorStore>,
+}
+
+/// What a poll knows about the offset its client echoed.
+struct Resume {
+    /// This instance's state for it (working set + cursor).
+    state: Option<Arc<ConnState>>,
+    /// The replay cursor: from the local state, else from the fleet-shared store.
+    cursor: Option<ReplayCursor>,
 }
 
 impl Feeds {
@@ -119,7 +130,15 @@ impl Feeds {
             draining: std::sync::atomic::AtomicBool::new(false),
             drained: tokio::sync::Notify::new(),
             metrics: Metrics::noop(),
+            cursors: None,
         }
+    }
+
+    /// Shares replay cursors through `store`, so a poll landing on another instance replays its
+    /// gap instead of re-reading the whole feed.
+    pub fn with_cursor_store(mut self, store: cursors::CursorStore) -> Feeds {
+        self.cursors = Some(store);
+        self
     }
 
     /// Records into `metrics` (feeds and run-set instruments) instead of the no-op default.
@@ -273,18 +292,28 @@ impl Feeds {
 
     fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
         self.metrics.cursor_set();
+        if let Some(store) = &self.cursors {
+            store.set(&req.env_id, handle, offset, &state.cursor);
+        }
         self.conns.insert((req.env_id.clone(), handle.to_string(), offset), Arc::new(state));
     }
 
-    fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Option<Arc<ConnState>> {
+    async fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Resume {
         let state = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset));
-        self.metrics.cursor_get(state.is_some());
-        let state = state?;
-        if let Some(prev) = state.prev {
-            // The client has moved past `prev`: its state can go.
-            self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
+        if let Some(state) = &state {
+            if let Some(prev) = state.prev {
+                // The client has moved past `prev`: its state can go.
+                self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
+            }
         }
-        Some(state)
+        let cursor = match (&state, &self.cursors) {
+            (Some(state), _) => Some(state.cursor),
+            // Another instance answered the previous poll (or this one forgot it).
+            (None, Some(store)) => store.get(&req.env_id, handle, offset).await,
+            (None, None) => None,
+        };
+        self.metrics.cursor_get(cursor.is_some());
+        Resume { state, cursor }
     }
 
     fn known(&self, req: &FeedRequest, state: Option<&ConnState>, offset: Offset) -> Known {
@@ -320,8 +349,8 @@ impl Feeds {
     /// Non-live request with a handle (catch-up, prefetch, resume after pause): answered at
     /// once with what the client is missing, never held (protocol §4.5–4.6).
     async fn catch_up(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
-        let state = self.lookup(req, handle, offset);
-        let known = self.known(req, state.as_deref(), offset);
+        let resume = self.lookup(req, handle, offset).await;
+        let known = self.known(req, resume.state.as_deref(), offset);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
         let set = self.sets.read_shared(&req.env_id, target, req.cols, deadline).await?;
         // The cached read may predate records the client has not seen: replay them too.
@@ -373,15 +402,17 @@ impl Feeds {
         } else {
             Instant::now() + self.hold()
         };
-        let state = self.lookup(req, handle, offset);
-        let known = self.known(req, state.as_deref(), offset);
-        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, state.as_ref().map(|s| s.cursor)).await;
+        let resume = self.lookup(req, handle, offset).await;
+        let known = self.known(req, resume.state.as_deref(), offset);
+        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, resume.cursor).await;
         let mut pending = Pending::default();
         let first = reg.take();
         pending.extend(first.rows);
         let mut trusted = true;
         let mut path = DeliveryPath::Replay;
-        if !reg.covered() || first.recheck || matches!(known, Known::Nothing) {
+        // Without this instance's working set but with a covered cursor (a hop), the replay is
+        // exactly what changed since the client's last response: no store read needed.
+        if !reg.covered() || first.recheck {
             // Cold path: the change stream cannot vouch for the gap; read the store now that
             // the feed is registered (anything after this read reaches the inbox).
             self.metrics.live_poll(LivePath::ColdResolve);

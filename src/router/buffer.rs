@@ -16,6 +16,8 @@ use crate::changes::ChangeRecord;
 pub struct Buffered {
     pub seq: u64,
     pub received_at: Instant,
+    /// Arrival wall-clock time, epoch ms (for cursors handed out by other instances).
+    pub received_wall_ms: i64,
     pub record: ChangeRecord,
 }
 
@@ -36,6 +38,8 @@ pub struct ReplayBuffer {
     /// Every sequence ≤ this has left the buffer (or been superseded by a later record of the
     /// same run, which is still buffered). A cursor ≥ this is fully covered.
     evicted_through: u64,
+    /// Newest arrival wall time (epoch ms) that left the buffer.
+    evicted_wall_ms: i64,
 }
 
 impl ReplayBuffer {
@@ -49,6 +53,7 @@ impl ReplayBuffer {
         window: Duration,
         cap: usize,
     ) -> Vec<Eviction> {
+        let wall_ms = crate::feeds::now_ms() - i64::try_from(now.elapsed().as_millis()).unwrap_or(0);
         let merged = match self.by_run.remove(&record.run_id) {
             Some(mut earlier) => {
                 self.by_seq.remove(&earlier.seq);
@@ -60,7 +65,7 @@ impl ReplayBuffer {
         self.by_seq.insert(seq, merged.run_id.clone());
         self.by_run.insert(
             merged.run_id.clone(),
-            Buffered { seq, received_at: now, record: merged },
+            Buffered { seq, received_at: now, received_wall_ms: wall_ms, record: merged },
         );
         self.evict(now, window, cap)
     }
@@ -77,10 +82,12 @@ impl ReplayBuffer {
                 break;
             }
             evictions.push(if expired { Eviction::Window } else { Eviction::Cap });
+            let entry_wall = entry.received_wall_ms;
             let run_id = run_id.clone();
             self.by_seq.remove(&seq);
             self.by_run.remove(&run_id);
             self.evicted_through = self.evicted_through.max(seq);
+            self.evicted_wall_ms = self.evicted_wall_ms.max(entry_wall);
         }
         evictions
     }
@@ -88,6 +95,16 @@ impl ReplayBuffer {
     /// Whether every record with a sequence greater than `cursor` is still buffered.
     pub fn covers(&self, cursor: u64) -> bool {
         cursor >= self.evicted_through
+    }
+
+    /// Whether every record that arrived at or after `from_ms` (wall clock) is still buffered.
+    pub fn covers_wall(&self, from_ms: i64) -> bool {
+        self.evicted_wall_ms < from_ms
+    }
+
+    /// Buffered records that arrived at or after `from_ms` (wall clock), oldest first.
+    pub fn since_wall(&self, from_ms: i64) -> impl Iterator<Item = &Buffered> {
+        self.by_seq.values().filter_map(|run_id| self.by_run.get(run_id)).filter(move |b| b.received_wall_ms >= from_ms)
     }
 
     /// Buffered records with a sequence greater than `cursor`, oldest first.

@@ -45,6 +45,22 @@ use crate::store::RunStore;
 pub struct ReplayCursor {
     pub epoch: u64,
     pub seq: u64,
+    /// The router instance that handed it out (random per process).
+    pub instance: u64,
+    /// Wall-clock time it was handed out, epoch ms. Another instance (a hop behind a
+    /// non-sticky load balancer) replays what arrived since `wall_ms − router.hop_margin_ms`:
+    /// clocks and each instance's copy of the change stream may differ by that much.
+    /// Replaying a little more is harmless (the feed's diff drops what the client has).
+    pub wall_ms: i64,
+}
+
+
+/// Where a replay starts.
+enum ReplayFrom {
+    /// After this arrival sequence (a cursor of this instance and subscription).
+    Seq(u64),
+    /// From this arrival wall time (a cursor of another instance).
+    Wall(i64),
 }
 
 /// Counters the router keeps (tests, benchmarks and, later, metrics read them).
@@ -118,6 +134,9 @@ struct EnvState {
     generation: u64,
     /// The source confirmed that subscription (replay coverage starts here).
     active: bool,
+    /// Wall time (epoch ms) since which the stream has been complete: confirmation or the last
+    /// gap (reconnect).
+    active_since_wall_ms: i64,
     /// Callers between `ensure_env` and inserting their feed (or finishing a touch): the env
     /// must not be torn down under them.
     pending: usize,
@@ -143,8 +162,34 @@ impl EnvState {
         }
     }
 
-    fn cursor(&self) -> ReplayCursor {
-        ReplayCursor { epoch: if self.active { self.epoch } else { 0 }, seq: self.routed_through() }
+    fn cursor(&self, instance: u64) -> ReplayCursor {
+        ReplayCursor {
+            epoch: if self.active { self.epoch } else { 0 },
+            seq: self.routed_through(),
+            instance,
+            wall_ms: crate::feeds::now_ms(),
+        }
+    }
+
+    /// Where the buffer can replay `cursor`'s gap from, if it covers it.
+    fn replay_from(&self, cursor: &ReplayCursor, instance: u64, hop_margin_ms: i64) -> Option<ReplayFrom> {
+        if !self.active || cursor.epoch == 0 {
+            return None;
+        }
+        if cursor.instance == instance {
+            return (cursor.epoch == self.epoch && self.buffer.covers(cursor.seq)).then_some(ReplayFrom::Seq(cursor.seq));
+        }
+        let from = cursor.wall_ms - hop_margin_ms;
+        (self.active_since_wall_ms <= from && self.buffer.covers_wall(from)).then_some(ReplayFrom::Wall(from))
+    }
+
+    fn replay_candidates(&self, from: Option<&ReplayFrom>, filter: &FeedFilter) -> Vec<Buffered> {
+        let pick = |b: &&Buffered| filter.is_candidate(&b.record);
+        match from {
+            Some(ReplayFrom::Seq(seq)) => self.buffer.since(*seq).filter(pick).cloned().collect(),
+            Some(ReplayFrom::Wall(ms)) => self.buffer.since_wall(*ms).filter(pick).cloned().collect(),
+            None => self.buffer.since(0).filter(pick).cloned().collect(),
+        }
     }
 
     fn index(&mut self, id: u64, filter: &FeedFilter) {
@@ -236,6 +281,8 @@ struct Inner {
     envs: Mutex<HashMap<String, Arc<Env>>>,
     next_epoch: AtomicU64,
     next_feed_id: AtomicU64,
+    /// This router's identity in cursors (random, non-zero).
+    instance: u64,
     stats: RouterStats,
 }
 
@@ -281,6 +328,7 @@ impl Router {
             envs: Mutex::new(HashMap::new()),
             next_epoch: AtomicU64::new(1),
             next_feed_id: AtomicU64::new(1),
+            instance: rand::random::<u64>() | 1,
             stats: RouterStats::default(),
         });
         let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<(String, Vec<ChangeRecord>)>();
@@ -300,8 +348,9 @@ impl Router {
                             let mut state = lock(&env.state);
                             // A late confirmation of an earlier incarnation's subscription
                             // must not vouch for this one.
-                            if state.generation == generation {
+                            if state.generation == generation && !state.active {
                                 state.active = true;
+                                state.active_since_wall_ms = crate::feeds::now_ms();
                             }
                         }
                     }
@@ -343,15 +392,9 @@ impl Router {
             state.feeds.insert(id, slot.clone());
             state.index(id, &filter);
             state.pending -= 1;
-            let same_epoch = cursor.is_some_and(|c| state.active && c.epoch == state.epoch);
-            let from = match cursor {
-                Some(c) if same_epoch => c.seq,
-                _ => 0,
-            };
-            let covered = !replay_enabled || (same_epoch && state.buffer.covers(from));
-            let replay: Vec<Buffered> =
-                state.buffer.since(from).filter(|b| filter.is_candidate(&b.record)).cloned().collect();
-            (covered, replay)
+            let from = cursor.as_ref().and_then(|c| state.replay_from(c, self.inner.instance, self.inner.hop_margin_ms()));
+            let covered = !replay_enabled || from.is_some();
+            (covered, state.replay_candidates(from.as_ref(), &filter))
         };
         let mut registration = Registration { inner: self.inner.clone(), env, id, slot, covered: false };
         if replay_enabled && !replay_ids.is_empty() {
@@ -375,7 +418,7 @@ impl Router {
         let cursor = {
             let mut state = lock(&env.state);
             state.pending -= 1;
-            state.cursor()
+            state.cursor(self.inner.instance)
         };
         self.inner.schedule_teardown_if_idle(&env);
         cursor
@@ -415,6 +458,10 @@ impl Router {
 }
 
 impl Inner {
+    fn hop_margin_ms(&self) -> i64 {
+        i64::try_from(self.cfg.hop_margin_ms).unwrap_or(i64::MAX / 4)
+    }
+
     fn env(&self, env_id: &str) -> Option<Arc<Env>> {
         lock(&self.envs).get(env_id).cloned()
     }
@@ -451,6 +498,7 @@ impl Inner {
             let slots: Vec<Arc<Slot>> = {
                 let mut state = lock(&env.state);
                 state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+                state.active_since_wall_ms = crate::feeds::now_ms();
                 state.feeds.values().cloned().collect()
             };
             for slot in slots {
@@ -760,11 +808,10 @@ impl Registration {
         }
         let replay: Vec<Buffered> = {
             let state = lock(&self.env.state);
-            let covered = state.active && cursor.epoch == state.epoch && state.buffer.covers(cursor.seq);
-            if !covered {
+            let Some(from) = state.replay_from(&cursor, self.inner.instance, self.inner.hop_margin_ms()) else {
                 return false;
-            }
-            state.buffer.since(cursor.seq).filter(|b| self.slot.filter.is_candidate(&b.record)).cloned().collect()
+            };
+            state.replay_candidates(Some(&from), &self.slot.filter)
         };
         if replay.is_empty() {
             return true;
@@ -786,7 +833,7 @@ impl Registration {
     /// The cursor a response built NOW may hand out. Call it BEFORE the final [`Self::take`]
     /// so rows delivered in between are either in the response or after the cursor.
     pub fn cursor(&self) -> ReplayCursor {
-        lock(&self.env.state).cursor()
+        lock(&self.env.state).cursor(self.inner.instance)
     }
 }
 

@@ -275,6 +275,7 @@ fn cfg() -> RouterConfig {
         replay_window_ms: 2_000,
         replay_max_runs: 512,
         unsubscribe_linger_ms: 5_000,
+        ..RouterConfig::default()
     }
 }
 

@@ -1,0 +1,106 @@
+//! Fleet-shared replay cursors (reference `SHARED_REPLAY_CURSORS`, behaviours CUR-02..06).
+//!
+//! Behind a non-sticky load balancer a connection's next poll may land on another instance,
+//! which has no local state for the offset the client echoes. Each response therefore also
+//! stores its [`ReplayCursor`] in Redis — one small value per (environment, handle, offset),
+//! expiring with the working-set TTL — so the next instance can replay exactly the gap instead
+//! of re-reading the whole feed from Postgres (a cold resolve).
+//!
+//! Writes are fire-and-forget; reads have a hard deadline ([`READ_DEADLINE`]); any Redis
+//! trouble reads as "unknown", which degrades that poll to the cold re-check, never to an error.
+
+use std::time::Duration;
+
+use fred::clients::Client;
+use fred::interfaces::KeysInterface;
+use fred::types::Expiration;
+
+use crate::protocol::offset::Offset;
+use crate::router::ReplayCursor;
+
+/// Key prefix (runfeed's own: the value format differs from the reference's timestamp).
+pub const KEY_PREFIX: &str = "runfeed:replay-cursor:";
+/// How long a poll waits for its cursor before treating it as unknown.
+pub const READ_DEADLINE: Duration = Duration::from_millis(250);
+
+/// The Redis-backed cursor store.
+#[derive(Clone)]
+pub struct CursorStore {
+    client: Client,
+    ttl_ms: i64,
+}
+
+fn key(env_id: &str, handle: &str, offset: Offset) -> String {
+    format!("{KEY_PREFIX}{env_id}:{handle}:{offset}")
+}
+
+/// `instance:epoch:seq:wall_ms` (instance in hex).
+fn encode(cursor: &ReplayCursor) -> String {
+    format!("{:x}:{}:{}:{}", cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms)
+}
+
+fn decode(value: &str) -> Option<ReplayCursor> {
+    let mut parts = value.split(':');
+    let instance = u64::from_str_radix(parts.next()?, 16).ok()?;
+    let epoch = parts.next()?.parse().ok()?;
+    let seq = parts.next()?.parse().ok()?;
+    let wall_ms = parts.next()?.parse().ok()?;
+    if parts.next().is_some() || wall_ms <= 0 {
+        return None;
+    }
+    Some(ReplayCursor { epoch, seq, instance, wall_ms })
+}
+
+impl CursorStore {
+    /// A store on `client`; entries live `ttl_ms` (the working-set TTL).
+    pub fn new(client: Client, ttl_ms: u64) -> CursorStore {
+        CursorStore { client, ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX) }
+    }
+
+    /// Stores the cursor a response handed out (in the background; failures are logged).
+    pub fn set(&self, env_id: &str, handle: &str, offset: Offset, cursor: &ReplayCursor) {
+        let (client, key, value, ttl) = (self.client.clone(), key(env_id, handle, offset), encode(cursor), self.ttl_ms);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let write = client.set::<(), _, _>(key, value, Some(Expiration::PX(ttl)), None, false);
+                match tokio::time::timeout(READ_DEADLINE * 4, write).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => tracing::debug!(error = %err, "replay cursor write failed"),
+                    Err(_) => tracing::debug!("replay cursor write timed out"),
+                }
+            });
+        }
+    }
+
+    /// The cursor stored for this offset, or `None` (unknown, expired, malformed, Redis slow or
+    /// down).
+    pub async fn get(&self, env_id: &str, handle: &str, offset: Offset) -> Option<ReplayCursor> {
+        let read = self.client.get::<Option<String>, _>(key(env_id, handle, offset));
+        match tokio::time::timeout(READ_DEADLINE, read).await {
+            Ok(Ok(Some(value))) => decode(&value),
+            Ok(Ok(None)) => None,
+            Ok(Err(err)) => {
+                tracing::debug!(error = %err, "replay cursor read failed; cold re-check");
+                None
+            }
+            Err(_) => {
+                tracing::debug!("replay cursor read timed out; cold re-check");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cur_05_cursor_round_trips_and_garbage_is_unknown() {
+        let c = ReplayCursor { epoch: 3, seq: 42, instance: 0xdead_beef, wall_ms: 1_700_000_000_000 };
+        assert_eq!(decode(&encode(&c)), Some(c));
+        for bad in ["", "x", "1:2:3", "zz:1:2:3", "1:2:3:0", "1:2:3:4:5", "1:-2:3:4"] {
+            assert_eq!(decode(bad), None, "{bad:?}");
+        }
+    }
+}

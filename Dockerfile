@@ -26,7 +26,11 @@ RUN apt-get update \
 COPY --from=builder /usr/local/bin/runfeed /usr/local/bin/runfeed
 COPY config/default.toml /etc/runfeed/default.toml
 USER runfeed:runfeed
-EXPOSE 3030
+# In containers: JSON logs, and the admin listener (/metrics, /healthz, /readyz) reachable by a
+# scraper on the container network (keep port 9464 off the public network).
+ENV RUNFEED_TELEMETRY__LOG_FORMAT=json \
+    RUNFEED_TELEMETRY__ADMIN_LISTEN=0.0.0.0:9464
+EXPOSE 3030 9464
 # No curl in the image: probe /healthz with bash's /dev/tcp.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/3030 && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]

@@ -95,12 +95,35 @@ start_replica() {
   trap 'bash scripts/replica.sh stop --port "$REPLICA_PORT" >/dev/null 2>&1 || true' EXIT
 }
 
+# A local 3-master Redis Cluster for tests/changes_cluster.rs (sharded pub/sub); without
+# RUNFEED_TEST_REDIS_CLUSTER_URL those tests skip. Stopped after the Rust tests and on exit.
+REDIS_CLUSTER_BASE_PORT="${REDIS_CLUSTER_BASE_PORT:-7100}"
+stop_redis_cluster() {
+  bash scripts/redis-cluster.sh stop --base-port "$REDIS_CLUSTER_BASE_PORT" >/dev/null 2>&1 || true
+}
+start_redis_cluster() {
+  local out prev=""
+  # Chain onto an EXIT trap set earlier (the replica's) instead of replacing it.
+  eval "set -- $(trap -p EXIT)"
+  [ $# -ge 3 ] && prev=$3
+  # shellcheck disable=SC2064  # expand the earlier trap now, on purpose
+  trap "${prev:+$prev; }stop_redis_cluster" EXIT
+  out=$(bash scripts/redis-cluster.sh start --base-port "$REDIS_CLUSTER_BASE_PORT") || return 1
+  RUNFEED_TEST_REDIS_CLUSTER_URL=$(printf '%s\n' "$out" | sed -n 's/^REDIS_CLUSTER_URL=//p')
+  [ -n "$RUNFEED_TEST_REDIS_CLUSTER_URL" ] || return 1
+  export RUNFEED_TEST_REDIS_CLUSTER_URL
+}
+
 if ! run_step "services (postgres, redis)" bash scripts/services.sh; then summary; exit 1; fi
 if ! run_step "npm ci (tests/e2e)" npm ci --prefix tests/e2e --no-audit --no-fund --loglevel=error; then summary; exit 1; fi
 if ! run_step "cargo build --locked --all-targets" cargo build --locked --all-targets; then summary; exit 1; fi
 if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then
   run_step "replica (streaming, 300 ms apply delay, port ${REPLICA_PORT})" start_replica
+  # Debian's prometheus for tests/telemetry.rs (dashboard queries against a real Prometheus).
+  run_step "prometheus (Debian package, for tests/telemetry.rs)" bash scripts/prometheus-check.sh install
+  run_step "redis cluster (3 masters, ports ${REDIS_CLUSTER_BASE_PORT}..$((REDIS_CLUSTER_BASE_PORT + 2)))" start_redis_cluster
   run_step "cargo test --locked" cargo_tests
+  stop_redis_cluster
 fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
 

@@ -115,6 +115,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         feeds: Arc::downgrade(&feeds),
         store: Arc::downgrade(&store),
         source: Arc::downgrade(&redis_source),
+        limiter: Arc::downgrade(&state.limiter),
     });
     let admin = match config.telemetry.admin_listen.as_str() {
         "" => None,

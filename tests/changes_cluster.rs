@@ -1,7 +1,9 @@
 //! Change records over a real local Redis Cluster (3 masters, `scripts/redis-cluster.sh start`):
 //! sharded pub/sub (SSUBSCRIBE/SPUBLISH, NTF-04) across all three shards, isolation between
-//! environments, a master killed and restarted, a slot migrated away, and classic pub/sub through
-//! the cluster.
+//! environments, a master killed and restarted, a slot migrated away, classic pub/sub through
+//! the cluster, and a whole runfeed server in cluster mode whose held live poll is woken through
+//! sharded pub/sub across a restart of the env's shard (needs the local Postgres, like
+//! tests/feeds_http.rs).
 //!
 //! Skipped (passing, with a note on stderr) unless `RUNFEED_TEST_REDIS_CLUSTER_URL` is set, e.g.
 //! `redis-cluster://127.0.0.1:7100?node=127.0.0.1:7101&node=127.0.0.1:7102` as the script prints
@@ -11,9 +13,12 @@
 //! The tests run one at a time (they restart nodes and move slots) and use fresh random env ids,
 //! picked so that they hash to the shard a test wants. Every wait is bounded.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use common::{modern, within, TestServer, Url};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use fred::util::redis_keyslot;
@@ -21,6 +26,7 @@ use runfeed::changes::{
     channel_name, publish_once_with, ChangeRecord, ChangeSource, Publisher, RedisChangeSource,
     RedisOptions, SourceEvent,
 };
+use runfeed::cli::fixtures::RunSpec;
 use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
@@ -66,6 +72,7 @@ fn record(env_id: &str, run_id: &str) -> ChangeRecord {
 async fn admin(url: &str) -> Client {
     let config = Config::from_url(url).expect("cluster url");
     let client = Builder::from_config(config)
+        .set_policy(ReconnectPolicy::new_constant(0, 100))
         .with_performance_config(|perf| perf.default_command_timeout = Duration::from_secs(5))
         .build()
         .expect("admin client");
@@ -79,7 +86,10 @@ async fn admin(url: &str) -> Client {
 /// The slot ranges and their primaries' ports, from `CLUSTER SLOTS`.
 async fn slot_owners(admin: &Client) -> Vec<(u16, u16, u16)> {
     let reply: Value = admin
-        .custom(CustomCommand::new_static("CLUSTER", ClusterHash::Random, false), vec!["SLOTS"])
+        .custom(
+            CustomCommand::new_static("CLUSTER", ClusterHash::Random, false),
+            vec!["SLOTS"],
+        )
         .await
         .expect("CLUSTER SLOTS");
     let mut out = Vec::new();
@@ -106,7 +116,12 @@ fn owner_port(owners: &[(u16, u16, u16)], env_id: &str) -> u16 {
 
 /// The primaries' ports, sorted.
 fn ports(owners: &[(u16, u16, u16)]) -> Vec<u16> {
-    owners.iter().map(|(_, _, port)| *port).collect::<BTreeSet<_>>().into_iter().collect()
+    owners
+        .iter()
+        .map(|(_, _, port)| *port)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 /// A fresh env id whose channel lives on the primary at `port`.
@@ -119,15 +134,35 @@ fn env_on(owners: &[(u16, u16, u16)], port: u16) -> String {
     }
 }
 
-async fn source(options: &RedisOptions) -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
+/// Logs to the test output when `RUST_LOG` is set (e.g. `RUST_LOG=runfeed=debug`).
+fn init_logs() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+async fn source(
+    options: &RedisOptions,
+) -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
+    init_logs();
     let (tx, rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect_with(options, tx).await.expect("connect subscriber");
-    assert!(source.is_connected(), "subscriber connected to every primary");
+    let source = RedisChangeSource::connect_with(options, tx)
+        .await
+        .expect("connect subscriber");
+    assert!(
+        source.is_connected(),
+        "subscriber connected to every primary"
+    );
     (source, rx)
 }
 
 async fn publisher(options: &RedisOptions) -> Publisher {
-    Publisher::connect_with(options).await.expect("connect publisher")
+    Publisher::connect_with(options)
+        .await
+        .expect("connect publisher")
 }
 
 /// Waits until Redis confirmed the subscription of every env in `envs`.
@@ -138,7 +173,10 @@ async fn wait_confirmed(source: &RedisChangeSource, envs: &[&str]) {
         if envs.iter().all(|env| confirmed.iter().any(|c| c == env)) {
             return;
         }
-        assert!(Instant::now() < deadline, "subscriptions of {envs:?} never confirmed");
+        assert!(
+            Instant::now() < deadline,
+            "subscriptions of {envs:?} never confirmed"
+        );
         sleep(Duration::from_millis(5)).await;
     }
 }
@@ -163,7 +201,10 @@ async fn next_record(
 }
 
 /// Waits for `Reconnected`, skipping confirmations (and records, which are returned).
-async fn wait_reconnected(rx: &mut mpsc::UnboundedReceiver<SourceEvent>, within: Duration) -> Vec<ChangeRecord> {
+async fn wait_reconnected(
+    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    within: Duration,
+) -> Vec<ChangeRecord> {
     let deadline = Instant::now() + within;
     let mut records = Vec::new();
     loop {
@@ -205,9 +246,18 @@ async fn shard_subscribers(admin: &Client, port: u16, env_id: &str) -> i64 {
             )
             .await;
         match reply {
-            Ok(reply) => return reply.into_array().get(1).and_then(Value::as_i64).expect("count"),
+            Ok(reply) => {
+                return reply
+                    .into_array()
+                    .get(1)
+                    .and_then(Value::as_i64)
+                    .expect("count")
+            }
             Err(e) => {
-                assert!(Instant::now() < deadline, "PUBSUB SHARDNUMSUB on {port}: {e}");
+                assert!(
+                    Instant::now() < deadline,
+                    "PUBSUB SHARDNUMSUB on {port}: {e}"
+                );
                 sleep(Duration::from_millis(100)).await;
             }
         }
@@ -224,14 +274,17 @@ async fn has_subscriber_connection(admin: &Client, port: u16, name: &str) -> boo
         )
         .await
         .expect("CLIENT LIST");
-    list.lines().any(|line| line.split(' ').any(|f| f == format!("name={name}")))
+    list.lines()
+        .any(|line| line.split(' ').any(|f| f == format!("name={name}")))
 }
 
 /// NTF-04: envs on each of the three shards are SSUBSCRIBEd on their own shard (one subscriber
 /// connection per node) and receive their SPUBLISHed records through the same message stream.
 #[tokio::test]
 async fn sharded_records_reach_subscribers_on_every_shard() {
-    let Some(url) = cluster_url("sharded_records_reach_subscribers_on_every_shard") else { return };
+    let Some(url) = cluster_url("sharded_records_reach_subscribers_on_every_shard") else {
+        return;
+    };
     let _serial = SERIAL.lock().await;
     let admin = admin(&url).await;
     let owners = slot_owners(&admin).await;
@@ -246,9 +299,17 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
     for env in &envs {
         source.subscribe(env);
     }
-    wait_confirmed(&source, &envs.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    wait_confirmed(
+        &source,
+        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
     for (env, port) in envs.iter().zip(&ports) {
-        assert_eq!(shard_subscribers(&admin, *port, env).await, 1, "{env} subscribed on its shard {port}");
+        assert_eq!(
+            shard_subscribers(&admin, *port, env).await,
+            1,
+            "{env} subscribed on its shard {port}"
+        );
         assert!(
             has_subscriber_connection(&admin, *port, source.client_name()).await,
             "a subscriber connection on node {port}"
@@ -258,7 +319,11 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
     let mut expected = BTreeSet::new();
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("run_{i}"));
-        assert_eq!(publisher.publish(&rec).await.expect("spublish"), 1, "one receiver on {env}'s shard");
+        assert_eq!(
+            publisher.publish(&rec).await.expect("spublish"),
+            1,
+            "one receiver on {env}'s shard"
+        );
         expected.insert((env.clone(), rec.encode()));
     }
     let mut got = BTreeSet::new();
@@ -268,11 +333,22 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
         got.insert((env_id, rec.encode()));
     }
     assert_eq!(got, expected);
-    assert_eq!(source.stats().received.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert_eq!(
+        source
+            .stats()
+            .received
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
 
     // publish_once_with speaks sharded too.
     let once = record(&envs[0], "once");
-    assert_eq!(publish_once_with(&sharded(&url), &once).await.expect("publish once"), 1);
+    assert_eq!(
+        publish_once_with(&sharded(&url), &once)
+            .await
+            .expect("publish once"),
+        1
+    );
     assert_eq!(next_record(&mut rx, false).await, (envs[0].clone(), once));
 
     publisher.close().await;
@@ -284,7 +360,9 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
 /// lives on A's shard or another one (fenced by a record on A).
 #[tokio::test]
 async fn sharded_record_reaches_only_its_subscribers() {
-    let Some(url) = cluster_url("sharded_record_reaches_only_its_subscribers") else { return };
+    let Some(url) = cluster_url("sharded_record_reaches_only_its_subscribers") else {
+        return;
+    };
     let _serial = SERIAL.lock().await;
     let admin = admin(&url).await;
     let owners = slot_owners(&admin).await;
@@ -301,19 +379,37 @@ async fn sharded_record_reaches_only_its_subscribers() {
     wait_confirmed(&source_a, &[&env_a]).await;
     wait_confirmed(&source_b, &[&env_b_other_shard]).await;
 
-    assert_eq!(publisher.publish(&record(&env_b_same_shard, "b_same")).await.expect("spublish"), 0);
-    assert_eq!(publisher.publish(&record(&env_b_other_shard, "b_other")).await.expect("spublish"), 1);
+    assert_eq!(
+        publisher
+            .publish(&record(&env_b_same_shard, "b_same"))
+            .await
+            .expect("spublish"),
+        0
+    );
+    assert_eq!(
+        publisher
+            .publish(&record(&env_b_other_shard, "b_other"))
+            .await
+            .expect("spublish"),
+        1
+    );
     let fence = record(&env_a, "fence");
     assert_eq!(publisher.publish(&fence).await.expect("spublish fence"), 1);
     assert_eq!(next_record(&mut rx_a, false).await, (env_a.clone(), fence));
     assert_eq!(
         next_record(&mut rx_b, false).await,
-        (env_b_other_shard.clone(), record(&env_b_other_shard, "b_other"))
+        (
+            env_b_other_shard.clone(),
+            record(&env_b_other_shard, "b_other")
+        )
     );
     // And B's subscriber saw nothing of A: the fence for B comes next.
     let fence_b = record(&env_b_other_shard, "fence_b");
     publisher.publish(&fence_b).await.expect("spublish fence b");
-    assert_eq!(next_record(&mut rx_b, false).await, (env_b_other_shard.clone(), fence_b));
+    assert_eq!(
+        next_record(&mut rx_b, false).await,
+        (env_b_other_shard.clone(), fence_b)
+    );
 
     // Unsubscribe (SUNSUBSCRIBE) stops delivery.
     source_a.unsubscribe(&env_a);
@@ -325,10 +421,19 @@ async fn sharded_record_reaches_only_its_subscribers() {
     let owner = owner_port(&owners, &env_a);
     let deadline = Instant::now() + WAIT;
     while shard_subscribers(&admin, owner, &env_a).await != 0 {
-        assert!(Instant::now() < deadline, "SUNSUBSCRIBE never reached {owner}");
+        assert!(
+            Instant::now() < deadline,
+            "SUNSUBSCRIBE never reached {owner}"
+        );
         sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(publisher.publish(&record(&env_a, "after")).await.expect("spublish"), 0);
+    assert_eq!(
+        publisher
+            .publish(&record(&env_a, "after"))
+            .await
+            .expect("spublish"),
+        0
+    );
 
     publisher.close().await;
     source_a.shutdown().await;
@@ -336,36 +441,20 @@ async fn sharded_record_reaches_only_its_subscribers() {
     let _ = admin.quit().await;
 }
 
-/// A master killed (`SHUTDOWN NOSAVE`) and restarted with its nodes.conf: the source re-subscribes
-/// the channels of that node by itself and announces the gap with `Reconnected`; every shard
-/// delivers again.
-#[tokio::test]
-async fn sharded_subscriptions_come_back_after_node_restart() {
-    let Some(url) = cluster_url("sharded_subscriptions_come_back_after_node_restart") else { return };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let ports = ports(&owners);
-    let base_port = ports[0];
-    let envs: Vec<String> = ports.iter().map(|port| env_on(&owners, *port)).collect();
-    let (source, mut rx) = source(&sharded(&url)).await;
-    let publisher = publisher(&sharded(&url)).await;
-    for env in &envs {
-        source.subscribe(env);
-    }
-    wait_confirmed(&source, &envs.iter().map(String::as_str).collect::<Vec<_>>()).await;
-    let before = record(&envs[1], "before");
-    assert_eq!(publisher.publish(&before).await.expect("spublish"), 1);
-    assert_eq!(next_record(&mut rx, false).await, (envs[1].clone(), before));
-
-    // Restart the second master (the script waits for cluster_state:ok again).
-    let victim = ports[1];
-    let started = Instant::now();
+/// `scripts/redis-cluster.sh restart-node <port>`: `SHUTDOWN NOSAVE`, start again from its
+/// directory (same nodes.conf), wait for cluster_state:ok.
+async fn restart_node(base_port: u16, port: u16) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/redis-cluster.sh");
     let output = timeout(
         Duration::from_secs(60),
         tokio::process::Command::new("bash")
-            .args([script, "restart-node", &victim.to_string(), "--base-port", &base_port.to_string()])
+            .args([
+                script,
+                "restart-node",
+                &port.to_string(),
+                "--base-port",
+                &base_port.to_string(),
+            ])
             .kill_on_drop(true)
             .output(),
     )
@@ -377,14 +466,62 @@ async fn sharded_subscriptions_come_back_after_node_restart() {
         "restart-node failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// A master killed (`SHUTDOWN NOSAVE`) and restarted with its nodes.conf: the source re-subscribes
+/// the channels of that node by itself and announces the gap with `Reconnected`; every shard
+/// delivers again.
+#[tokio::test]
+async fn sharded_subscriptions_come_back_after_node_restart() {
+    let Some(url) = cluster_url("sharded_subscriptions_come_back_after_node_restart") else {
+        return;
+    };
+    let _serial = SERIAL.lock().await;
+    let admin = admin(&url).await;
+    let owners = slot_owners(&admin).await;
+    let ports = ports(&owners);
+    let base_port = ports[0];
+    let envs: Vec<String> = ports.iter().map(|port| env_on(&owners, *port)).collect();
+    let (source, mut rx) = source(&sharded(&url)).await;
+    let publisher = publisher(&sharded(&url)).await;
+    for env in &envs {
+        source.subscribe(env);
+    }
+    wait_confirmed(
+        &source,
+        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
+    let before = record(&envs[1], "before");
+    assert_eq!(publisher.publish(&before).await.expect("spublish"), 1);
+    assert_eq!(next_record(&mut rx, false).await, (envs[1].clone(), before));
+
+    // Restart the second master (the script waits for cluster_state:ok again).
+    let victim = ports[1];
+    let started = Instant::now();
+    restart_node(base_port, victim).await;
     let stray = wait_reconnected(&mut rx, Duration::from_secs(30)).await;
-    assert!(stray.is_empty(), "nothing was published meanwhile: {stray:?}");
-    eprintln!("node {victim} restarted; Reconnected after {:?}", started.elapsed());
-    assert_eq!(shard_subscribers(&admin, victim, &envs[1]).await, 1, "re-subscribed on the restarted node");
+    assert!(
+        stray.is_empty(),
+        "nothing was published meanwhile: {stray:?}"
+    );
+    eprintln!(
+        "node {victim} restarted; Reconnected after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        shard_subscribers(&admin, victim, &envs[1]).await,
+        1,
+        "re-subscribed on the restarted node"
+    );
 
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("after_{i}"));
-        assert_eq!(publish_retrying(&publisher, &rec).await, 1, "{env} has its subscriber back");
+        assert_eq!(
+            publish_retrying(&publisher, &rec).await,
+            1,
+            "{env} has its subscriber back"
+        );
         assert_eq!(next_record(&mut rx, true).await, (env.clone(), rec));
     }
     publisher.close().await;
@@ -398,7 +535,10 @@ async fn move_slot(admin: &Client, ports: &[u16], slot: u16, from: u16, to: u16)
     async fn id_of(admin: &Client, port: u16) -> String {
         admin
             .with_cluster_node(Server::new("127.0.0.1", port))
-            .custom(CustomCommand::new_static("CLUSTER", ClusterHash::Random, false), vec!["MYID"])
+            .custom(
+                CustomCommand::new_static("CLUSTER", ClusterHash::Random, false),
+                vec!["MYID"],
+            )
             .await
             .expect("CLUSTER MYID")
     }
@@ -407,27 +547,48 @@ async fn move_slot(admin: &Client, ports: &[u16], slot: u16, from: u16, to: u16)
         all.extend(args);
         let _: String = admin
             .with_cluster_node(Server::new("127.0.0.1", port))
-            .custom(CustomCommand::new_static("CLUSTER", ClusterHash::Random, false), all)
+            .custom(
+                CustomCommand::new_static("CLUSTER", ClusterHash::Random, false),
+                all,
+            )
             .await
             .expect("CLUSTER SETSLOT");
     }
     let (from_id, to_id) = (id_of(admin, from).await, id_of(admin, to).await);
     let slot = slot.to_string();
     setslot(admin, to, vec![slot.clone(), "IMPORTING".into(), from_id]).await;
-    setslot(admin, from, vec![slot.clone(), "MIGRATING".into(), to_id.clone()]).await;
+    setslot(
+        admin,
+        from,
+        vec![slot.clone(), "MIGRATING".into(), to_id.clone()],
+    )
+    .await;
     setslot(admin, to, vec![slot.clone(), "NODE".into(), to_id.clone()]).await;
-    setslot(admin, from, vec![slot.clone(), "NODE".into(), to_id.clone()]).await;
+    setslot(
+        admin,
+        from,
+        vec![slot.clone(), "NODE".into(), to_id.clone()],
+    )
+    .await;
     for port in ports.iter().filter(|p| **p != from && **p != to) {
-        setslot(admin, *port, vec![slot.clone(), "NODE".into(), to_id.clone()]).await;
+        setslot(
+            admin,
+            *port,
+            vec![slot.clone(), "NODE".into(), to_id.clone()],
+        )
+        .await;
     }
 }
 
 /// A slot migration drops our sharded subscription on the old owner (its `sunsubscribe` push is
-/// discarded by fred): the periodic shard check notices, re-subscribes on the new owner and
-/// announces the gap; records flow again. The slot is moved back at the end.
+/// discarded by fred): the periodic shard check notices (the slot's owner changed), re-subscribes
+/// on the new owner and announces the gap; records flow again. Then the slot goes away and comes
+/// back between two checks: noticed by the subscriber count. The slot is moved back at the end.
 #[tokio::test]
 async fn sharded_subscription_follows_a_slot_migration() {
-    let Some(url) = cluster_url("sharded_subscription_follows_a_slot_migration") else { return };
+    let Some(url) = cluster_url("sharded_subscription_follows_a_slot_migration") else {
+        return;
+    };
     let _serial = SERIAL.lock().await;
     let admin = admin(&url).await;
     let owners = slot_owners(&admin).await;
@@ -437,10 +598,15 @@ async fn sharded_subscription_follows_a_slot_migration() {
     let other = env_on(&owners, ports[1]);
     let slot = redis_keyslot(channel_name(&env_id).as_bytes());
 
+    init_logs();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect_with_check_interval(&sharded(&url), tx, Duration::from_millis(500))
-        .await
-        .expect("connect subscriber");
+    let source = RedisChangeSource::connect_with_check_interval(
+        &sharded(&url),
+        tx,
+        Duration::from_millis(500),
+    )
+    .await
+    .expect("connect subscriber");
     let publisher = publisher(&sharded(&url)).await;
     source.subscribe(&env_id);
     source.subscribe(&other);
@@ -450,17 +616,65 @@ async fn sharded_subscription_follows_a_slot_migration() {
     let started = Instant::now();
     let stray = wait_reconnected(&mut rx, Duration::from_secs(15)).await;
     assert!(stray.is_empty(), "{stray:?}");
-    eprintln!("slot {slot} moved {from} -> {to}; Reconnected after {:?}", started.elapsed());
-    assert!(source.stats().lost_subscriptions.load(std::sync::atomic::Ordering::Relaxed) >= 1);
-    assert_eq!(shard_subscribers(&admin, to, &env_id).await, 1, "re-subscribed on the new owner");
+    eprintln!(
+        "slot {slot} moved {from} -> {to}; Reconnected after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        source
+            .stats()
+            .lost_subscriptions
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    assert_eq!(
+        shard_subscribers(&admin, to, &env_id).await,
+        1,
+        "re-subscribed on the new owner"
+    );
 
+    // The publisher follows the MOVED to the new owner.
     let moved = record(&env_id, "moved");
-    assert_eq!(publish_retrying(&publisher, &moved).await, 1);
+    assert_eq!(
+        publisher
+            .publish(&moved)
+            .await
+            .expect("spublish after the move"),
+        1
+    );
     assert_eq!(next_record(&mut rx, true).await, (env_id.clone(), moved));
     // The env on the untouched shard never lost anything.
     let untouched = record(&other, "untouched");
     assert_eq!(publisher.publish(&untouched).await.expect("spublish"), 1);
     assert_eq!(next_record(&mut rx, true).await, (other.clone(), untouched));
+
+    // Away and back between two checks: the owner is the same again, but it dropped our
+    // subscription when the slot left (PUBSUB SHARDNUMSUB says 0): re-subscribed as well.
+    move_slot(&admin, &ports, slot, to, from).await;
+    move_slot(&admin, &ports, slot, from, to).await;
+    let stray = wait_reconnected(&mut rx, Duration::from_secs(15)).await;
+    assert!(stray.is_empty(), "{stray:?}");
+    assert_eq!(
+        shard_subscribers(&admin, to, &env_id).await,
+        1,
+        "re-subscribed after the round trip"
+    );
+    let back = record(&env_id, "round_trip");
+    assert_eq!(
+        publisher
+            .publish(&back)
+            .await
+            .expect("spublish after the round trip"),
+        1
+    );
+    assert_eq!(next_record(&mut rx, true).await, (env_id.clone(), back));
+    assert!(
+        source
+            .stats()
+            .lost_subscriptions
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
 
     source.shutdown().await;
     move_slot(&admin, &ports, slot, to, from).await;
@@ -473,11 +687,16 @@ async fn sharded_subscription_follows_a_slot_migration() {
 /// subscriber.
 #[tokio::test]
 async fn classic_pubsub_over_the_cluster() {
-    let Some(url) = cluster_url("classic_pubsub_over_the_cluster") else { return };
+    let Some(url) = cluster_url("classic_pubsub_over_the_cluster") else {
+        return;
+    };
     let _serial = SERIAL.lock().await;
     let admin = admin(&url).await;
     let owners = slot_owners(&admin).await;
-    let envs: Vec<String> = ports(&owners).iter().map(|port| env_on(&owners, *port)).collect();
+    let envs: Vec<String> = ports(&owners)
+        .iter()
+        .map(|port| env_on(&owners, *port))
+        .collect();
     let (source, mut rx) = source(&classic(&url)).await;
     assert!(!source.is_sharded());
     let publisher = publisher(&classic(&url)).await;
@@ -485,10 +704,22 @@ async fn classic_pubsub_over_the_cluster() {
     for env in &envs {
         source.subscribe(env);
     }
-    wait_confirmed(&source, &envs.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    wait_confirmed(
+        &source,
+        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
 
-    let sharded_publisher = Publisher::connect_with(&sharded(&url)).await.expect("sharded publisher");
-    assert_eq!(sharded_publisher.publish(&record(&envs[0], "sharded")).await.expect("spublish"), 0);
+    let sharded_publisher = Publisher::connect_with(&sharded(&url))
+        .await
+        .expect("sharded publisher");
+    assert_eq!(
+        sharded_publisher
+            .publish(&record(&envs[0], "sharded"))
+            .await
+            .expect("spublish"),
+        0
+    );
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("classic_{i}"));
         // PUBLISH counts the receivers on the node that took it only: 0 or 1.
@@ -498,5 +729,114 @@ async fn classic_pubsub_over_the_cluster() {
     sharded_publisher.close().await;
     publisher.close().await;
     source.shutdown().await;
+    let _ = admin.quit().await;
+}
+
+/// The whole server in cluster + sharded mode (`[redis] cluster = true`): a held live poll on a
+/// run feed is woken by an SPUBLISHed change record; then the master owning the env's channel is
+/// killed and restarted while another live poll is held, the server's subscription comes back by
+/// itself, and the next change record wakes that same held poll promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_poll_woken_over_sharded_pubsub_across_a_node_restart() {
+    let Some(url) = cluster_url("live_poll_woken_over_sharded_pubsub_across_a_node_restart") else {
+        return;
+    };
+    let _serial = SERIAL.lock().await;
+    init_logs();
+    let admin = admin(&url).await;
+    let owners = slot_owners(&admin).await;
+    let srv = TestServer::start_with(20_000, |c| {
+        c.redis.url = url.clone();
+        c.redis.cluster = true;
+        c.redis.sharded = true;
+    })
+    .await;
+    let publisher = publisher(&sharded(&url)).await;
+    let env = srv.env().await;
+    let owner = owner_port(&owners, &env.env_id);
+    let run = srv.run(&env, RunSpec::default()).await;
+    let h = modern(&srv.token(&env, &["read:runs"]));
+    let feed = Url::new(&format!("/realtime/v1/runs/{}", run.friendly_id));
+    let snap = srv.fetch(&feed.snapshot(), &h).await;
+    snap.assert_status(200);
+    let subscribed = || async {
+        let deadline = Instant::now() + WAIT;
+        while shard_subscribers(&admin, owner, &env.env_id).await < 1 {
+            assert!(
+                Instant::now() < deadline,
+                "the server never SSUBSCRIBEd on node {owner}"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+    };
+    subscribed().await;
+
+    // A change record wakes the held poll.
+    let poll = srv.fetch(
+        &feed.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
+        &h,
+    );
+    let change = async {
+        srv.wait_held("run feed held", |held| held.0 == 1).await;
+        let ms = srv.set_status(&run.id, "EXECUTING").await;
+        let published = Instant::now();
+        let rec = TestServer::record(&env, &run.id, &[], None, ms);
+        assert_eq!(publisher.publish(&rec).await.expect("spublish"), 1);
+        published
+    };
+    let (first, published) = within(WAIT, "live wake", async { tokio::join!(poll, change) }).await;
+    first.assert_status(200);
+    assert_eq!(
+        first.ops(),
+        vec![("update".to_owned(), run.id.clone())],
+        "{}",
+        first.text
+    );
+    assert!(
+        published.elapsed() < Duration::from_secs(2),
+        "woken by the record, not the hold"
+    );
+
+    // Hold another poll, restart the env's shard under it, then change the run again.
+    let poll = srv.fetch(
+        &feed.live(&first.handle(), &first.offset(), first.cursor().as_deref()),
+        &h,
+    );
+    let restart_and_change = async {
+        srv.wait_held("run feed held again", |held| held.0 == 1)
+            .await;
+        restart_node(ports(&owners)[0], owner).await;
+        subscribed().await;
+        let ms = srv.set_status(&run.id, "COMPLETED_SUCCESSFULLY").await;
+        let rec = TestServer::record(&env, &run.id, &[], None, ms);
+        let published = Instant::now();
+        assert_eq!(
+            publish_retrying(&publisher, &rec).await,
+            1,
+            "the server's subscription is back"
+        );
+        published
+    };
+    let (second, published) = within(Duration::from_secs(60), "live wake after restart", async {
+        tokio::join!(poll, restart_and_change)
+    })
+    .await;
+    second.assert_status(200);
+    assert_eq!(
+        second.ops(),
+        vec![("update".to_owned(), run.id.clone())],
+        "{}",
+        second.text
+    );
+    assert_eq!(
+        second.row(&run.id).expect("row")["value"]["status"],
+        "COMPLETED_SUCCESSFULLY"
+    );
+    assert!(
+        published.elapsed() < Duration::from_secs(2),
+        "woken by the record, not the hold"
+    );
+
+    publisher.close().await;
     let _ = admin.quit().await;
 }

@@ -27,6 +27,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_feeds_wakeups_total",
     "runfeed_feeds_backstops_total",
     "runfeed_feeds_cursor_store_ops_total",
+    "runfeed_feeds_state_lookups_total",
     "runfeed_feeds_concurrency_rejections_total",
     "runfeed_feeds_working_set_size",
     // run sets
@@ -258,7 +259,17 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     let tagged: Vec<_> =
         futures::future::join_all((0..4).map(|_| srv.tagged_run(&env, &["m"]))).await;
     let h = modern(&srv.token(&env, &["read:runs", "read:tags:m"]));
+    // Warm-up: a first snapshot subscribes the environment; once the router has the
+    // confirmation, snapshots hand out cursors the change stream vouches for (no cold path).
+    srv.fetch(&run_url(&r2.friendly_id).snapshot(), &h)
+        .await
+        .assert_status(200);
+    srv.wait_subscribed(&env.env_id).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let s0 = scrape(&srv).await;
+    let d0 = |s: &Scrape, name: &str, labels: &[(&str, &str)]| {
+        s.get(name, labels) - s0.get(name, labels)
+    };
 
     // A. Snapshot of a run feed: one cache miss, one state recorded, one 200 with a body.
     let u1 = run_url(&r1.friendly_id);
@@ -266,7 +277,8 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     snap.assert_status(200);
     let s1 = scrape(&srv).await;
     assert_eq!(
-        s1.get(
+        d0(
+            &s1,
             "runfeed_runset_resolves_total",
             &[("kind", "run"), ("result", "miss")]
         ),
@@ -278,12 +290,18 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
             &[("kind", "run"), ("result", "ok")]
         ) >= 1.0
     );
+    // The fleet-shared cursor of that response is written to Redis in the background.
+    scrape_until(&srv, "shared cursor written", |s| {
+        d0(
+            s,
+            "runfeed_feeds_cursor_store_ops_total",
+            &[("op", "set"), ("result", "ok")],
+        ) == 1.0
+    })
+    .await;
     assert_eq!(
-        s1.get("runfeed_feeds_cursor_store_ops_total", &[("op", "set")]),
-        1.0
-    );
-    assert_eq!(
-        s1.get(
+        d0(
+            &s1,
             "runfeed_http_requests_total",
             &[("route", RUN_ROUTE), ("status", "200"), ("method", "GET")]
         ),
@@ -347,10 +365,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         1.0
     );
     assert_eq!(
-        d(
-            "runfeed_feeds_cursor_store_ops_total",
-            &[("op", "get"), ("result", "hit")]
-        ),
+        d("runfeed_feeds_state_lookups_total", &[("result", "hit")]),
         1.0
     );
     assert_eq!(d("runfeed_notifier_messages_received_total", &[]), 1.0);
@@ -526,6 +541,8 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         ),
         1.0
     );
+    // Neither this instance nor the shared store knows that offset.
+    assert!(s8.get("runfeed_feeds_state_lookups_total", &[("result", "miss")]) >= 1.0);
     assert!(
         s8.get(
             "runfeed_feeds_cursor_store_ops_total",
@@ -705,6 +722,99 @@ async fn healthz_and_readyz_on_the_admin_listener() {
     let errors: f64 = Scrape::parse(&text).get("runfeed_pg_errors_total", &[]);
     assert!(errors >= 1.0, "postgres errors counted: {errors}");
     peer.running.stop().await;
+}
+
+/// A live poll over the environment's concurrency limit is answered 429 and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_rejections_count_429s() {
+    let srv = TestServer::start_with(5_000, |c| c.feeds.default_concurrency_limit = 1).await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let h = modern(&srv.token(&env, &["read:runs"]));
+    let u = run_url(&run.friendly_id);
+    let snap = srv.fetch(&u.snapshot(), &h).await;
+    snap.assert_status(200);
+    let live = next_live(&u, &snap);
+    let held = srv.fetch(&live, &h);
+    let second = async {
+        srv.wait_held("first poll held", |h| h.0 == 1).await;
+        let r = srv.fetch(&live, &h).await;
+        srv.change(&env, &run.id, &[], None, "EXECUTING").await; // let the first poll go
+        r
+    };
+    let (first, rejected) = within(WAIT, "429", async { tokio::join!(held, second) }).await;
+    first.assert_status(200);
+    rejected.assert_status(429);
+    let s = scrape(&srv).await;
+    assert_eq!(
+        s.get("runfeed_feeds_concurrency_rejections_total", &[]),
+        1.0
+    );
+    assert_eq!(
+        s.get(
+            "runfeed_http_requests_total",
+            &[("route", RUN_ROUTE), ("status", "429")]
+        ),
+        1.0
+    );
+}
+
+/// With `telemetry.otlp_endpoint` set, the server pushes OTLP/HTTP protobuf to
+/// `<endpoint>/v1/metrics` every `otlp_interval_ms`, carrying the runfeed instruments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_export_pushes_metrics_to_the_configured_endpoint() {
+    use std::sync::{Arc, Mutex};
+    /// `(path, content type, body)` of each request the stub collector got.
+    type Received = Arc<Mutex<Vec<(String, String, Vec<u8>)>>>;
+    let received: Received = Arc::default();
+    let sink = received.clone();
+    let collector = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let sink = sink.clone();
+        async move {
+            let path = req.uri().path().to_string();
+            let content_type = req
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            let body = axum::body::to_bytes(req.into_body(), 16 * 1024 * 1024)
+                .await
+                .map(|b| b.to_vec())
+                .unwrap_or_default();
+            sink.lock().expect("sink").push((path, content_type, body));
+            axum::http::StatusCode::OK
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind collector");
+    let endpoint = format!("http://{}", listener.local_addr().expect("collector addr"));
+    let server = tokio::spawn(async move { axum::serve(listener, collector).await });
+
+    let srv = TestServer::start_with(1_000, |c| {
+        c.telemetry.otlp_endpoint = Some(endpoint.clone());
+        c.telemetry.otlp_interval_ms = 200;
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (path, content_type, body) = loop {
+        if let Some(first) = received.lock().expect("sink").first().cloned() {
+            break first;
+        }
+        assert!(Instant::now() < deadline, "no OTLP export within 20 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(path, "/v1/metrics");
+    assert_eq!(content_type, "application/x-protobuf");
+    let has = |needle: &str| body.windows(needle.len()).any(|w| w == needle.as_bytes());
+    assert!(
+        has("runfeed.feeds.wakeups") && has("runfeed.router.held_feeds"),
+        "instrument names in the export"
+    );
+    assert!(has("runfeed"), "service.name resource attribute");
+    drop(srv);
+    server.abort();
 }
 
 // ---------------------------------------------------------------------------------------------

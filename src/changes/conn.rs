@@ -61,12 +61,20 @@ pub struct RedisOptions {
 impl RedisOptions {
     /// A single Redis server at `url` (classic pub/sub).
     pub fn standalone(url: impl Into<String>) -> Self {
-        RedisOptions { url: url.into(), cluster: false, sharded: false }
+        RedisOptions {
+            url: url.into(),
+            cluster: false,
+            sharded: false,
+        }
     }
 
     /// A Redis Cluster reachable through the seed nodes in `url`; `sharded` selects sharded pub/sub.
     pub fn cluster(url: impl Into<String>, sharded: bool) -> Self {
-        RedisOptions { url: url.into(), cluster: true, sharded }
+        RedisOptions {
+            url: url.into(),
+            cluster: true,
+            sharded,
+        }
     }
 
     /// Whether sharded pub/sub is in effect (`cluster` and `sharded`).
@@ -117,7 +125,11 @@ impl RedisOptions {
 
 impl From<&crate::config::RedisConfig> for RedisOptions {
     fn from(config: &crate::config::RedisConfig) -> Self {
-        RedisOptions { url: config.url.clone(), cluster: config.cluster, sharded: config.sharded }
+        RedisOptions {
+            url: config.url.clone(),
+            cluster: config.cluster,
+            sharded: config.sharded,
+        }
     }
 }
 
@@ -140,7 +152,9 @@ fn cluster_url(url: &str) -> Result<String, String> {
         None => (rest, None),
     };
     let mut entries = body.split(',').map(str::trim).filter(|e| !e.is_empty());
-    let first = entries.next().ok_or_else(|| format!("no cluster node in {}", redact(url)))?;
+    let first = entries
+        .next()
+        .ok_or_else(|| format!("no cluster node in {}", redact(url)))?;
     let mut nodes = Vec::new();
     for entry in entries {
         // Later entries: optional scheme and credentials, then host:port (a path is ignored).
@@ -185,9 +199,13 @@ mod tests {
 
     #[test]
     fn standalone_urls() {
-        let config = RedisOptions::standalone("redis://127.0.0.1:6379").fred_config().expect("ok");
+        let config = RedisOptions::standalone("redis://127.0.0.1:6379")
+            .fred_config()
+            .expect("ok");
         assert!(matches!(config.server, ServerConfig::Centralized { .. }));
-        let err = RedisOptions::standalone("redis-cluster://127.0.0.1:7000").fred_config().unwrap_err();
+        let err = RedisOptions::standalone("redis-cluster://127.0.0.1:7000")
+            .fred_config()
+            .unwrap_err();
         assert!(err.contains("redis.cluster = true"), "{err}");
         assert!(RedisOptions::standalone("not a url").fred_config().is_err());
     }
@@ -213,7 +231,9 @@ mod tests {
             .expect("ok");
         assert_eq!(config.username.as_deref(), Some("user"));
         assert_eq!(config.password.as_deref(), Some("pw"));
-        assert!(RedisOptions::cluster("redis://h1:1,h2", true).fred_config().is_err());
+        assert!(RedisOptions::cluster("redis://h1:1,h2", true)
+            .fred_config()
+            .is_err());
         assert!(RedisOptions::cluster("", true).fred_config().is_err());
     }
 }

@@ -44,7 +44,9 @@ impl From<Error> for PublishError {
 /// Reconnects forever in the background once connected; a command in flight when the
 /// connection drops is attempted once only (`max_command_attempts = 1`, like the webapp's
 /// `maxRetriesPerRequest: 1`, NTF-03), and every publish is bounded by [`PUBLISH_TIMEOUT`].
-/// Dropping the publisher closes the connection.
+/// In cluster mode a command gets a second write so that a MOVED (slot migrated) is followed at
+/// once (fred counts the redirected write as an attempt; ioredis follows redirections apart from
+/// its retries). Dropping the publisher closes the connection.
 pub struct Publisher {
     client: Client,
     /// `SPUBLISH` instead of `PUBLISH`.
@@ -73,7 +75,9 @@ impl Publisher {
         config.fail_fast = false;
         let client = Builder::from_config(config)
             .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
-            .with_connection_config(|conn| conn.max_command_attempts = 1)
+            .with_connection_config(|conn| {
+                conn.max_command_attempts = if options.cluster { 2 } else { 1 };
+            })
             .with_performance_config(|perf| perf.default_command_timeout = PUBLISH_TIMEOUT)
             .build()?;
         let connection = client.connect();

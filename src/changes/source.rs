@@ -176,8 +176,15 @@ impl Mode {
             },
             // One channel per SSUBSCRIBE: fred routes the call by its first channel and takes
             // exactly one reply frame per call (awaiting that reply is also how it follows a
-            // MOVED for it), so a multi-channel call would leave stray replies behind.
+            // MOVED for it), so a multi-channel call would leave stray replies behind. fred
+            // builds SSUBSCRIBE with a single write attempt and redirection, which a MOVED
+            // (slot migrated) uses up before the redirected write: allow a few.
             Mode::Sharded => {
+                let client = client.with_options(&Options {
+                    max_attempts: Some(3),
+                    max_redirections: Some(3),
+                    ..Options::default()
+                });
                 for (done, channel) in channels.iter().enumerate() {
                     if let Err(e) = client.ssubscribe(channel.as_str()).await {
                         return (done, Some(e));

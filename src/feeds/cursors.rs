@@ -9,6 +9,8 @@
 //! Writes are fire-and-forget; reads have a hard deadline ([`READ_DEADLINE`]); any Redis
 //! trouble reads as "unknown", which degrades that poll to the cold re-check, never to an error.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fred::clients::Client;
@@ -23,11 +25,31 @@ pub const KEY_PREFIX: &str = "runfeed:replay-cursor:";
 /// How long a poll waits for its cursor before treating it as unknown.
 pub const READ_DEADLINE: Duration = Duration::from_millis(250);
 
+/// Counters of the cursor store (exported as `runfeed.feeds.cursor_store_ops`).
+#[derive(Debug, Default)]
+pub struct CursorStats {
+    /// Reads that found a cursor.
+    pub get_hit: AtomicU64,
+    /// Reads that found nothing (never stored, expired).
+    pub get_miss: AtomicU64,
+    /// Reads that failed, timed out or found a malformed value (the poll re-checks cold).
+    pub get_error: AtomicU64,
+    /// Writes Redis acknowledged.
+    pub set_ok: AtomicU64,
+    /// Writes that failed or timed out.
+    pub set_error: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
 /// The Redis-backed cursor store.
 #[derive(Clone)]
 pub struct CursorStore {
     client: Client,
     ttl_ms: i64,
+    stats: Arc<CursorStats>,
 }
 
 fn key(env_id: &str, handle: &str, offset: Offset) -> String {
@@ -54,19 +76,31 @@ fn decode(value: &str) -> Option<ReplayCursor> {
 impl CursorStore {
     /// A store on `client`; entries live `ttl_ms` (the working-set TTL).
     pub fn new(client: Client, ttl_ms: u64) -> CursorStore {
-        CursorStore { client, ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX) }
+        CursorStore { client, ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX), stats: Arc::default() }
+    }
+
+    /// Read and write outcomes so far.
+    pub fn stats(&self) -> &Arc<CursorStats> {
+        &self.stats
     }
 
     /// Stores the cursor a response handed out (in the background; failures are logged).
     pub fn set(&self, env_id: &str, handle: &str, offset: Offset, cursor: &ReplayCursor) {
         let (client, key, value, ttl) = (self.client.clone(), key(env_id, handle, offset), encode(cursor), self.ttl_ms);
+        let stats = self.stats.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let write = client.set::<(), _, _>(key, value, Some(Expiration::PX(ttl)), None, false);
                 match tokio::time::timeout(READ_DEADLINE * 4, write).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => tracing::debug!(error = %err, "replay cursor write failed"),
-                    Err(_) => tracing::debug!("replay cursor write timed out"),
+                    Ok(Ok(())) => bump(&stats.set_ok),
+                    Ok(Err(err)) => {
+                        bump(&stats.set_error);
+                        tracing::debug!(error = %err, "replay cursor write failed")
+                    }
+                    Err(_) => {
+                        bump(&stats.set_error);
+                        tracing::debug!("replay cursor write timed out")
+                    }
                 }
             });
         }
@@ -77,13 +111,22 @@ impl CursorStore {
     pub async fn get(&self, env_id: &str, handle: &str, offset: Offset) -> Option<ReplayCursor> {
         let read = self.client.get::<Option<String>, _>(key(env_id, handle, offset));
         match tokio::time::timeout(READ_DEADLINE, read).await {
-            Ok(Ok(Some(value))) => decode(&value),
-            Ok(Ok(None)) => None,
+            Ok(Ok(Some(value))) => {
+                let cursor = decode(&value);
+                bump(if cursor.is_some() { &self.stats.get_hit } else { &self.stats.get_error });
+                cursor
+            }
+            Ok(Ok(None)) => {
+                bump(&self.stats.get_miss);
+                None
+            }
             Ok(Err(err)) => {
+                bump(&self.stats.get_error);
                 tracing::debug!(error = %err, "replay cursor read failed; cold re-check");
                 None
             }
             Err(_) => {
+                bump(&self.stats.get_error);
                 tracing::debug!("replay cursor read timed out; cold re-check");
                 None
             }

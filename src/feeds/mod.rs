@@ -155,6 +155,11 @@ impl Feeds {
         self.conns.entry_count()
     }
 
+    /// The shared cursor store's counters (`None` when cursors are per-instance only).
+    pub fn cursor_store_stats(&self) -> Option<Arc<cursors::CursorStats>> {
+        self.cursors.as_ref().map(|c| c.stats().clone())
+    }
+
     /// Resolve admission permits held now (0 when admission is unbounded).
     pub fn admission_in_use(&self) -> usize {
         self.sets.admission_available().map_or(0, |free| self.cfg.resolve_admission_limit.saturating_sub(free))
@@ -291,7 +296,6 @@ impl Feeds {
     }
 
     fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
-        self.metrics.cursor_set();
         if let Some(store) = &self.cursors {
             store.set(&req.env_id, handle, offset, &state.cursor);
         }
@@ -312,7 +316,7 @@ impl Feeds {
             (None, Some(store)) => store.get(&req.env_id, handle, offset).await,
             (None, None) => None,
         };
-        self.metrics.cursor_get(cursor.is_some());
+        self.metrics.state_lookup(state.is_some());
         Resume { state, cursor }
     }
 

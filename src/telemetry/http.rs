@@ -107,8 +107,8 @@ impl<B> OnResponse<B> for ResponseLog {
 }
 
 /// Adds the HTTP metrics middleware to every route of `router` (requests by route, method and
-/// status; duration by route, status and live; body bytes by route; 429s as concurrency
-/// rejections). A request whose client goes away first counts as status 499.
+/// status; duration by route, status and live; body bytes by route). A request whose client
+/// goes away first counts as status 499.
 pub fn instrument(router: axum::Router, metrics: Arc<Metrics>) -> axum::Router {
     router.layer(axum::middleware::from_fn_with_state(metrics, track))
 }
@@ -157,9 +157,6 @@ async fn track(State(metrics): State<Arc<Metrics>>, req: Request, next: Next) ->
         pending.live,
         pending.started.elapsed(),
     );
-    if status == 429 {
-        m.concurrency_rejections.add(1, &[]);
-    }
     let (parts, body) = response.into_parts();
     let counted = CountedBody {
         inner: body,
@@ -223,6 +220,75 @@ mod tests {
         assert!(!is_live(Some("live=true&live=false")));
         assert!(!is_live(Some("live=1")));
         assert!(!is_live(None));
+    }
+
+    /// A `Write` that appends to a shared buffer (captured log output).
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn request_span_has_route_env_and_status_but_no_credentials() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_current_span(true)
+            .with_span_list(true)
+            .with_writer(move || writer.clone())
+            .finish();
+        let app = axum::Router::new()
+            .route(
+                "/feed/{id}",
+                axum::routing::get(|| async {
+                    record_env_id("env_123");
+                    "ok"
+                }),
+            )
+            .layer(trace_layer());
+        tracing::subscriber::with_default(subscriber, || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let req = axum::http::Request::builder()
+                    .uri("/feed/run_1?live=true&token=query-secret")
+                    .header("authorization", "Bearer header-secret")
+                    .body(Body::empty())
+                    .expect("request");
+                let resp = tower::ServiceExt::oneshot(app, req)
+                    .await
+                    .expect("response");
+                assert_eq!(resp.status(), 200);
+            });
+        });
+        let out = String::from_utf8(captured.0.lock().expect("log").clone()).expect("utf-8");
+        assert!(out.contains(r#""route":"/feed/{id}""#), "{out}");
+        assert!(out.contains(r#""path":"/feed/run_1""#), "{out}");
+        assert!(out.contains(r#""live":true"#), "{out}");
+        assert!(out.contains(r#""env_id":"env_123""#), "{out}");
+        assert!(
+            out.contains(r#""status":200"#) && out.contains(r#""outcome":"ok""#),
+            "{out}"
+        );
+        assert!(
+            !out.contains("header-secret") && !out.contains("query-secret"),
+            "credentials logged: {out}"
+        );
     }
 
     #[test]

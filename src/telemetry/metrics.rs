@@ -24,6 +24,7 @@ use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider};
 use opentelemetry::KeyValue;
 
 use crate::changes::source::RedisChangeSource;
+use crate::feeds::limit::Limiter;
 use crate::feeds::Feeds;
 use crate::router::Router;
 use crate::store::PgStore;
@@ -190,14 +191,11 @@ pub struct Metrics {
     /// end of a hold by `result` = `delivered` | `empty`. Sustained `delivered` = the
     /// notify/replay path leaks.
     pub backstops: Counter<u64>,
-    /// `runfeed.feeds.cursor_store_ops` (`runfeed_feeds_cursor_store_ops_total`): the
-    /// per-connection state store (working set + replay cursor per handed-out offset) by `op` =
-    /// `get` (`result` = `hit` | `miss`; a miss on a live poll means a cold re-check) | `set`
-    /// (`result` = `ok`).
-    pub cursor_store_ops: Counter<u64>,
-    /// `runfeed.feeds.concurrency_rejections` (`runfeed_feeds_concurrency_rejections_total`):
-    /// requests answered 429 (per-environment concurrency limit).
-    pub concurrency_rejections: Counter<u64>,
+    /// `runfeed.feeds.state_lookups` (`runfeed_feeds_state_lookups_total`): lookups of this
+    /// instance's per-connection state (working set + replay cursor of the offset the client
+    /// echoes) by `result` = `hit` | `miss` (instance hop, expired, or never handed out; the
+    /// shared cursor store is asked next).
+    pub state_lookups: Counter<u64>,
     /// `runfeed.runset.resolves` (`runfeed_runset_resolves_total`): reads through the shared
     /// run-set cache by `result` ([`ResolveResult`]) and feed `kind`.
     pub resolves: Counter<u64>,
@@ -266,15 +264,10 @@ impl Metrics {
                 .with_unit("{backstop}")
                 .with_description("Backstop re-reads at the end of a hold: delivered (a missed change; should be ~0) or empty")
                 .build(),
-            cursor_store_ops: meter
-                .u64_counter("runfeed.feeds.cursor_store_ops")
-                .with_unit("{operation}")
-                .with_description("Per-connection state (working set, replay cursor) store operations by op and result")
-                .build(),
-            concurrency_rejections: meter
-                .u64_counter("runfeed.feeds.concurrency_rejections")
-                .with_unit("{request}")
-                .with_description("Requests rejected with 429 by the per-environment concurrency limit")
+            state_lookups: meter
+                .u64_counter("runfeed.feeds.state_lookups")
+                .with_unit("{lookup}")
+                .with_description("Lookups of this instance's per-connection state (working set, replay cursor) by result")
                 .build(),
             resolves: meter
                 .u64_counter("runfeed.runset.resolves")
@@ -319,11 +312,9 @@ impl Metrics {
         for result in ["delivered", "empty"] {
             m.backstops.add(0, &[kv("result", result)]);
         }
-        for (op, result) in [("get", "hit"), ("get", "miss"), ("set", "ok")] {
-            m.cursor_store_ops
-                .add(0, &[kv("op", op), kv("result", result)]);
+        for result in ["hit", "miss"] {
+            m.state_lookups.add(0, &[kv("result", result)]);
         }
-        m.concurrency_rejections.add(0, &[]);
         for result in ResolveResult::ALL {
             for kind in FEED_KINDS {
                 m.resolves
@@ -377,21 +368,10 @@ impl Metrics {
         );
     }
 
-    /// A lookup in the per-connection state store.
-    pub fn cursor_get(&self, hit: bool) {
-        self.cursor_store_ops.add(
-            1,
-            &[
-                kv("op", "get"),
-                kv("result", if hit { "hit" } else { "miss" }),
-            ],
-        );
-    }
-
-    /// A write to the per-connection state store.
-    pub fn cursor_set(&self) {
-        self.cursor_store_ops
-            .add(1, &[kv("op", "set"), kv("result", "ok")]);
+    /// A lookup of this instance's per-connection state.
+    pub fn state_lookup(&self, hit: bool) {
+        self.state_lookups
+            .add(1, &[kv("result", if hit { "hit" } else { "miss" })]);
     }
 
     /// A read through the shared run-set cache.
@@ -468,11 +448,13 @@ impl Metrics {
     /// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's [`crate::changes::Publisher`]s |
     /// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | [`crate::router::Gate::estimate_ms`] (only with a gate) |
     /// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
+    /// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | [`crate::feeds::cursors::CursorStats`] (only with shared cursors) |
+    /// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | [`crate::feeds::limit::LimiterStats`] (429s) |
     /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | [`Feeds::working_set_size`] |
     /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | [`Feeds::admission_in_use`] |
     /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | [`PgStore::query_count`] |
     /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | [`PgStore::error_counts`] (process-wide) |
-    /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription | `runfeed_redis_errors_total` | Redis source |
+    /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
     /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
     /// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
     pub fn observe(&self, sources: Sources) {
@@ -482,6 +464,7 @@ impl Metrics {
             feeds,
             store,
             source,
+            limiter,
         } = sources;
 
         let r = router.clone();
@@ -619,6 +602,39 @@ impl Metrics {
                 }
             })
             .build();
+        let f = feeds.clone();
+        meter
+            .u64_observable_counter("runfeed.feeds.cursor_store_ops")
+            .with_unit("{operation}")
+            .with_description("Fleet-shared replay cursor store (Redis) operations: get hit/miss/error, set ok/error; errors degrade instance hops into cold resolves")
+            .with_callback(move |o| {
+                let Some(stats) = f.upgrade().and_then(|f| f.cursor_store_stats()) else {
+                    return;
+                };
+                for (op, result, counter) in [
+                    ("get", "hit", &stats.get_hit),
+                    ("get", "miss", &stats.get_miss),
+                    ("get", "error", &stats.get_error),
+                    ("set", "ok", &stats.set_ok),
+                    ("set", "error", &stats.set_error),
+                ] {
+                    o.observe(counter.load(Relaxed), &[kv("op", op), kv("result", result)]);
+                }
+            })
+            .build();
+        let l = limiter.clone();
+        meter
+            .u64_observable_counter("runfeed.feeds.concurrency_rejections")
+            .with_unit("{request}")
+            .with_description(
+                "Live polls rejected with 429 by the per-environment concurrency limit",
+            )
+            .with_callback(move |o| {
+                if let Some(l) = l.upgrade() {
+                    o.observe(l.stats.rejections.load(Relaxed), &[]);
+                }
+            })
+            .build();
         let f = feeds;
         meter
             .u64_observable_gauge("runfeed.runset.admission_in_use")
@@ -688,10 +704,11 @@ impl Metrics {
             })
             .build();
         let src = source.clone();
+        let l = limiter;
         meter
             .u64_observable_counter("runfeed.redis.errors")
             .with_unit("{error}")
-            .with_description("Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone)")
+            .with_description("Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone), limiter_fallback (concurrency admissions decided locally because Redis failed or was slow)")
             .with_callback(move |o| {
                 if let Some(src) = src.upgrade() {
                     let st = src.stats();
@@ -699,6 +716,9 @@ impl Metrics {
                     o.observe(st.command_errors.load(Relaxed), &[kv("kind", "command")]);
                     o.observe(st.lagged.load(Relaxed), &[kv("kind", "lagged")]);
                     o.observe(st.lost_subscriptions.load(Relaxed), &[kv("kind", "lost_subscription")]);
+                }
+                if let Some(l) = l.upgrade() {
+                    o.observe(l.stats.degraded.load(Relaxed), &[kv("kind", "limiter_fallback")]);
                 }
             })
             .build();
@@ -737,6 +757,8 @@ pub struct Sources {
     pub feeds: Weak<Feeds>,
     pub store: Weak<PgStore>,
     pub source: Weak<RedisChangeSource>,
+    /// The live-poll concurrency limiter.
+    pub limiter: Weak<Limiter>,
 }
 
 /// Counts an `abort` wakeup when dropped unfinished (see [`Metrics::live_guard`]).

@@ -52,6 +52,10 @@ struct SetKey {
     cols: ColumnSet,
 }
 
+/// Instrument (process-wide, for tests): the most resolve admission permits one instance's gate
+/// had handed out at once (limit − available, sampled when a permit is acquired).
+pub static ADMISSION_PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// The readers.
 pub struct Sets {
     store: Arc<dyn RunStore>,
@@ -61,6 +65,8 @@ pub struct Sets {
     runs: Cache<(String, String), Arc<RunResource>>,
     batches: Cache<(String, String), Arc<BatchResource>>,
     admission: Option<Arc<Semaphore>>,
+    /// The admission gate's size (for [`ADMISSION_PEAK`]).
+    admission_limit: usize,
     /// Instruments (no-op unless set through [`crate::feeds::Feeds::with_metrics`]).
     metrics: Arc<Metrics>,
 }
@@ -99,6 +105,7 @@ impl Sets {
             runs: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
             batches: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
             admission: (feeds.resolve_admission_limit > 0).then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
+            admission_limit: feeds.resolve_admission_limit,
             metrics: Metrics::noop(),
         }
     }
@@ -202,6 +209,8 @@ impl Sets {
         };
         if _permit.is_some() {
             self.metrics.admission_waited(admission_started.elapsed());
+            let free = self.admission.as_ref().map_or(0, |sem| sem.available_permits());
+            ADMISSION_PEAK.fetch_max(self.admission_limit.saturating_sub(free), std::sync::atomic::Ordering::Relaxed);
         }
         let cursor = self.router.touch(env_id);
         let query_started = Instant::now();

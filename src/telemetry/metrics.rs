@@ -753,9 +753,13 @@ type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
 /// What the observable instruments read. Weak references: a stopped server's callbacks observe
 /// nothing.
 pub struct Sources {
+    /// The router (held feeds, active envs, `RouterStats`, the gate).
     pub router: Router,
+    /// The feeds service (working-set size, admission, shared cursor store).
     pub feeds: Weak<Feeds>,
+    /// The Postgres store (query count).
     pub store: Weak<PgStore>,
+    /// The Redis change source (messages, subscriptions, errors, connection state).
     pub source: Weak<RedisChangeSource>,
     /// The live-poll concurrency limiter.
     pub limiter: Weak<Limiter>,

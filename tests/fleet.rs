@@ -1,0 +1,597 @@
+//! Fleet integration tests (issue 4): several runfeed instances on one database and one Redis
+//! behind a non-sticky balancer — hops between instances, a Redis restart under held polls,
+//! the fleet-wide live-poll limit, and the resolve admission gate under a distinct-filter
+//! stampede.
+//!
+//! The cluster-node restart case is covered by
+//! `tests/changes_cluster.rs::live_poll_woken_over_sharded_pubsub_across_a_node_restart`
+//! (whole server in cluster + sharded mode, a held live poll woken after the env's master was
+//! restarted); it is not duplicated here.
+//!
+//! Every await is bounded; the Redis-restart test runs its OWN `redis-server` on a free port
+//! (never the shared one at 127.0.0.1:6379), killed when the test ends, also on failure.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use runfeed::changes::channel_name;
+use runfeed::cli::fixtures::{DemoEnv, RunSpec};
+use runfeed::protocol::encode::format_timestamp_ms;
+use sqlx::Row;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+fn run_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
+}
+
+fn tag_url(tags: &str) -> Url {
+    Url::new("/realtime/v1/runs").q("tags", tags)
+}
+
+fn batch_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
+}
+
+/// `id → (status, updatedAt)` of a follower's materialized view.
+fn view_of(f: &Follower) -> BTreeMap<String, (String, String)> {
+    f.view
+        .iter()
+        .map(|(id, row)| {
+            let s = |k: &str| row.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_string();
+            (id.clone(), (s("status"), s("updatedAt")))
+        })
+        .collect()
+}
+
+/// `id → (status, updatedAt)` of the env's runs in the database matching `filter` (SQL on
+/// `"TaskRun"`, `$1` = env id, `$2` = the filter's text argument).
+async fn db_view(pool: &sqlx::PgPool, env: &DemoEnv, filter: &str, arg: &str) -> BTreeMap<String, (String, String)> {
+    let sql = format!(
+        r#"SELECT id, status::text AS status, (extract(epoch from "updatedAt") * 1000)::int8 AS ms
+           FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND {filter}"#
+    );
+    let rows = within(
+        WAIT,
+        "read the runs back",
+        sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&env.env_id).bind(arg).fetch_all(pool),
+    )
+    .await
+    .expect("read the runs back");
+    rows.iter()
+        .map(|r| {
+            let ms: i64 = r.get("ms");
+            (
+                r.get::<String, _>("id"),
+                (r.get::<String, _>("status"), format_timestamp_ms(ms).unwrap()),
+            )
+        })
+        .collect()
+}
+
+/// Run-set reads (snapshot, cold and full resolves, backstops) both instances ran so far:
+/// the `runfeed.runset.query_duration` histogram's count, summed over its labels.
+async fn runset_queries(srv: &TestServer, admins: [std::net::SocketAddr; 2]) -> u64 {
+    let mut total = 0.0;
+    for addr in admins {
+        let get = srv.http.get(format!("http://{addr}/metrics")).send();
+        let text = within(WAIT, "scrape", async { get.await.expect("scrape").text().await.expect("scrape body") }).await;
+        total += text
+            .lines()
+            .filter(|l| l.starts_with("runfeed_runset_query_duration") && l.split(['{', ' ']).next().unwrap().ends_with("_count"))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+            .sum::<f64>();
+    }
+    total as u64
+}
+
+fn hydrates(running: &runfeed::app::Running) -> u64 {
+    running.router.stats().hydrates.load(Ordering::SeqCst)
+}
+
+/// Issue 4: a follower whose successive live polls alternate between two instances (same
+/// handle secret, database and Redis; shared replay cursors) misses no update — neither one
+/// made while a poll is held nor one made in the gap between two polls — each arrives well
+/// under the hold, the hops cost no full run-set resolve (only the router's hydrates), and the
+/// final view equals the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hops_alternating_instances_miss_no_update() {
+    const RUNS: usize = 4;
+    const CHANGES: usize = 20;
+    let srv = TestServer::start_with(20_000, |c| c.router.hop_margin_ms = 200).await;
+    let peer = srv.peer(|_| {}).await;
+    let env = srv.env().await;
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        runs.push(srv.tagged_run(&env, &["fleet"]).await);
+    }
+    let h = modern(&env.api_key);
+    // Both instances already serve this environment (other clients): their streams are warm.
+    let warm = run_url(&runs[0].friendly_id).snapshot();
+    srv.fetch(&warm, &h).await.assert_status(200);
+    srv.fetch_at(&peer.base, &warm, &h).await.assert_status(200);
+    for (name, router) in [("srv", &srv.running().router), ("peer", &peer.running.router)] {
+        let router = router.clone();
+        wait_until(WAIT, &format!("{name} subscription confirmed"), || {
+            router.touch(&env.env_id).epoch != 0
+        })
+        .await;
+    }
+    srv.wait_subscribed(&env.env_id).await;
+    // Let both streams age past the hop margin (a replay from another instance's cursor starts
+    // `hop_margin_ms` before its wall time; the stream must cover that). No observable for it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let bases = [srv.base.clone(), peer.base.clone()];
+    let instances = [srv.running(), &peer.running];
+    let mut f = Follower::new(tag_url("fleet"), h.clone());
+    within(WAIT, "snapshot", f.step(&bases[0], &srv.http)).await.expect("snapshot");
+    assert_eq!(f.view.len(), RUNS);
+
+    let queries = |i: usize| instances[i].store.query_count();
+    let q0 = queries(0) + queries(1);
+    let hy0 = hydrates(instances[0]) + hydrates(instances[1]);
+    let admins = [srv.running().admin_addr.unwrap(), peer.running.admin_addr.unwrap()];
+    let rs0 = runset_queries(&srv, admins).await;
+    let phase = Instant::now();
+    let statuses = ["EXECUTING", "WAITING_TO_RESUME", "RETRYING_AFTER_FAILURE", "EXECUTING", "PAUSED"];
+    let mut latencies = Vec::new();
+    // Live polls strictly alternate: poll n goes to instance n % 2 (the snapshot was poll 0).
+    let mut n = 1usize;
+    // Responses that came back at once without the change being waited for (a re-delivery of
+    // something the client already had): not a miss, but an extra round trip.
+    let mut redundant = Vec::new();
+    for k in 0..CHANGES {
+        let run = &runs[k % RUNS];
+        let status = statuses[(k / RUNS) % statuses.len()];
+        let published;
+        if k % 2 == 0 {
+            // In the gap: committed and published before the poll is sent.
+            srv.change(&env, &run.id, &["fleet"], None, status).await;
+            published = Instant::now();
+            while f.view[&run.id]["status"] != status && published.elapsed() < Duration::from_secs(5) {
+                let i = n % 2;
+                n += 1;
+                within(Duration::from_secs(5), "gap poll", f.step(&bases[i], &srv.http))
+                    .await
+                    .unwrap_or_else(|e| panic!("poll {k} on instance {i}: {e}"));
+            }
+        } else {
+            // While the poll is held.
+            loop {
+                let i = n % 2;
+                n += 1;
+                let router = instances[i].router.clone();
+                let before = f.view.clone();
+                let mut poll = Box::pin(f.step(&bases[i], &srv.http));
+                let held = wait_until(WAIT, "poll held", || router.held_feeds().1 == 1);
+                let early = within(Duration::from_secs(5), "poll held or answered", async {
+                    tokio::select! {
+                        r = &mut poll => Some(r),
+                        () = held => None,
+                    }
+                })
+                .await;
+                if let Some(r) = early {
+                    drop(poll);
+                    r.unwrap_or_else(|e| panic!("poll {k} on instance {i}: {e}"));
+                    let changed: Vec<_> = f.view.iter().filter(|(id, row)| before.get(*id) != Some(*row)).map(|(id, _)| id.clone()).collect();
+                    redundant.push((k, i, changed));
+                    continue;
+                }
+                srv.change(&env, &run.id, &["fleet"], None, status).await;
+                published = Instant::now();
+                within(Duration::from_secs(5), "held poll", poll)
+                    .await
+                    .unwrap_or_else(|e| panic!("poll {k} on instance {i}: {e}"));
+                break;
+            }
+        }
+        // The poll that was held may have been answered with a re-delivery it registered with
+        // (see `redundant`): a client simply polls on.
+        while f.view[&run.id]["status"] != status && published.elapsed() < Duration::from_secs(5) {
+            let i = n % 2;
+            n += 1;
+            within(Duration::from_secs(5), "poll", f.step(&bases[i], &srv.http))
+                .await
+                .unwrap_or_else(|e| panic!("poll {k} on instance {i}: {e}"));
+        }
+        let latency = published.elapsed();
+        assert_eq!(
+            f.view[&run.id]["status"], status,
+            "change {k} missed: {:?}",
+            f.view[&run.id]
+        );
+        assert!(
+            latency < Duration::from_secs(2),
+            "poll {k}: delivered {latency:?} after the publish"
+        );
+        latencies.push(latency);
+    }
+    let dq = queries(0) + queries(1) - q0;
+    let dhy = hydrates(instances[0]) + hydrates(instances[1]) - hy0;
+    latencies.sort();
+    println!(
+        "{CHANGES} changes over {} alternating live polls: delivery median {:?}, max {:?}; {dq} store queries, {dhy} router hydrates; redundant responses {}",
+        n - 1,
+        latencies[CHANGES / 2],
+        latencies[CHANGES - 1],
+        redundant.len()
+    );
+    let resolves = runset_queries(&srv, admins).await - rs0;
+    for addr in admins {
+        let text = srv.http.get(format!("http://{addr}/metrics")).send().await.unwrap().text().await.unwrap();
+        for l in text.lines().filter(|l| (l.contains("cursor_store_ops") || l.contains("live_polls") || l.contains("runset_resolves")) && !l.starts_with('#')) {
+            println!("DIAG {l}");
+        }
+    }
+    // Every store query of the hopping phase is a router hydrate, bar the authentication's
+    // environment lookups (cached `lookup_cache_ttl_ms` = 1 s per instance); no run-set read.
+    assert_eq!(resolves, 0, "hops ran run-set reads (cold or full resolves)");
+    assert!(dq - dhy <= 2 * (phase.elapsed().as_secs() + 1), "{dq} store queries vs {dhy} hydrates");
+    let db = db_view(srv.pool(), &env, r#"$2 = ANY("runTags")"#, "fleet").await;
+    assert_eq!(view_of(&f), db, "the follower's view equals the database");
+}
+
+// ----- a private redis-server -----
+
+/// A standalone `redis-server` of this test on a free port (no persistence), killed on drop.
+struct OwnRedis {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnRedis {
+    fn start() -> OwnRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("free port")
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("runfeed-fleet-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("redis dir");
+        let mut r = OwnRedis { port, dir, child: None };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, then reap.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `redis-cli -p <port> args…` (2 s bound); stdout when it exited 0.
+    async fn cli(&self, args: &[&str]) -> Option<String> {
+        let out = tokio::process::Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(Duration::from_secs(2), out).await {
+            Ok(Ok(o)) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).trim().to_string()),
+            _ => None,
+        }
+    }
+
+    async fn up(&self) -> bool {
+        self.cli(&["PING"]).await.as_deref() == Some("PONG")
+    }
+
+    /// Waits until `PING` answers `PONG` (`want`) or fails (`!want`).
+    async fn wait_ping(&self, want: bool, what: &str) {
+        let deadline = Instant::now() + WAIT;
+        while self.up().await != want {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn numsub(&self, env_id: &str) -> i64 {
+        let out = self.cli(&["PUBSUB", "NUMSUB", &channel_name(env_id)]).await.unwrap_or_default();
+        out.lines().last().and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// `PUBLISH` of a change record; the receiver count (0 when Redis failed).
+    async fn publish(&self, record: &runfeed::changes::ChangeRecord) -> i64 {
+        let out = self.cli(&["PUBLISH", &channel_name(&record.env_id), &record.encode()]).await;
+        out.and_then(|o| o.parse().ok()).unwrap_or(0)
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Drives `f` against `base` until `done(view)`; every status is logged in `statuses` (0 =
+/// transport error); after each response the view's `(status)` per id is sent on `tx`.
+/// Behaves like the Electric client: 409 → re-snapshot, other errors → back off and retry.
+fn spawn_follower(
+    base: String,
+    http: reqwest::Client,
+    mut f: Follower,
+    done: impl Fn(&Follower) -> bool + Send + 'static,
+    statuses: Arc<Mutex<Vec<u16>>>,
+    tx: tokio::sync::watch::Sender<HashMap<String, String>>,
+) -> JoinHandle<Follower> {
+    tokio::spawn(async move {
+        while !done(&f) {
+            match f.step(&base, &http).await {
+                Ok(s) => statuses.lock().unwrap().push(s),
+                Err(e) => {
+                    let code = e
+                        .strip_prefix("status ")
+                        .and_then(|r| r.get(..3))
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(0);
+                    statuses.lock().unwrap().push(code);
+                    if code == 409 {
+                        f.handle = None;
+                        f.offset = "-1".into();
+                        f.view.clear();
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            let view = f
+                .view
+                .iter()
+                .map(|(id, row)| (id.clone(), row["status"].as_str().unwrap_or("?").to_string()))
+                .collect();
+            let _ = tx.send(view);
+        }
+        f
+    })
+}
+
+/// Issue 4: the Redis carrying the change stream (and the limiter, and the shared cursors) is
+/// killed under held live polls of a run, a tag and a batch feed and restarted ~1 s later.
+/// No request is answered 5xx, the polls complete, the server re-subscribes by itself (a record
+/// published after the restart wakes a held poll within a few seconds, not via the backstop),
+/// and every follower's view ends equal to the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restart_during_live_polls_no_5xx_and_views_converge() {
+    let mut redis = OwnRedis::start();
+    redis.wait_ping(true, "own redis-server never answered PING").await;
+    let url = redis.url();
+    let srv = TestServer::start_with(20_000, |c| c.redis.url = url.clone()).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let spec = || RunSpec {
+        tags: Some(vec!["rr".into()]),
+        batch_id: Some(batch_id.clone()),
+        ..RunSpec::default()
+    };
+    let r1 = srv.run(&env, spec()).await;
+    let r2 = srv.run(&env, spec()).await;
+    let h = modern(&env.api_key);
+
+    let statuses = Arc::new(Mutex::new(Vec::new()));
+    let feeds = [
+        ("run", run_url(&r1.friendly_id), 1usize),
+        ("tag", tag_url("rr"), 2),
+        ("batch", batch_url(&batch_fid), 2),
+    ];
+    let mut tasks = Vec::new();
+    let mut watches = Vec::new();
+    for (_, url, n) in &feeds {
+        let (tx, rx) = tokio::sync::watch::channel(HashMap::new());
+        let (r1, r2, n) = (r1.id.clone(), r2.id.clone(), *n);
+        let done = move |f: &Follower| {
+            f.view.get(&r1).is_some_and(|row| row["status"] == "COMPLETED_SUCCESSFULLY")
+                && (n == 1 || f.view.get(&r2).is_some_and(|row| row["status"] == "EXECUTING"))
+        };
+        tasks.push(spawn_follower(
+            srv.base.clone(),
+            srv.http.clone(),
+            Follower::new(url.clone(), h.clone()),
+            done,
+            statuses.clone(),
+            tx,
+        ));
+        watches.push(rx);
+    }
+    let router = srv.running().router.clone();
+    wait_until(WAIT, "three live polls held", || router.held_feeds() == (1, 1, 1)).await;
+    let deadline = Instant::now() + WAIT;
+    while redis.numsub(&env.env_id).await < 1 {
+        assert!(Instant::now() < deadline, "the server never subscribed on the own redis");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // Kill Redis under the held polls; change the runs while it is down (commit only).
+    redis.kill();
+    redis.wait_ping(false, "redis still answers after SIGKILL").await;
+    let down = Instant::now();
+    let ms1 = srv.set_status(&r1.id, "EXECUTING").await;
+    let ms2 = srv.set_status(&r2.id, "EXECUTING").await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await; // the outage itself
+    redis.spawn();
+    redis.wait_ping(true, "restarted redis-server never answered PING").await;
+    let up = Instant::now();
+    let deadline = up + Duration::from_secs(10);
+    while redis.numsub(&env.env_id).await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the server did not re-subscribe within 10 s of Redis coming back"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resubscribed = up.elapsed();
+    // Publish the outage's changes now that Redis is back (trigger.dev's publish needs it).
+    for (id, ms) in [(&r1.id, ms1), (&r2.id, ms2)] {
+        let rec = TestServer::record(&env, id, &["rr"], Some(&batch_id), ms);
+        assert!(redis.publish(&rec).await >= 1, "no subscriber for the record after the restart");
+    }
+    for (rx, (name, _, n)) in watches.iter_mut().zip(&feeds) {
+        let ids: Vec<&String> = if *n == 1 { vec![&r1.id] } else { vec![&r1.id, &r2.id] };
+        within(
+            Duration::from_secs(5),
+            &format!("{name} feed got the outage's changes"),
+            rx.wait_for(|v| ids.iter().all(|id| v.get(*id).is_some_and(|s| s == "EXECUTING"))),
+        )
+        .await
+        .expect("follower alive");
+    }
+    let converged = down.elapsed();
+
+    // The subscription is back: a record published now wakes the held polls at once.
+    wait_until(WAIT, "three live polls held again", || router.held_feeds() == (1, 1, 1)).await;
+    let ms = srv.set_status(&r1.id, "COMPLETED_SUCCESSFULLY").await;
+    let published = Instant::now();
+    assert!(redis.publish(&TestServer::record(&env, &r1.id, &["rr"], Some(&batch_id), ms)).await >= 1);
+    let mut followers = Vec::new();
+    for t in tasks {
+        followers.push(within(Duration::from_secs(5), "followers finish", t).await.expect("follower task"));
+    }
+    let woken = published.elapsed();
+    println!("redis restart: re-subscribed {resubscribed:?} after PING came back; outage changes in views {converged:?} after the kill; post-restart record delivered in {woken:?}");
+    assert!(woken < Duration::from_secs(3), "post-restart record took {woken:?} (backstop?)");
+    let seen = statuses.lock().unwrap().clone();
+    assert!(seen.iter().all(|s| *s < 500 && *s != 0), "a 5xx or transport error: {seen:?}");
+
+    let run_db = db_view(srv.pool(), &env, "id = $2", &r1.id).await;
+    let list_db = db_view(srv.pool(), &env, r#"$2 = ANY("runTags")"#, "rr").await;
+    assert_eq!(view_of(&followers[0]), run_db, "run feed view");
+    assert_eq!(view_of(&followers[1]), list_db, "tag feed view");
+    assert_eq!(view_of(&followers[2]), list_db, "batch feed view");
+    drop(srv);
+    drop(redis);
+}
+
+/// Issue 4 / REQ-04 fleet-wide: with a limit of L = 5 live polls per environment, L + 3
+/// concurrent live polls spread over TWO instances (one Redis sorted set per environment)
+/// yield exactly 3 × 429; aborting a held poll lets a new one in at once, on either instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_limit_live_polls_get_exactly_n_429s() {
+    const L: usize = 5;
+    let srv = Arc::new(TestServer::start_with(20_000, |c| c.feeds.default_concurrency_limit = L as u64).await);
+    let peer = srv.peer(|_| {}).await;
+    let env = srv.env().await; // a fresh env id: a fresh sorted-set key
+    let run = srv.tagged_run(&env, &["l"]).await;
+    let h = modern(&env.api_key);
+    let snap = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
+    snap.assert_status(200);
+    let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), snap.cursor().as_deref());
+    let bases = [srv.base.clone(), peer.base.clone()];
+    let spawn_poll = |i: usize| {
+        let (srv, live, h, base) = (srv.clone(), live.clone(), h.clone(), bases[i].clone());
+        tokio::spawn(async move { srv.fetch_at(&base, &live, &h).await.status })
+    };
+    let routers = [srv.running().router.clone(), peer.running.router.clone()];
+    let held = || routers[0].held_feeds().0 + routers[1].held_feeds().0;
+
+    let polls: Vec<(usize, JoinHandle<u16>)> = (0..L + 3).map(|k| (k % 2, spawn_poll(k % 2))).collect();
+    wait_until(WAIT, "L polls held and 3 answered", || {
+        held() == L && polls.iter().filter(|(_, p)| p.is_finished()).count() == 3
+    })
+    .await;
+    let (done, mut waiting): (Vec<_>, Vec<_>) = polls.into_iter().partition(|(_, p)| p.is_finished());
+    for (_, p) in done {
+        assert_eq!(within(WAIT, "answered poll", p).await.expect("join"), 429);
+    }
+    let on = |i: usize| waiting.iter().filter(|(j, _)| *j == i).count();
+    println!("over the limit: held {} on srv + {} on peer, 3 × 429", on(0), on(1));
+    assert_eq!(held(), L, "the limit is fleet-wide");
+
+    // Free one slot on one instance; a new poll on the OTHER instance gets in at once.
+    let (freed_on, victim) = waiting.remove(0);
+    victim.abort();
+    wait_until(WAIT, "aborted poll released", || held() == L - 1).await;
+    let t = Instant::now();
+    let newcomer = spawn_poll(1 - freed_on);
+    wait_until(Duration::from_secs(2), "the new poll takes the freed slot", || {
+        held() == L || newcomer.is_finished()
+    })
+    .await;
+    assert!(
+        !newcomer.is_finished(),
+        "the new poll was refused: {:?}",
+        within(WAIT, "refused poll", newcomer).await
+    );
+    println!("freed slot taken by a poll on the other instance after {:?}", t.elapsed());
+    // Still at the limit: one more is refused.
+    assert_eq!(srv.fetch_at(&bases[freed_on], &live, &h).await.status, 429);
+    newcomer.abort();
+    for (_, p) in waiting {
+        p.abort();
+    }
+    drop(peer);
+}
+
+/// Issue 4 / architecture item (admission): hundreds of DISTINCT tag filters snapshotted at
+/// once (every one a run-set cache miss) never run more than `resolve_admission_limit` run-set
+/// resolves at a time, and every snapshot still succeeds with its run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn distinct_filter_stampede_respects_admission_limit() {
+    const A: usize = 4;
+    const TAGS: usize = 300;
+    const PER_RUN: usize = 10;
+    let srv = Arc::new(TestServer::start_with(20_000, |c| c.feeds.resolve_admission_limit = A).await);
+    let env = srv.env().await;
+    let mut owner = Vec::new();
+    for r in 0..TAGS / PER_RUN {
+        let tags: Vec<String> = (r * PER_RUN..(r + 1) * PER_RUN).map(|t| format!("t{t}")).collect();
+        let refs: Vec<&str> = tags.iter().map(String::as_str).collect();
+        let run = srv.tagged_run(&env, &refs).await;
+        owner.extend(std::iter::repeat_n(run.id, PER_RUN));
+    }
+    let h = modern(&env.api_key);
+    let started = Instant::now();
+    let snaps: Vec<JoinHandle<Resp>> = (0..TAGS)
+        .map(|t| {
+            let (srv, h) = (srv.clone(), h.clone());
+            tokio::spawn(async move { srv.fetch(&tag_url(&format!("t{t}")).snapshot(), &h).await })
+        })
+        .collect();
+    for (t, s) in snaps.into_iter().enumerate() {
+        let r = within(WAIT, "snapshot", s).await.expect("join");
+        r.assert_status(200);
+        assert_eq!(r.ops(), vec![("insert".to_string(), owner[t].clone())], "t{t}: {}", r.text);
+    }
+    let peak = runfeed::feeds::sets::ADMISSION_PEAK.load(Ordering::SeqCst);
+    println!(
+        "{TAGS} distinct-filter snapshots in {:?}; peak admitted resolves {peak} (limit {A})",
+        started.elapsed()
+    );
+    assert!(peak >= 1, "no admission permit was ever taken");
+    assert!(peak <= A, "{peak} run-set resolves at once over an admission limit of {A}");
+}

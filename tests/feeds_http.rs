@@ -2528,6 +2528,11 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
     let h = modern(&env.api_key);
     let slim_url = tag_url("sc").q("skipColumns", "payload,output");
     let full_url = tag_url("sc");
+    // Snapshots after the subscription is confirmed carry usable cursors, so the live polls
+    // below take no cold path (whose reads could race the change and add a hydrate).
+    assert_eq!(srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await.status, 200);
+    let warm = srv.running().router.clone();
+    wait_until(WAIT, "subscription confirmed", || warm.touch(&env.env_id).epoch != 0).await;
     let slim = srv.fetch(&slim_url.snapshot(), &h).await;
     let full = srv.fetch(&full_url.snapshot(), &h).await;
     let full2 = srv.fetch(&full_url.snapshot(), &h).await;

@@ -18,6 +18,7 @@ use fred::interfaces::KeysInterface;
 use fred::types::Expiration;
 
 use crate::protocol::offset::Offset;
+use crate::feeds::diff::Version;
 use crate::router::ReplayCursor;
 
 /// Key prefix (runfeed's own: the value format differs from the reference's timestamp).
@@ -56,12 +57,35 @@ fn key(env_id: &str, handle: &str, offset: Offset) -> String {
     format!("{KEY_PREFIX}{env_id}:{handle}:{offset}")
 }
 
-/// `instance:epoch:seq:wall_ms` (instance in hex).
-fn encode(cursor: &ReplayCursor) -> String {
-    format!("{:x}:{}:{}:{}", cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms)
+/// At most this many recent run versions travel with a cursor.
+pub const RECENT_MAX: usize = 64;
+
+/// `instance:epoch:seq:wall_ms` (instance in hex), then `;run,ms,hash` per recent run version
+/// (runs whose id contains `;` or `,` are left out).
+fn encode(cursor: &ReplayCursor, recent: &[(String, Version)]) -> String {
+    let mut out = format!("{:x}:{}:{}:{}", cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms);
+    for (id, v) in recent.iter().take(RECENT_MAX) {
+        if !id.contains([';', ',']) {
+            out.push_str(&format!(";{id},{},{:x}", v.ms, v.hash));
+        }
+    }
+    out
 }
 
-fn decode(value: &str) -> Option<ReplayCursor> {
+fn decode(value: &str) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
+    let mut sections = value.split(';');
+    let cursor = decode_cursor(sections.next()?)?;
+    let mut recent = Vec::new();
+    for entry in sections.take(RECENT_MAX) {
+        let mut f = entry.split(',');
+        let (Some(id), Some(ms), Some(hash), None) = (f.next(), f.next(), f.next(), f.next()) else { return None };
+        let version = Version { ms: ms.parse().ok()?, hash: u64::from_str_radix(hash, 16).ok()? };
+        recent.push((id.to_string(), version));
+    }
+    Some((cursor, recent))
+}
+
+fn decode_cursor(value: &str) -> Option<ReplayCursor> {
     let mut parts = value.split(':');
     let instance = u64::from_str_radix(parts.next()?, 16).ok()?;
     let epoch = parts.next()?.parse().ok()?;
@@ -85,8 +109,8 @@ impl CursorStore {
     }
 
     /// Stores the cursor a response handed out (in the background; failures are logged).
-    pub fn set(&self, env_id: &str, handle: &str, offset: Offset, cursor: &ReplayCursor) {
-        let (client, key, value, ttl) = (self.client.clone(), key(env_id, handle, offset), encode(cursor), self.ttl_ms);
+    pub fn set(&self, env_id: &str, handle: &str, offset: Offset, cursor: &ReplayCursor, recent: &[(String, Version)]) {
+        let (client, key, value, ttl) = (self.client.clone(), key(env_id, handle, offset), encode(cursor, recent), self.ttl_ms);
         let stats = self.stats.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
@@ -108,7 +132,7 @@ impl CursorStore {
 
     /// The cursor stored for this offset, or `None` (unknown, expired, malformed, Redis slow or
     /// down).
-    pub async fn get(&self, env_id: &str, handle: &str, offset: Offset) -> Option<ReplayCursor> {
+    pub async fn get(&self, env_id: &str, handle: &str, offset: Offset) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
         let read = self.client.get::<Option<String>, _>(key(env_id, handle, offset));
         match tokio::time::timeout(READ_DEADLINE, read).await {
             Ok(Ok(Some(value))) => {
@@ -141,8 +165,10 @@ mod tests {
     #[test]
     fn cur_05_cursor_round_trips_and_garbage_is_unknown() {
         let c = ReplayCursor { epoch: 3, seq: 42, instance: 0xdead_beef, wall_ms: 1_700_000_000_000 };
-        assert_eq!(decode(&encode(&c)), Some(c));
-        for bad in ["", "x", "1:2:3", "zz:1:2:3", "1:2:3:0", "1:2:3:4:5", "1:-2:3:4"] {
+        assert_eq!(decode(&encode(&c, &[])), Some((c, vec![])));
+        let recent = vec![("run1".to_string(), Version { ms: 5, hash: 0xabc }), ("bad;id".to_string(), Version { ms: 1, hash: 1 })];
+        assert_eq!(decode(&encode(&c, &recent)), Some((c, vec![recent[0].clone()])));
+        for bad in ["", "x", "1:2:3", "zz:1:2:3", "1:2:3:0", "1:2:3:4:5", "1:-2:3:4", "1:2:3:4;r,1", "1:2:3:4;r,x,1"] {
             assert_eq!(decode(bad), None, "{bad:?}");
         }
     }

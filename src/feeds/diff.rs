@@ -45,6 +45,10 @@ pub enum Known {
     /// Nothing usable: multi-run feeds re-send every row they carry (a full re-sync, labelled
     /// `update`) rather than risk hiding rows at or below the floor the client never saw.
     Nothing,
+    /// Only the versions of the runs the client's last responses carried (a hop: another
+    /// instance shared them with the replay cursor). A listed run is skipped unless it
+    /// advanced; an unlisted one is sent as `update`.
+    Partial(WorkingSet),
 }
 
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
@@ -82,6 +86,10 @@ impl Pending {
                     },
                     Known::Floor(ms) => (row.meta.updated_at_ms > *ms).then(|| (Operation::Update, row.clone())),
                     Known::Nothing => Some((Operation::Update, row.clone())),
+                    Known::Partial(ws) => match ws.get(&row.meta.id) {
+                        Some(have) if !version.advances(*have) => None,
+                        _ => Some((Operation::Update, row.clone())),
+                    },
                 }
             })
             .collect();
@@ -89,6 +97,11 @@ impl Pending {
             b.1.meta.created_at_ms.cmp(&a.1.meta.created_at_ms).then_with(|| b.1.meta.id.cmp(&a.1.meta.id))
         });
         out
+    }
+
+    /// The runs collected.
+    pub fn run_ids(&self) -> impl Iterator<Item = &String> {
+        self.rows.keys()
     }
 
     /// Whether nothing was collected.
@@ -100,7 +113,7 @@ impl Pending {
     /// collected row, never moving a run back to an older `updatedAt`.
     pub fn next_working_set(&self, known: &Known) -> WorkingSet {
         let mut ws = match known {
-            Known::Set(ws) => ws.clone(),
+            Known::Set(ws) | Known::Partial(ws) => ws.clone(),
             _ => WorkingSet::new(),
         };
         for row in self.rows.values() {
@@ -174,6 +187,16 @@ mod tests {
         let all = p.changes(&Known::Nothing);
         assert_eq!(all.len(), 2);
         assert!(all.iter().all(|(op, _)| *op == Operation::Update));
+    }
+
+    #[test]
+    fn hop_partial_knowledge_skips_listed_unchanged_rows_and_sends_the_rest() {
+        let mut recent = WorkingSet::new();
+        recent.insert("a".into(), Version { ms: 10, hash: 1 });
+        let mut p = Pending::default();
+        p.extend([row("a", 10, 1), row("b", 5, 1)]);
+        let got: Vec<_> = p.changes(&Known::Partial(recent)).into_iter().map(|(op, r)| (r.meta.id.clone(), op)).collect();
+        assert_eq!(got, vec![("b".into(), Operation::Update)]);
     }
 
     #[test]

@@ -86,6 +86,9 @@ pub struct ConnState {
     pub cursor: ReplayCursor,
     /// The offset this response answered; dropped once the client presents this one.
     pub prev: Option<Offset>,
+    /// Versions of the runs the latest responses carried (shared with the cursor, so another
+    /// instance does not re-send them on a hop).
+    pub recent: Vec<(String, Version)>,
 }
 
 type ConnKey = (String, String, Offset);
@@ -112,6 +115,8 @@ struct Resume {
     state: Option<Arc<ConnState>>,
     /// The replay cursor: from the local state, else from the fleet-shared store.
     cursor: Option<ReplayCursor>,
+    /// From the shared store: the versions the client's latest responses carried.
+    recent: Option<WorkingSet>,
 }
 
 impl Feeds {
@@ -297,7 +302,7 @@ impl Feeds {
 
     fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
         if let Some(store) = &self.cursors {
-            store.set(&req.env_id, handle, offset, &state.cursor);
+            store.set(&req.env_id, handle, offset, &state.cursor, &state.recent);
         }
         self.conns.insert((req.env_id.clone(), handle.to_string(), offset), Arc::new(state));
     }
@@ -310,22 +315,47 @@ impl Feeds {
                 self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
             }
         }
-        let cursor = match (&state, &self.cursors) {
-            (Some(state), _) => Some(state.cursor),
+        let (cursor, recent) = match (&state, &self.cursors) {
+            (Some(state), _) => (Some(state.cursor), None),
             // Another instance answered the previous poll (or this one forgot it).
-            (None, Some(store)) => store.get(&req.env_id, handle, offset).await,
-            (None, None) => None,
+            (None, Some(store)) => match store.get(&req.env_id, handle, offset).await {
+                Some((cursor, recent)) => (Some(cursor), Some(recent.into_iter().collect::<WorkingSet>())),
+                None => (None, None),
+            },
+            (None, None) => (None, None),
         };
         self.metrics.state_lookup(state.is_some());
-        Resume { state, cursor }
+        Resume { state, cursor, recent }
     }
 
-    fn known(&self, req: &FeedRequest, state: Option<&ConnState>, offset: Offset) -> Known {
-        match (state, &req.target) {
-            (Some(s), _) => Known::Set(s.ws.clone()),
-            (None, Target::Run { .. }) => Known::Floor(offset.ms),
-            (None, _) => Known::Nothing,
+    fn known(&self, req: &FeedRequest, resume: &Resume, offset: Offset) -> Known {
+        match (&resume.state, &resume.recent, &req.target) {
+            (Some(s), _, _) => Known::Set(s.ws.clone()),
+            (None, _, Target::Run { .. }) => Known::Floor(offset.ms),
+            (None, Some(recent), _) => Known::Partial(recent.clone()),
+            (None, None, _) => Known::Nothing,
         }
+    }
+
+    /// Versions of the runs this response considered, then those carried from the state it
+    /// answers (bounded by [`cursors::RECENT_MAX`]).
+    fn recent(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, pending: &Pending, ws: &WorkingSet) -> Vec<(String, Version)> {
+        let mut out: Vec<(String, Version)> = pending.run_ids().filter_map(|id| ws.get(id).map(|v| (id.clone(), *v))).collect();
+        let carried: Vec<(String, Version)> = match known {
+            Known::Partial(map) => map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+            _ => self.conns.get(&(req.env_id.clone(), handle.to_string(), offset)).map(|s| s.recent.clone()).unwrap_or_default(),
+        };
+        for (id, v) in carried {
+            if out.len() >= cursors::RECENT_MAX {
+                break;
+            }
+            if !out.iter().any(|(have, _)| *have == id) {
+                let version = ws.get(&id).copied().unwrap_or(v);
+                out.push((id, version));
+            }
+        }
+        out.truncate(cursors::RECENT_MAX);
+        out
     }
 
     /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01, TAG-01..03,
@@ -346,7 +376,7 @@ impl Feeds {
         pending.extend(set.rows.iter().cloned());
         let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
         let offset = Offset { ms: max_ms(0, &changes), seq: next_seq() };
-        self.record(req, &handle, offset, ConnState { ws: pending.next_working_set(&Known::Nothing), cursor: set.cursor, prev: None });
+        self.record(req, &handle, offset, ConnState { ws: pending.next_working_set(&Known::Nothing), cursor: set.cursor, prev: None, recent: Vec::new() });
         Ok(self.reply(req, handle, offset, &changes, true))
     }
 
@@ -354,7 +384,7 @@ impl Feeds {
     /// once with what the client is missing, never held (protocol §4.5–4.6).
     async fn catch_up(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
         let resume = self.lookup(req, handle, offset).await;
-        let known = self.known(req, resume.state.as_deref(), offset);
+        let known = self.known(req, &resume, offset);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
         let set = self.sets.read_shared(&req.env_id, target, req.cols, deadline).await?;
         // The cached read may predate records the client has not seen: replay them too.
@@ -383,15 +413,16 @@ impl Feeds {
         pending.extend(late.rows);
         let changes = pending.changes(known);
         let ws = pending.next_working_set(known);
+        let recent = self.recent(req, handle, offset, known, &pending, &ws);
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (protocol §10); its state
             // keeps the same working set and moves the replay cursor forward.
             let prev = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset)).and_then(|s| s.prev);
-            self.record(req, handle, offset, ConnState { ws, cursor, prev });
+            self.record(req, handle, offset, ConnState { ws, cursor, prev, recent });
             return self.reply(req, handle.to_string(), offset, &changes, schema);
         }
         let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
-        self.record(req, handle, next, ConnState { ws, cursor, prev: Some(offset) });
+        self.record(req, handle, next, ConnState { ws, cursor, prev: Some(offset), recent });
         self.reply(req, handle.to_string(), next, &changes, schema)
     }
 
@@ -407,7 +438,7 @@ impl Feeds {
             Instant::now() + self.hold()
         };
         let resume = self.lookup(req, handle, offset).await;
-        let known = self.known(req, resume.state.as_deref(), offset);
+        let known = self.known(req, &resume, offset);
         let reg = self.router.register(&req.env_id, filter_of(target), req.cols, resume.cursor).await;
         let mut pending = Pending::default();
         let first = reg.take();

@@ -73,14 +73,30 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     );
     let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
     let (tx, rx) = mpsc::unbounded_channel();
-    let redis_source =
-        Arc::new(RedisChangeSource::connect_with(&(&config.redis).into(), tx).await.context("connecting the Redis change source")?);
+    let redis_source = Arc::new(
+        RedisChangeSource::connect_with(&(&config.redis).into(), tx)
+            .await
+            .context("connecting the Redis change source")?,
+    );
     let source: Arc<dyn ChangeSource> = redis_source.clone();
     // Read-your-writes gate: only when hydrates read a distinct replica (reference
     // REPLICA_LAG_GATE_ENABLED, disabled by RUN_READS_FROM_PRIMARY).
-    let gate = (config.replica_lag.gate_enabled && !db.run_reads_from_primary && store.has_distinct_replica())
-        .then(|| Arc::new(Gate::new(store.clone() as Arc<dyn ReplicaProbe>, config.replica_lag.clone())));
-    let router = Router::start_with_gate(config.router.clone(), source, store.clone() as Arc<dyn RunStore>, rx, gate);
+    let gate = (config.replica_lag.gate_enabled
+        && !db.run_reads_from_primary
+        && store.has_distinct_replica())
+    .then(|| {
+        Arc::new(Gate::new(
+            store.clone() as Arc<dyn ReplicaProbe>,
+            config.replica_lag.clone(),
+        ))
+    });
+    let router = Router::start_with_gate(
+        config.router.clone(),
+        source,
+        store.clone() as Arc<dyn RunStore>,
+        rx,
+        gate,
+    );
     let handles = match &config.server.handle_secret {
         Some(secret) if !secret.is_empty() => HandleKey::new(secret.as_bytes()),
         _ => {
@@ -89,10 +105,19 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         }
     };
     let kv = kv_client(&(&config.redis).into()).context("building the key/value Redis client")?;
-    let mut feeds = Feeds::new(config.feeds.clone(), &config.caches, store.clone() as Arc<dyn RunStore>, router.clone(), handles)
-        .with_metrics(telemetry.metrics().clone());
+    let mut feeds = Feeds::new(
+        config.feeds.clone(),
+        &config.caches,
+        store.clone() as Arc<dyn RunStore>,
+        router.clone(),
+        handles,
+    )
+    .with_metrics(telemetry.metrics().clone());
     if config.router.shared_replay_cursors {
-        feeds = feeds.with_cursor_store(CursorStore::new(kv.clone(), config.caches.working_set_ttl_ms));
+        feeds = feeds.with_cursor_store(CursorStore::new(
+            kv.clone(),
+            config.caches.working_set_ttl_ms,
+        ));
     }
     let feeds = Arc::new(feeds);
     let auth = Arc::new(Authenticator::new(
@@ -102,7 +127,12 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let limiter = Arc::new(Limiter::new(
         Some(kv),
         config.feeds.default_concurrency_limit,
-        config.feeds.concurrency_limit_overrides.clone().into_iter().collect(),
+        config
+            .feeds
+            .concurrency_limit_overrides
+            .clone()
+            .into_iter()
+            .collect(),
     ));
     let state = AppState {
         feeds: feeds.clone(),
@@ -119,7 +149,14 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     });
     let admin = match config.telemetry.admin_listen.as_str() {
         "" => None,
-        listen => Some(Admin::start(listen, telemetry.registry().clone(), readiness_checks(&store, &redis_source)).await?),
+        listen => Some(
+            Admin::start(
+                listen,
+                telemetry.registry().clone(),
+                readiness_checks(&store, &redis_source),
+            )
+            .await?,
+        ),
     };
     let admin_addr = admin.as_ref().map(|a| a.addr);
     let listener = TcpListener::bind(&config.server.listen)
@@ -128,7 +165,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let addr = listener.local_addr().context("reading the bound address")?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
-    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone()).into_make_service();
+    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone())
+        .into_make_service();
     let task = tokio::spawn(async move {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let server = axum::serve(listener, service).with_graceful_shutdown(async move {
@@ -152,11 +190,23 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             } => tracing::info!("shutdown grace period over; closing held polls"),
         }
     });
-    Ok(Running { addr, router, store, admin_addr, telemetry, admin, shutdown: Some(shutdown_tx), task })
+    Ok(Running {
+        addr,
+        router,
+        store,
+        admin_addr,
+        telemetry,
+        admin,
+        shutdown: Some(shutdown_tx),
+        task,
+    })
 }
 
 /// `/readyz`: Postgres answers `SELECT 1` (both pools) and the Redis subscriber is connected.
-fn readiness_checks(store: &Arc<PgStore>, source: &Arc<RedisChangeSource>) -> Vec<(&'static str, Check)> {
+fn readiness_checks(
+    store: &Arc<PgStore>,
+    source: &Arc<RedisChangeSource>,
+) -> Vec<(&'static str, Check)> {
     let store = Arc::downgrade(store);
     let source = Arc::downgrade(source);
     let postgres: Check = Arc::new(move || {
@@ -170,7 +220,13 @@ fn readiness_checks(store: &Arc<PgStore>, source: &Arc<RedisChangeSource>) -> Ve
     });
     let redis: Check = Arc::new(move || {
         let connected = source.upgrade().is_some_and(|s| s.is_connected());
-        Box::pin(async move { if connected { Ok(()) } else { Err("subscriber not connected".into()) } })
+        Box::pin(async move {
+            if connected {
+                Ok(())
+            } else {
+                Err("subscriber not connected".into())
+            }
+        })
     });
     vec![("postgres", postgres), ("redis", redis)]
 }
@@ -182,7 +238,9 @@ fn kv_client(options: &crate::changes::RedisOptions) -> anyhow::Result<fred::cli
     let mut config = options.fred_config().map_err(|e| anyhow::anyhow!(e))?;
     config.fail_fast = false;
     let client = fred::types::Builder::from_config(config)
-        .set_policy(fred::prelude::ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
+        .set_policy(fred::prelude::ReconnectPolicy::new_exponential(
+            0, 100, 2_000, 2,
+        ))
         .with_connection_config(|conn| conn.max_command_attempts = 1)
         .build()?;
     let _connection = client.connect();

@@ -40,7 +40,11 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { listen: "127.0.0.1:3030".into(), handle_secret: None, shutdown_grace_ms: 2_000 }
+        ServerConfig {
+            listen: "127.0.0.1:3030".into(),
+            handle_secret: None,
+            shutdown_grace_ms: 2_000,
+        }
     }
 }
 
@@ -89,7 +93,11 @@ pub struct RedisConfig {
 
 impl Default for RedisConfig {
     fn default() -> Self {
-        RedisConfig { url: "redis://127.0.0.1:6379".into(), cluster: false, sharded: true }
+        RedisConfig {
+            url: "redis://127.0.0.1:6379".into(),
+            cluster: false,
+            sharded: true,
+        }
     }
 }
 
@@ -280,13 +288,20 @@ impl Config {
         let mut fig = Figment::from(Serialized::defaults(Config::default()));
         if let Some(path) = file {
             if !path.exists() {
-                return Err(ConfigError::Invalid(format!("config file {} not found", path.display())));
+                return Err(ConfigError::Invalid(format!(
+                    "config file {} not found",
+                    path.display()
+                )));
             }
             fig = fig.merge(Toml::file(path));
         }
         // Only `RUNFEED_<SECTION>__<KEY>` names are configuration; other RUNFEED_* variables
         // (RUNFEED_LISTEN, RUNFEED_CONFIG, RUNFEED_LOG_FORMAT, …) belong to the CLI.
-        fig = fig.merge(Env::prefixed("RUNFEED_").filter(|key| key.as_str().contains("__")).split("__"));
+        fig = fig.merge(
+            Env::prefixed("RUNFEED_")
+                .filter(|key| key.as_str().contains("__"))
+                .split("__"),
+        );
         let config: Config = fig.extract().map_err(Box::new)?;
         config.validate()?;
         Ok(config)
@@ -296,26 +311,43 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let f = &self.feeds;
         if !(0.0..1.0).contains(&f.live_poll_jitter_ratio) {
-            return Err(ConfigError::Invalid("feeds.live_poll_jitter_ratio must be in [0, 1)".into()));
+            return Err(ConfigError::Invalid(
+                "feeds.live_poll_jitter_ratio must be in [0, 1)".into(),
+            ));
         }
         if f.live_poll_timeout_ms == 0 {
-            return Err(ConfigError::Invalid("feeds.live_poll_timeout_ms must be > 0".into()));
+            return Err(ConfigError::Invalid(
+                "feeds.live_poll_timeout_ms must be > 0".into(),
+            ));
         }
         if f.max_list_results == 0 {
-            return Err(ConfigError::Invalid("feeds.max_list_results must be > 0".into()));
+            return Err(ConfigError::Invalid(
+                "feeds.max_list_results must be > 0".into(),
+            ));
         }
         let t = &self.telemetry;
         if !t.admin_listen.is_empty() && t.admin_listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::Invalid(format!("telemetry.admin_listen {:?} is not an address (empty disables it)", t.admin_listen)));
+            return Err(ConfigError::Invalid(format!(
+                "telemetry.admin_listen {:?} is not an address (empty disables it)",
+                t.admin_listen
+            )));
         }
         if t.otlp_interval_ms == 0 {
-            return Err(ConfigError::Invalid("telemetry.otlp_interval_ms must be > 0".into()));
+            return Err(ConfigError::Invalid(
+                "telemetry.otlp_interval_ms must be > 0".into(),
+            ));
         }
         if !matches!(t.log_format.as_str(), "pretty" | "json") {
-            return Err(ConfigError::Invalid(format!("telemetry.log_format {:?} must be \"pretty\" or \"json\"", t.log_format)));
+            return Err(ConfigError::Invalid(format!(
+                "telemetry.log_format {:?} must be \"pretty\" or \"json\"",
+                t.log_format
+            )));
         }
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::Invalid(format!("server.listen {:?} is not an address", self.server.listen)));
+            return Err(ConfigError::Invalid(format!(
+                "server.listen {:?} is not an address",
+                self.server.listen
+            )));
         }
         Ok(())
     }
@@ -328,7 +360,10 @@ mod tests {
     #[test]
     fn default_toml_equals_builtin_defaults() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
-        let from_file: Config = Figment::new().merge(Toml::file(&path)).extract().expect("config/default.toml parses");
+        let from_file: Config = Figment::new()
+            .merge(Toml::file(&path))
+            .extract()
+            .expect("config/default.toml parses");
         assert_eq!(from_file, Config::default());
     }
 

@@ -2530,9 +2530,17 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
     let full_url = tag_url("sc");
     // Snapshots after the subscription is confirmed carry usable cursors, so the live polls
     // below take no cold path (whose reads could race the change and add a hydrate).
-    assert_eq!(srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await.status, 200);
+    assert_eq!(
+        srv.fetch(&run_url(&run.friendly_id).snapshot(), &h)
+            .await
+            .status,
+        200
+    );
     let warm = srv.running().router.clone();
-    wait_until(WAIT, "subscription confirmed", || warm.touch(&env.env_id).epoch != 0).await;
+    wait_until(WAIT, "subscription confirmed", || {
+        warm.touch(&env.env_id).epoch != 0
+    })
+    .await;
     let slim = srv.fetch(&slim_url.snapshot(), &h).await;
     let full = srv.fetch(&full_url.snapshot(), &h).await;
     let full2 = srv.fetch(&full_url.snapshot(), &h).await;
@@ -2654,11 +2662,18 @@ async fn shutdown_answers_every_held_poll_with_up_to_date() {
     let run = srv.tagged_run(&env, &["s"]).await;
     let peer = srv.peer(|_| {}).await;
     let h = modern(&env.api_key);
-    let snap = srv.fetch_at(&peer.base, &run_url(&run.friendly_id).snapshot(), &h).await;
+    let snap = srv
+        .fetch_at(&peer.base, &run_url(&run.friendly_id).snapshot(), &h)
+        .await;
     let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), None);
     let polls: Vec<_> = (0..200)
         .map(|_| {
-            let (srv_base, http, live, h) = (peer.base.clone(), srv.http.clone(), live.render(), h.clone());
+            let (srv_base, http, live, h) = (
+                peer.base.clone(),
+                srv.http.clone(),
+                live.render(),
+                h.clone(),
+            );
             tokio::spawn(async move {
                 let mut req = http.get(format!("{srv_base}{live}"));
                 for (k, v) in &h {
@@ -2672,15 +2687,25 @@ async fn shutdown_answers_every_held_poll_with_up_to_date() {
         })
         .collect();
     let router = peer.running.router.clone();
-    wait_until(WAIT, "200 polls held on the peer", || router.held_feeds().0 == 200).await;
+    wait_until(WAIT, "200 polls held on the peer", || {
+        router.held_feeds().0 == 200
+    })
+    .await;
     let t = Instant::now();
     within(WAIT, "peer shutdown", peer.running.stop()).await;
     for poll in polls {
-        let (status, body) = within(WAIT, "poll answered", poll).await.expect("join").expect("poll got a response, not a reset");
+        let (status, body) = within(WAIT, "poll answered", poll)
+            .await
+            .expect("join")
+            .expect("poll got a response, not a reset");
         assert_eq!(status, 200);
         assert_eq!(body, r#"[{"headers":{"control":"up-to-date"}}]"#);
     }
-    assert!(t.elapsed() < Duration::from_secs(3), "drained in {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "drained in {:?}",
+        t.elapsed()
+    );
     println!("shutdown: 200 held polls answered in {:?}", t.elapsed());
 }
 
@@ -2689,7 +2714,8 @@ async fn shutdown_answers_every_held_poll_with_up_to_date() {
 /// snapshot is never limited, and aborting a held poll frees its slot at once.
 #[tokio::test]
 async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() {
-    let srv = Arc::new(TestServer::start_with(20_000, |c| c.feeds.default_concurrency_limit = 2).await);
+    let srv =
+        Arc::new(TestServer::start_with(20_000, |c| c.feeds.default_concurrency_limit = 2).await);
     let env = srv.env().await;
     let run = srv.tagged_run(&env, &["l"]).await;
     let h = modern(&env.api_key);
@@ -2701,16 +2727,27 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
     };
     let a = spawn_poll();
     let b = spawn_poll();
-    srv.wait_held("two live polls held", |held| held.0 == 2).await;
-    let third = srv.fetch(&live, &with(h.clone(), "origin", "https://app.example")).await;
+    srv.wait_held("two live polls held", |held| held.0 == 2)
+        .await;
+    let third = srv
+        .fetch(&live, &with(h.clone(), "origin", "https://app.example"))
+        .await;
     assert_eq!(third.status, 429);
     assert_eq!(third.json, json!({"error": "Too many concurrent requests"}));
     assert!(third.has("access-control-allow-origin"));
-    assert_eq!(srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await.status, 200, "snapshots are not limited");
+    assert_eq!(
+        srv.fetch(&run_url(&run.friendly_id).snapshot(), &h)
+            .await
+            .status,
+        200,
+        "snapshots are not limited"
+    );
     a.abort();
-    srv.wait_held("aborted poll released", |held| held.0 == 1).await;
+    srv.wait_held("aborted poll released", |held| held.0 == 1)
+        .await;
     let c = spawn_poll();
-    srv.wait_held("a new poll takes the freed slot", |held| held.0 == 2).await;
+    srv.wait_held("a new poll takes the freed slot", |held| held.0 == 2)
+        .await;
     b.abort();
     c.abort();
 }
@@ -2729,11 +2766,21 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     let peer = srv.peer(|c| c.router.hop_margin_ms = 200).await;
     let url = tag_url("hop");
     // Both instances already serve this environment (other clients), so their streams are warm.
-    let warm = srv.fetch_at(&peer.base, &run_url(&r2.friendly_id).snapshot(), &h).await;
+    let warm = srv
+        .fetch_at(&peer.base, &run_url(&r2.friendly_id).snapshot(), &h)
+        .await;
     assert_eq!(warm.status, 200);
-    assert_eq!(srv.fetch(&run_url(&r2.friendly_id).snapshot(), &h).await.status, 200);
+    assert_eq!(
+        srv.fetch(&run_url(&r2.friendly_id).snapshot(), &h)
+            .await
+            .status,
+        200
+    );
     let router = srv.running().router.clone();
-    wait_until(WAIT, "subscription confirmed", || router.touch(&env.env_id).epoch != 0).await;
+    wait_until(WAIT, "subscription confirmed", || {
+        router.touch(&env.env_id).epoch != 0
+    })
+    .await;
     srv.wait_subscribed(&env.env_id).await;
     let peer_router = peer.running.router.clone();
     wait_until(WAIT, "peer subscription confirmed", || {
@@ -2747,13 +2794,38 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     let snap = srv.fetch(&url.snapshot(), &h).await;
     // … a change lands between its polls …
     srv.change(&env, &r1.id, &["hop"], None, "EXECUTING").await;
-    wait_until(WAIT, "peer routed the change", || peer_router.stats().batches.load(std::sync::atomic::Ordering::SeqCst) >= 1).await;
+    wait_until(WAIT, "peer routed the change", || {
+        peer_router
+            .stats()
+            .batches
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 1
+    })
+    .await;
     // … and its next live poll lands on the peer.
     let queries_before = peer.running.store.query_count();
-    let hop = srv.fetch_at(&peer.base, &url.live(&snap.handle(), &snap.offset(), None), &h).await;
+    let hop = srv
+        .fetch_at(
+            &peer.base,
+            &url.live(&snap.handle(), &snap.offset(), None),
+            &h,
+        )
+        .await;
     assert_eq!(hop.status, 200);
-    assert_eq!(hop.ops(), vec![op("update", &r1.id)], "exactly the gap: {}", hop.text);
-    assert!(hop.elapsed < Duration::from_millis(1_000), "not via the backstop: {:?}", hop.elapsed);
+    assert_eq!(
+        hop.ops(),
+        vec![op("update", &r1.id)],
+        "exactly the gap: {}",
+        hop.text
+    );
+    assert!(
+        hop.elapsed < Duration::from_millis(1_000),
+        "not via the backstop: {:?}",
+        hop.elapsed
+    );
     let hop_queries = peer.running.store.query_count() - queries_before;
-    assert!(hop_queries <= 1, "the replay hydrate at most, no full resolve: {hop_queries} queries");
+    assert!(
+        hop_queries <= 1,
+        "the replay hydrate at most, no full resolve: {hop_queries} queries"
+    );
 }

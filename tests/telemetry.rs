@@ -800,18 +800,24 @@ async fn otlp_export_pushes_metrics_to_the_configured_endpoint() {
     let deadline = Instant::now() + Duration::from_secs(20);
     // Exports repeat every 200 ms; an early one may precede the first data points, so wait
     // for one that carries the instruments.
-    let contains = |body: &[u8], needle: &str| body.windows(needle.len()).any(|w| w == needle.as_bytes());
+    let contains =
+        |body: &[u8], needle: &str| body.windows(needle.len()).any(|w| w == needle.as_bytes());
     let (path, content_type, body) = loop {
         let found = received
             .lock()
             .expect("sink")
             .iter()
-            .find(|(_, _, b)| contains(b, "runfeed.feeds.wakeups") && contains(b, "runfeed.router.held_feeds"))
+            .find(|(_, _, b)| {
+                contains(b, "runfeed.feeds.wakeups") && contains(b, "runfeed.router.held_feeds")
+            })
             .cloned();
         if let Some(export) = found {
             break export;
         }
-        assert!(Instant::now() < deadline, "no OTLP export with the instruments within 20 s");
+        assert!(
+            Instant::now() < deadline,
+            "no OTLP export with the instruments within 20 s"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(path, "/v1/metrics");

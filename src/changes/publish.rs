@@ -25,7 +25,10 @@ static PUBLISH_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// `(ok, error)` publish outcomes of every [`Publisher`] in this process (the
 /// `runfeed.notifier.publishes` metric).
 pub fn publish_counts() -> (u64, u64) {
-    (PUBLISHED.load(Ordering::Relaxed), PUBLISH_ERRORS.load(Ordering::Relaxed))
+    (
+        PUBLISHED.load(Ordering::Relaxed),
+        PUBLISH_ERRORS.load(Ordering::Relaxed),
+    )
 }
 
 /// Publishing failed.
@@ -126,7 +129,11 @@ impl Publisher {
         } else {
             self.client.publish(channel, payload.into()).await
         };
-        let counter = if result.is_ok() { &PUBLISHED } else { &PUBLISH_ERRORS };
+        let counter = if result.is_ok() {
+            &PUBLISHED
+        } else {
+            &PUBLISH_ERRORS
+        };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(u64::try_from(result?).unwrap_or(0))
     }

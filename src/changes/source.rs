@@ -108,7 +108,10 @@ impl ChangeSource for MemoryChangeSource {
         // In memory a subscription is active at once.
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         lock(&self.subscribed).insert(env_id.to_owned());
-        let _ = self.tx.send(SourceEvent::Subscribed { env_id: env_id.to_owned(), generation });
+        let _ = self.tx.send(SourceEvent::Subscribed {
+            env_id: env_id.to_owned(),
+            generation,
+        });
         generation
     }
     fn unsubscribe(&self, env_id: &str) {
@@ -207,7 +210,10 @@ impl Mode {
             Mode::Sharded => {
                 let mut by_slot: BTreeMap<u16, Vec<String>> = BTreeMap::new();
                 for channel in channels {
-                    by_slot.entry(redis_keyslot(channel.as_bytes())).or_default().push(channel);
+                    by_slot
+                        .entry(redis_keyslot(channel.as_bytes()))
+                        .or_default()
+                        .push(channel);
                 }
                 for (_, group) in by_slot {
                     client.sunsubscribe(group).await?;
@@ -309,7 +315,10 @@ impl SlotMap {
                     .and_then(|kv| kv.get(1).and_then(Value::as_string))
                     .filter(|h| !h.is_empty())
             });
-            let endpoint = node.first().and_then(Value::as_string).filter(|h| !h.is_empty() && h != "?");
+            let endpoint = node
+                .first()
+                .and_then(Value::as_string)
+                .filter(|h| !h.is_empty() && h != "?");
             let host = match endpoint {
                 None => metadata_host.unwrap_or_else(|| default_host.to_owned()),
                 Some(ip) if ip.parse::<std::net::IpAddr>().is_ok() => metadata_host.unwrap_or(ip),
@@ -468,7 +477,11 @@ impl RedisChangeSource {
         check_interval: Duration,
     ) -> Result<Self, SourceError> {
         let mut config = options.fred_config().map_err(SourceError)?;
-        let mode = if options.uses_sharded() { Mode::Sharded } else { Mode::Classic };
+        let mode = if options.uses_sharded() {
+            Mode::Sharded
+        } else {
+            Mode::Classic
+        };
         let seed_host = RedisOptions::seed_host(&config);
         // Keep retrying the first connection too instead of failing `init`.
         config.fail_fast = false;
@@ -702,11 +715,17 @@ async fn count_errors(mut rx: broadcast::Receiver<(Error, Option<Server>)>, shar
     loop {
         match rx.recv().await {
             Ok((error, server)) => {
-                shared.stats.connection_errors.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .stats
+                    .connection_errors
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%error, server = ?server.map(|s| s.to_string()), "redis change source connection error");
             }
             Err(broadcast::error::RecvError::Lagged(missed)) => {
-                shared.stats.connection_errors.fetch_add(missed, Ordering::Relaxed);
+                shared
+                    .stats
+                    .connection_errors
+                    .fetch_add(missed, Ordering::Relaxed);
             }
             Err(broadcast::error::RecvError::Closed) => return,
         }
@@ -772,7 +791,11 @@ async fn reconcile(
                 confirmed.clear();
             } else if !resync.servers.is_empty() {
                 // Unknown placement: assume it was on a reconnected node.
-                confirmed.retain(|_, c| c.server.as_ref().is_some_and(|s| !resync.servers.contains(s)));
+                confirmed.retain(|_, c| {
+                    c.server
+                        .as_ref()
+                        .is_some_and(|s| !resync.servers.contains(s))
+                });
             }
             for (env, epoch) in resync.lost.drain(..) {
                 if confirmed.get(&env).is_some_and(|c| c.epoch == epoch) {
@@ -791,8 +814,11 @@ async fn reconcile(
                 .filter(|(env, _)| !confirmed.contains_key(*env))
                 .map(|(env, generation)| (env.clone(), *generation))
                 .collect();
-            let mut to_unsubscribe: Vec<String> =
-                confirmed.keys().filter(|env| !desired.contains_key(*env)).cloned().collect();
+            let mut to_unsubscribe: Vec<String> = confirmed
+                .keys()
+                .filter(|env| !desired.contains_key(*env))
+                .cloned()
+                .collect();
             if let Some(routing) = routing.as_ref().filter(|_| mode == Mode::Sharded) {
                 // Its slot moved away: the old owner already dropped the subscription (and would
                 // answer SUNSUBSCRIBE with a MOVED that fred does not expect).
@@ -822,7 +848,10 @@ async fn reconcile(
             (to_subscribe, to_unsubscribe, to_announce)
         };
         for (env_id, generation) in to_announce {
-            if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
+            if tx
+                .send(SourceEvent::Subscribed { env_id, generation })
+                .is_err()
+            {
                 return;
             }
         }
@@ -845,7 +874,10 @@ async fn reconcile(
             }
         }
         if !to_subscribe.is_empty() {
-            let channels: Vec<String> = to_subscribe.iter().map(|(env, _)| channel_name(env)).collect();
+            let channels: Vec<String> = to_subscribe
+                .iter()
+                .map(|(env, _)| channel_name(env))
+                .collect();
             let (done, error) = mode.subscribe(&client, &channels).await;
             let done = &to_subscribe[..done.min(to_subscribe.len())];
             {
@@ -854,14 +886,26 @@ async fn reconcile(
                 for (env, generation) in done {
                     epochs += 1;
                     let server = match mode {
-                        Mode::Sharded => routing.as_ref().and_then(|r| r.owner_of_env(env)).cloned(),
+                        Mode::Sharded => {
+                            routing.as_ref().and_then(|r| r.owner_of_env(env)).cloned()
+                        }
                         Mode::Classic => None,
                     };
-                    confirmed.insert(env.clone(), Confirmed { generation: *generation, epoch: epochs, server });
+                    confirmed.insert(
+                        env.clone(),
+                        Confirmed {
+                            generation: *generation,
+                            epoch: epochs,
+                            server,
+                        },
+                    );
                 }
             }
             for (env_id, generation) in done.iter().cloned() {
-                if tx.send(SourceEvent::Subscribed { env_id, generation }).is_err() {
+                if tx
+                    .send(SourceEvent::Subscribed { env_id, generation })
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -929,13 +973,19 @@ async fn check_shards(control: Client, shared: Arc<Shared>, seed_host: String, i
             };
             match placed {
                 Some(placed) if placed != *owner => lost.push((env, epoch)),
-                placed => by_owner.entry(owner.clone()).or_default().push((env, epoch, placed.is_none())),
+                placed => {
+                    by_owner
+                        .entry(owner.clone())
+                        .or_default()
+                        .push((env, epoch, placed.is_none()))
+                }
             }
         }
         let mut located: Vec<(String, u64, Server)> = Vec::new();
         for (server, envs) in by_owner {
             for chunk in envs.chunks(SHARDNUMSUB_BATCH) {
-                let channels: Vec<String> = chunk.iter().map(|(env, _, _)| channel_name(env)).collect();
+                let channels: Vec<String> =
+                    chunk.iter().map(|(env, _, _)| channel_name(env)).collect();
                 let counts = match shard_numsub(&control, &server, channels).await {
                     Ok(counts) => counts,
                     Err(e) => {
@@ -961,8 +1011,14 @@ async fn check_shards(control: Client, shared: Arc<Shared>, seed_host: String, i
             }
         }
         if !lost.is_empty() {
-            shared.stats.lost_subscriptions.fetch_add(lost.len() as u64, Ordering::Relaxed);
-            tracing::warn!(envs = lost.len(), "sharded subscriptions gone (slot moved or dropped by the server); re-subscribing");
+            shared
+                .stats
+                .lost_subscriptions
+                .fetch_add(lost.len() as u64, Ordering::Relaxed);
+            tracing::warn!(
+                envs = lost.len(),
+                "sharded subscriptions gone (slot moved or dropped by the server); re-subscribing"
+            );
             {
                 let mut resync = lock(&shared.resync);
                 resync.lost.extend(lost);
@@ -977,7 +1033,10 @@ async fn check_shards(control: Client, shared: Arc<Shared>, seed_host: String, i
 async fn fetch_slot_map(control: &Client, seed_host: &str) -> Result<SlotMap, String> {
     let reply: Value = tokio::time::timeout(
         SHARD_CHECK_TIMEOUT,
-        control.custom(CustomCommand::new_static("CLUSTER", ClusterHash::Random, false), vec!["SLOTS"]),
+        control.custom(
+            CustomCommand::new_static("CLUSTER", ClusterHash::Random, false),
+            vec!["SLOTS"],
+        ),
     )
     .await
     .map_err(|_| "timed out".to_owned())?
@@ -996,9 +1055,10 @@ async fn shard_numsub(
     args.extend(channels);
     let reply: Value = tokio::time::timeout(
         SHARD_CHECK_TIMEOUT,
-        control
-            .with_cluster_node(server.clone())
-            .custom(CustomCommand::new_static("PUBSUB", ClusterHash::Random, false), args),
+        control.with_cluster_node(server.clone()).custom(
+            CustomCommand::new_static("PUBSUB", ClusterHash::Random, false),
+            args,
+        ),
     )
     .await
     .map_err(|_| "timed out".to_owned())?
@@ -1040,7 +1100,13 @@ mod tests {
         assert!(!s.push("b", rec("r2")));
         for (generation, env) in ["e", "e", "a"].into_iter().enumerate() {
             let generation = generation as u64 + 1;
-            assert_eq!(rx.try_recv().ok(), Some(SourceEvent::Subscribed { env_id: env.into(), generation }));
+            assert_eq!(
+                rx.try_recv().ok(),
+                Some(SourceEvent::Subscribed {
+                    env_id: env.into(),
+                    generation
+                })
+            );
         }
         assert_eq!(
             rx.try_recv().ok(),
@@ -1074,13 +1140,21 @@ mod tests {
             Value::String("node-id".into()),
         ];
         if let Some(hostname) = hostname {
-            fields.push(Value::Array(vec![Value::String("hostname".into()), Value::String(hostname.into())]));
+            fields.push(Value::Array(vec![
+                Value::String("hostname".into()),
+                Value::String(hostname.into()),
+            ]));
         }
         Value::Array(fields)
     }
 
     fn range(start: i64, end: i64, primary: Value) -> Value {
-        Value::Array(vec![Value::Integer(start), Value::Integer(end), primary, node(Some("10.0.0.9"), 1, None)])
+        Value::Array(vec![
+            Value::Integer(start),
+            Value::Integer(end),
+            primary,
+            node(Some("10.0.0.9"), 1, None),
+        ])
     }
 
     #[test]
@@ -1103,27 +1177,44 @@ mod tests {
         // A gap (slot 100 unassigned) and fred's host naming: metadata hostname wins over an IP,
         // a hostname endpoint is kept.
         let reply = Value::Array(vec![
-            range(0, 99, node(Some("10.0.0.1"), 6379, Some("redis-a.internal"))),
+            range(
+                0,
+                99,
+                node(Some("10.0.0.1"), 6379, Some("redis-a.internal")),
+            ),
             range(101, 16383, node(Some("redis-b.internal"), 6379, None)),
         ]);
         let map = SlotMap::parse(reply, "seed").expect("parses");
         assert_eq!(map.owner(50), Some(&Server::new("redis-a.internal", 6379)));
         assert_eq!(map.owner(100), None);
         assert_eq!(map.owner(101), Some(&Server::new("redis-b.internal", 6379)));
-        assert_eq!(SlotMap::parse(Value::Array(vec![Value::Integer(1)]), "seed"), None);
-        assert_eq!(SlotMap::parse(Value::Array(vec![]), "seed").map(|m| m.ranges.len()), Some(0));
+        assert_eq!(
+            SlotMap::parse(Value::Array(vec![Value::Integer(1)]), "seed"),
+            None
+        );
+        assert_eq!(
+            SlotMap::parse(Value::Array(vec![]), "seed").map(|m| m.ranges.len()),
+            Some(0)
+        );
     }
 
     #[tokio::test]
     async fn cluster_url_needs_cluster_mode() {
         let (tx, _rx) = mpsc::unbounded_channel();
         let url = "redis-cluster://127.0.0.1:1?node=127.0.0.1:2";
-        let err = RedisChangeSource::connect(url, tx.clone()).await.err().expect("refused");
+        let err = RedisChangeSource::connect(url, tx.clone())
+            .await
+            .err()
+            .expect("refused");
         assert!(err.0.contains("redis.cluster"), "{err}");
         // Cluster mode accepts it (and keeps connecting in the background).
-        let source = RedisChangeSource::connect_with_options(&RedisOptions::cluster(url, true), tx, Duration::ZERO)
-            .await
-            .expect("cluster mode");
+        let source = RedisChangeSource::connect_with_options(
+            &RedisOptions::cluster(url, true),
+            tx,
+            Duration::ZERO,
+        )
+        .await
+        .expect("cluster mode");
         assert!(source.is_sharded());
         source.shutdown().await;
     }

@@ -38,7 +38,11 @@ pub enum Command {
 #[derive(Debug, Args, Clone)]
 pub struct DbArgs {
     /// The primary Postgres.
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/runfeed_demo")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/runfeed_demo"
+    )]
     pub database_url: String,
 }
 

@@ -63,7 +63,11 @@ pub fn record_of(args: &PublishArgs) -> ChangeRecord {
 /// Publishes one record and reports the channel, payload and receiver count on stderr.
 pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     let record = record_of(&args);
-    let options = RedisOptions { url: args.redis.redis_url.clone(), cluster: args.cluster, sharded: args.sharded };
+    let options = RedisOptions {
+        url: args.redis.redis_url.clone(),
+        cluster: args.cluster,
+        sharded: args.sharded,
+    };
     let publisher = Publisher::connect_with(&options)
         .await
         .with_context(|| format!("connect to Redis at {}", args.redis.redis_url))?;

@@ -17,8 +17,8 @@ use fred::clients::Client;
 use fred::interfaces::KeysInterface;
 use fred::types::Expiration;
 
-use crate::protocol::offset::Offset;
 use crate::feeds::diff::Version;
+use crate::protocol::offset::Offset;
 use crate::router::ReplayCursor;
 
 /// Key prefix (runfeed's own: the value format differs from the reference's timestamp).
@@ -63,7 +63,10 @@ pub const RECENT_MAX: usize = 64;
 /// `instance:epoch:seq:wall_ms` (instance in hex), then `;run,ms,hash` per recent run version
 /// (runs whose id contains `;` or `,` are left out).
 fn encode(cursor: &ReplayCursor, recent: &[(String, Version)]) -> String {
-    let mut out = format!("{:x}:{}:{}:{}", cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms);
+    let mut out = format!(
+        "{:x}:{}:{}:{}",
+        cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms
+    );
     for (id, v) in recent.iter().take(RECENT_MAX) {
         if !id.contains([';', ',']) {
             out.push_str(&format!(";{id},{},{:x}", v.ms, v.hash));
@@ -78,8 +81,14 @@ fn decode(value: &str) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
     let mut recent = Vec::new();
     for entry in sections.take(RECENT_MAX) {
         let mut f = entry.split(',');
-        let (Some(id), Some(ms), Some(hash), None) = (f.next(), f.next(), f.next(), f.next()) else { return None };
-        let version = Version { ms: ms.parse().ok()?, hash: u64::from_str_radix(hash, 16).ok()? };
+        let (Some(id), Some(ms), Some(hash), None) = (f.next(), f.next(), f.next(), f.next())
+        else {
+            return None;
+        };
+        let version = Version {
+            ms: ms.parse().ok()?,
+            hash: u64::from_str_radix(hash, 16).ok()?,
+        };
         recent.push((id.to_string(), version));
     }
     Some((cursor, recent))
@@ -94,13 +103,22 @@ fn decode_cursor(value: &str) -> Option<ReplayCursor> {
     if parts.next().is_some() || wall_ms <= 0 {
         return None;
     }
-    Some(ReplayCursor { epoch, seq, instance, wall_ms })
+    Some(ReplayCursor {
+        epoch,
+        seq,
+        instance,
+        wall_ms,
+    })
 }
 
 impl CursorStore {
     /// A store on `client`; entries live `ttl_ms` (the working-set TTL).
     pub fn new(client: Client, ttl_ms: u64) -> CursorStore {
-        CursorStore { client, ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX), stats: Arc::default() }
+        CursorStore {
+            client,
+            ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX),
+            stats: Arc::default(),
+        }
     }
 
     /// Read and write outcomes so far.
@@ -109,12 +127,25 @@ impl CursorStore {
     }
 
     /// Stores the cursor a response handed out (in the background; failures are logged).
-    pub fn set(&self, env_id: &str, handle: &str, offset: Offset, cursor: &ReplayCursor, recent: &[(String, Version)]) {
-        let (client, key, value, ttl) = (self.client.clone(), key(env_id, handle, offset), encode(cursor, recent), self.ttl_ms);
+    pub fn set(
+        &self,
+        env_id: &str,
+        handle: &str,
+        offset: Offset,
+        cursor: &ReplayCursor,
+        recent: &[(String, Version)],
+    ) {
+        let (client, key, value, ttl) = (
+            self.client.clone(),
+            key(env_id, handle, offset),
+            encode(cursor, recent),
+            self.ttl_ms,
+        );
         let stats = self.stats.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let write = client.set::<(), _, _>(key, value, Some(Expiration::PX(ttl)), None, false);
+                let write =
+                    client.set::<(), _, _>(key, value, Some(Expiration::PX(ttl)), None, false);
                 match tokio::time::timeout(READ_DEADLINE * 4, write).await {
                     Ok(Ok(())) => bump(&stats.set_ok),
                     Ok(Err(err)) => {
@@ -132,12 +163,23 @@ impl CursorStore {
 
     /// The cursor stored for this offset, or `None` (unknown, expired, malformed, Redis slow or
     /// down).
-    pub async fn get(&self, env_id: &str, handle: &str, offset: Offset) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
-        let read = self.client.get::<Option<String>, _>(key(env_id, handle, offset));
+    pub async fn get(
+        &self,
+        env_id: &str,
+        handle: &str,
+        offset: Offset,
+    ) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
+        let read = self
+            .client
+            .get::<Option<String>, _>(key(env_id, handle, offset));
         match tokio::time::timeout(READ_DEADLINE, read).await {
             Ok(Ok(Some(value))) => {
                 let cursor = decode(&value);
-                bump(if cursor.is_some() { &self.stats.get_hit } else { &self.stats.get_error });
+                bump(if cursor.is_some() {
+                    &self.stats.get_hit
+                } else {
+                    &self.stats.get_error
+                });
                 cursor
             }
             Ok(Ok(None)) => {
@@ -164,11 +206,32 @@ mod tests {
 
     #[test]
     fn cur_05_cursor_round_trips_and_garbage_is_unknown() {
-        let c = ReplayCursor { epoch: 3, seq: 42, instance: 0xdead_beef, wall_ms: 1_700_000_000_000 };
+        let c = ReplayCursor {
+            epoch: 3,
+            seq: 42,
+            instance: 0xdead_beef,
+            wall_ms: 1_700_000_000_000,
+        };
         assert_eq!(decode(&encode(&c, &[])), Some((c, vec![])));
-        let recent = vec![("run1".to_string(), Version { ms: 5, hash: 0xabc }), ("bad;id".to_string(), Version { ms: 1, hash: 1 })];
-        assert_eq!(decode(&encode(&c, &recent)), Some((c, vec![recent[0].clone()])));
-        for bad in ["", "x", "1:2:3", "zz:1:2:3", "1:2:3:0", "1:2:3:4:5", "1:-2:3:4", "1:2:3:4;r,1", "1:2:3:4;r,x,1"] {
+        let recent = vec![
+            ("run1".to_string(), Version { ms: 5, hash: 0xabc }),
+            ("bad;id".to_string(), Version { ms: 1, hash: 1 }),
+        ];
+        assert_eq!(
+            decode(&encode(&c, &recent)),
+            Some((c, vec![recent[0].clone()]))
+        );
+        for bad in [
+            "",
+            "x",
+            "1:2:3",
+            "zz:1:2:3",
+            "1:2:3:0",
+            "1:2:3:4:5",
+            "1:-2:3:4",
+            "1:2:3:4;r,1",
+            "1:2:3:4;r,x,1",
+        ] {
             assert_eq!(decode(bad), None, "{bad:?}");
         }
     }

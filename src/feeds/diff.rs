@@ -21,7 +21,10 @@ pub struct Version {
 impl Version {
     /// The version of a serialized row.
     pub fn of(row: &SerializedRow) -> Version {
-        Version { ms: row.meta.updated_at_ms, hash: row.value_hash }
+        Version {
+            ms: row.meta.updated_at_ms,
+            hash: row.value_hash,
+        }
     }
 
     /// Whether `self` is newer than `known`: a later `updatedAt`, or the same millisecond with
@@ -81,10 +84,14 @@ impl Pending {
                 match known {
                     Known::Set(ws) => match ws.get(&row.meta.id) {
                         None => Some((Operation::Insert, row.clone())),
-                        Some(have) if version.advances(*have) => Some((Operation::Update, row.clone())),
+                        Some(have) if version.advances(*have) => {
+                            Some((Operation::Update, row.clone()))
+                        }
                         Some(_) => None,
                     },
-                    Known::Floor(ms) => (row.meta.updated_at_ms > *ms).then(|| (Operation::Update, row.clone())),
+                    Known::Floor(ms) => {
+                        (row.meta.updated_at_ms > *ms).then(|| (Operation::Update, row.clone()))
+                    }
                     Known::Nothing => Some((Operation::Update, row.clone())),
                     Known::Partial(ws) => match ws.get(&row.meta.id) {
                         Some(have) if !version.advances(*have) => None,
@@ -94,7 +101,10 @@ impl Pending {
             })
             .collect();
         out.sort_by(|a, b| {
-            b.1.meta.created_at_ms.cmp(&a.1.meta.created_at_ms).then_with(|| b.1.meta.id.cmp(&a.1.meta.id))
+            b.1.meta
+                .created_at_ms
+                .cmp(&a.1.meta.created_at_ms)
+                .then_with(|| b.1.meta.id.cmp(&a.1.meta.id))
         });
         out
     }
@@ -140,7 +150,13 @@ mod tests {
 
     fn row(id: &str, ms: i64, hash: u64) -> SerializedRow {
         SerializedRow {
-            meta: Arc::new(RunMeta { id: id.into(), updated_at_ms: ms, created_at_ms: 0, tags: vec![], batch_id: None }),
+            meta: Arc::new(RunMeta {
+                id: id.into(),
+                updated_at_ms: ms,
+                created_at_ms: 0,
+                tags: vec![],
+                batch_id: None,
+            }),
             fragment: Bytes::new(),
             value_hash: hash,
             dequeued: false,
@@ -154,9 +170,19 @@ mod tests {
         ws.insert("b".into(), Version { ms: 10, hash: 1 });
         let mut p = Pending::default();
         p.extend([row("a", 11, 2), row("b", 10, 1), row("c", 5, 3)]);
-        let mut got: Vec<_> = p.changes(&Known::Set(ws)).into_iter().map(|(op, r)| (r.meta.id.clone(), op)).collect();
+        let mut got: Vec<_> = p
+            .changes(&Known::Set(ws))
+            .into_iter()
+            .map(|(op, r)| (r.meta.id.clone(), op))
+            .collect();
         got.sort_by(|x, y| x.0.cmp(&y.0));
-        assert_eq!(got, vec![("a".into(), Operation::Update), ("c".into(), Operation::Insert)]);
+        assert_eq!(
+            got,
+            vec![
+                ("a".into(), Operation::Update),
+                ("c".into(), Operation::Insert)
+            ]
+        );
     }
 
     #[test]
@@ -176,7 +202,10 @@ mod tests {
         let mut p = Pending::default();
         p.extend([row("a", 9, 7)]);
         assert!(p.changes(&Known::Set(ws.clone())).is_empty());
-        assert_eq!(p.next_working_set(&Known::Set(ws)).get("a"), Some(&Version { ms: 10, hash: 1 }));
+        assert_eq!(
+            p.next_working_set(&Known::Set(ws)).get("a"),
+            Some(&Version { ms: 10, hash: 1 })
+        );
     }
 
     #[test]
@@ -195,7 +224,11 @@ mod tests {
         recent.insert("a".into(), Version { ms: 10, hash: 1 });
         let mut p = Pending::default();
         p.extend([row("a", 10, 1), row("b", 5, 1)]);
-        let got: Vec<_> = p.changes(&Known::Partial(recent)).into_iter().map(|(op, r)| (r.meta.id.clone(), op)).collect();
+        let got: Vec<_> = p
+            .changes(&Known::Partial(recent))
+            .into_iter()
+            .map(|(op, r)| (r.meta.id.clone(), op))
+            .collect();
         assert_eq!(got, vec![("b".into(), Operation::Update)]);
     }
 

@@ -71,14 +71,25 @@ pub struct Slot {
 }
 
 enum Release {
-    Redis { client: Client, key: String, member: String },
-    Local { local: Arc<Mutex<HashMap<String, u64>>>, env_id: String },
+    Redis {
+        client: Client,
+        key: String,
+        member: String,
+    },
+    Local {
+        local: Arc<Mutex<HashMap<String, u64>>>,
+        env_id: String,
+    },
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         match self.release.take() {
-            Some(Release::Redis { client, key, member }) => {
+            Some(Release::Redis {
+                client,
+                key,
+                member,
+            }) => {
                 if let Ok(handle) = tokio::runtime::Handle::try_current() {
                     handle.spawn(async move {
                         let _: Result<i64, _> = client.zrem(key, member).await;
@@ -102,7 +113,11 @@ impl Drop for Slot {
 impl Limiter {
     /// A limiter with `default_limit` live polls per environment and per-organization
     /// `overrides` (org id → limit; 0 is a real limit that refuses every live poll).
-    pub fn new(client: Option<Client>, default_limit: u64, overrides: HashMap<String, u64>) -> Limiter {
+    pub fn new(
+        client: Option<Client>,
+        default_limit: u64,
+        overrides: HashMap<String, u64>,
+    ) -> Limiter {
         Limiter {
             client,
             default_limit,
@@ -116,7 +131,10 @@ impl Limiter {
 
     /// The limit that applies to an organization.
     pub fn limit_for(&self, organization_id: &str) -> u64 {
-        self.overrides.get(organization_id).copied().unwrap_or(self.default_limit)
+        self.overrides
+            .get(organization_id)
+            .copied()
+            .unwrap_or(self.default_limit)
     }
 
     /// Takes a slot for a live poll of `env_id`, or `None` when the environment is at its limit
@@ -125,19 +143,36 @@ impl Limiter {
         let limit = self.limit_for(organization_id);
         if let Some(client) = &self.client {
             let key = format!("{KEY_PREFIX}{env_id}");
-            let member = format!("{:x}-{}", self.instance, self.next_id.fetch_add(1, Ordering::Relaxed));
+            let member = format!(
+                "{:x}-{}",
+                self.instance,
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            );
             let now = crate::feeds::now_ms();
-            let args = vec![now.to_string(), member.clone(), limit.to_string(), ENTRY_TTL_S.to_string()];
+            let args = vec![
+                now.to_string(),
+                member.clone(),
+                limit.to_string(),
+                ENTRY_TTL_S.to_string(),
+            ];
             let admit = client.eval::<i64, _, _, _>(ADMIT, vec![key.clone()], args);
             match tokio::time::timeout(REDIS_DEADLINE, admit).await {
                 Ok(Ok(1)) => {
-                    return Some(Slot { release: Some(Release::Redis { client: client.clone(), key, member }) });
+                    return Some(Slot {
+                        release: Some(Release::Redis {
+                            client: client.clone(),
+                            key,
+                            member,
+                        }),
+                    });
                 }
                 Ok(Ok(_)) => {
                     self.stats.rejections.fetch_add(1, Ordering::Relaxed);
                     return None;
                 }
-                Ok(Err(err)) => tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally"),
+                Ok(Err(err)) => {
+                    tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally")
+                }
                 Err(_) => tracing::warn!(env_id, "concurrency limiter timed out; counting locally"),
             }
             self.stats.degraded.fetch_add(1, Ordering::Relaxed);
@@ -152,7 +187,12 @@ impl Limiter {
             return None;
         }
         *held += 1;
-        Some(Slot { release: Some(Release::Local { local: self.local.clone(), env_id: env_id.to_string() }) })
+        Some(Slot {
+            release: Some(Release::Local {
+                local: self.local.clone(),
+                env_id: env_id.to_string(),
+            }),
+        })
     }
 }
 
@@ -166,11 +206,23 @@ mod tests {
         let a = limiter.acquire("e", "org").await;
         let b = limiter.acquire("e", "org").await;
         assert!(a.is_some() && b.is_some());
-        assert!(limiter.acquire("e", "org").await.is_none(), "third live poll over a limit of 2");
-        assert!(limiter.acquire("other", "org").await.is_some(), "counted per environment");
+        assert!(
+            limiter.acquire("e", "org").await.is_none(),
+            "third live poll over a limit of 2"
+        );
+        assert!(
+            limiter.acquire("other", "org").await.is_some(),
+            "counted per environment"
+        );
         drop(a);
-        assert!(limiter.acquire("e", "org").await.is_some(), "a released slot is free at once");
-        assert!(limiter.acquire("e2", "small").await.is_none(), "REQ-03: a limit of 0 is a real limit");
+        assert!(
+            limiter.acquire("e", "org").await.is_some(),
+            "a released slot is free at once"
+        );
+        assert!(
+            limiter.acquire("e2", "small").await.is_none(),
+            "REQ-03: a limit of 0 is a real limit"
+        );
         assert_eq!(limiter.stats.rejections.load(Ordering::Relaxed), 2);
     }
 }

@@ -121,7 +121,13 @@ struct Resume {
 
 impl Feeds {
     /// The service over `store` and `router`, handles signed with `handles`.
-    pub fn new(cfg: FeedsConfig, caches: &CachesConfig, store: Arc<dyn RunStore>, router: Router, handles: HandleKey) -> Feeds {
+    pub fn new(
+        cfg: FeedsConfig,
+        caches: &CachesConfig,
+        store: Arc<dyn RunStore>,
+        router: Router,
+        handles: HandleKey,
+    ) -> Feeds {
         let conns = Cache::builder()
             .max_capacity(caches.working_set_max_entries.saturating_mul(2))
             .time_to_live(Duration::from_millis(caches.working_set_ttl_ms.max(1)))
@@ -167,7 +173,9 @@ impl Feeds {
 
     /// Resolve admission permits held now (0 when admission is unbounded).
     pub fn admission_in_use(&self) -> usize {
-        self.sets.admission_available().map_or(0, |free| self.cfg.resolve_admission_limit.saturating_sub(free))
+        self.sets.admission_available().map_or(0, |free| {
+            self.cfg.resolve_admission_limit.saturating_sub(free)
+        })
     }
 
     /// Records a live emission of `reply` through `path` and passes it on.
@@ -179,7 +187,8 @@ impl Feeds {
     /// Starts draining (graceful shutdown): every held live poll answers `up-to-date` now, and
     /// live polls arriving from now on are answered at once (clients re-poll elsewhere).
     pub fn drain(&self) {
-        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.drained.notify_waiters();
     }
 
@@ -248,7 +257,9 @@ impl Feeds {
                     Target::Tag { floor_ms, .. } => Some(*floor_ms),
                     _ => None,
                 };
-                Err(FeedError::MustRefetch { handle: self.handles.mint(&self.claims_for(req, floor)) })
+                Err(FeedError::MustRefetch {
+                    handle: self.handles.mint(&self.claims_for(req, floor)),
+                })
             }
         }
     }
@@ -262,7 +273,10 @@ impl Feeds {
                 // the max age.
                 let min_floor = self.min_floor_ms();
                 let _ = floor_ms;
-                Target::Tag { tags: tags.clone(), floor_ms: bucket(pinned.max(min_floor), self.cfg.runset_created_at_bucket_ms) }
+                Target::Tag {
+                    tags: tags.clone(),
+                    floor_ms: bucket(pinned.max(min_floor), self.cfg.runset_created_at_bucket_ms),
+                }
             }
             _ => target.clone(),
         }
@@ -279,8 +293,16 @@ impl Feeds {
         Duration::from_millis((base * factor).max(1.0) as u64)
     }
 
-    fn reply(&self, req: &FeedRequest, handle: String, offset: Offset, changes: &[(Operation, SerializedRow)], schema: bool) -> FeedReply {
-        let refs: Vec<(Operation, &SerializedRow)> = changes.iter().map(|(op, row)| (*op, row)).collect();
+    fn reply(
+        &self,
+        req: &FeedRequest,
+        handle: String,
+        offset: Offset,
+        changes: &[(Operation, SerializedRow)],
+        schema: bool,
+    ) -> FeedReply {
+        let refs: Vec<(Operation, &SerializedRow)> =
+            changes.iter().map(|(op, row)| (*op, row)).collect();
         let body = if refs.is_empty() {
             FragmentBody::up_to_date()
         } else {
@@ -304,28 +326,41 @@ impl Feeds {
         if let Some(store) = &self.cursors {
             store.set(&req.env_id, handle, offset, &state.cursor, &state.recent);
         }
-        self.conns.insert((req.env_id.clone(), handle.to_string(), offset), Arc::new(state));
+        self.conns.insert(
+            (req.env_id.clone(), handle.to_string(), offset),
+            Arc::new(state),
+        );
     }
 
     async fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Resume {
-        let state = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset));
+        let state = self
+            .conns
+            .get(&(req.env_id.clone(), handle.to_string(), offset));
         if let Some(state) = &state {
             if let Some(prev) = state.prev {
                 // The client has moved past `prev`: its state can go.
-                self.conns.invalidate(&(req.env_id.clone(), handle.to_string(), prev));
+                self.conns
+                    .invalidate(&(req.env_id.clone(), handle.to_string(), prev));
             }
         }
         let (cursor, recent) = match (&state, &self.cursors) {
             (Some(state), _) => (Some(state.cursor), None),
             // Another instance answered the previous poll (or this one forgot it).
             (None, Some(store)) => match store.get(&req.env_id, handle, offset).await {
-                Some((cursor, recent)) => (Some(cursor), Some(recent.into_iter().collect::<WorkingSet>())),
+                Some((cursor, recent)) => (
+                    Some(cursor),
+                    Some(recent.into_iter().collect::<WorkingSet>()),
+                ),
                 None => (None, None),
             },
             (None, None) => (None, None),
         };
         self.metrics.state_lookup(state.is_some());
-        Resume { state, cursor, recent }
+        Resume {
+            state,
+            cursor,
+            recent,
+        }
     }
 
     fn known(&self, req: &FeedRequest, resume: &Resume, offset: Offset) -> Known {
@@ -339,11 +374,26 @@ impl Feeds {
 
     /// Versions of the runs this response considered, then those carried from the state it
     /// answers (bounded by [`cursors::RECENT_MAX`]).
-    fn recent(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, pending: &Pending, ws: &WorkingSet) -> Vec<(String, Version)> {
-        let mut out: Vec<(String, Version)> = pending.run_ids().filter_map(|id| ws.get(id).map(|v| (id.clone(), *v))).collect();
+    fn recent(
+        &self,
+        req: &FeedRequest,
+        handle: &str,
+        offset: Offset,
+        known: &Known,
+        pending: &Pending,
+        ws: &WorkingSet,
+    ) -> Vec<(String, Version)> {
+        let mut out: Vec<(String, Version)> = pending
+            .run_ids()
+            .filter_map(|id| ws.get(id).map(|v| (id.clone(), *v)))
+            .collect();
         let carried: Vec<(String, Version)> = match known {
             Known::Partial(map) => map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-            _ => self.conns.get(&(req.env_id.clone(), handle.to_string(), offset)).map(|s| s.recent.clone()).unwrap_or_default(),
+            _ => self
+                .conns
+                .get(&(req.env_id.clone(), handle.to_string(), offset))
+                .map(|s| s.recent.clone())
+                .unwrap_or_default(),
         };
         for (id, v) in carried {
             if out.len() >= cursors::RECENT_MAX {
@@ -362,7 +412,10 @@ impl Feeds {
     /// BAT-02).
     async fn snapshot(&self, req: &FeedRequest) -> Result<FeedReply, FeedError> {
         let target = match &req.target {
-            Target::Tag { tags, floor_ms } => Target::Tag { tags: tags.clone(), floor_ms: bucket(*floor_ms, self.cfg.runset_created_at_bucket_ms) },
+            Target::Tag { tags, floor_ms } => Target::Tag {
+                tags: tags.clone(),
+                floor_ms: bucket(*floor_ms, self.cfg.runset_created_at_bucket_ms),
+            },
             other => other.clone(),
         };
         let floor = match &target {
@@ -371,28 +424,59 @@ impl Feeds {
         };
         let handle = self.handles.mint(&self.claims_for(req, floor));
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
-        let set = self.sets.read_shared(&req.env_id, &target, req.cols, deadline).await?;
+        let set = self
+            .sets
+            .read_shared(&req.env_id, &target, req.cols, deadline)
+            .await?;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
-        let offset = Offset { ms: max_ms(0, &changes), seq: next_seq() };
-        self.record(req, &handle, offset, ConnState { ws: pending.next_working_set(&Known::Nothing), cursor: set.cursor, prev: None, recent: Vec::new() });
+        let offset = Offset {
+            ms: max_ms(0, &changes),
+            seq: next_seq(),
+        };
+        self.record(
+            req,
+            &handle,
+            offset,
+            ConnState {
+                ws: pending.next_working_set(&Known::Nothing),
+                cursor: set.cursor,
+                prev: None,
+                recent: Vec::new(),
+            },
+        );
         Ok(self.reply(req, handle, offset, &changes, true))
     }
 
     /// Non-live request with a handle (catch-up, prefetch, resume after pause): answered at
     /// once with what the client is missing, never held (protocol §4.5–4.6).
-    async fn catch_up(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
+    async fn catch_up(
+        &self,
+        req: &FeedRequest,
+        handle: &str,
+        target: &Target,
+        offset: Offset,
+    ) -> Result<FeedReply, FeedError> {
         let resume = self.lookup(req, handle, offset).await;
         let known = self.known(req, &resume, offset);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
-        let set = self.sets.read_shared(&req.env_id, target, req.cols, deadline).await?;
+        let set = self
+            .sets
+            .read_shared(&req.env_id, target, req.cols, deadline)
+            .await?;
         // The cached read may predate records the client has not seen: replay them too.
-        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, Some(set.cursor)).await;
+        let reg = self
+            .router
+            .register(&req.env_id, filter_of(target), req.cols, Some(set.cursor))
+            .await;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         if !reg.covered() {
-            let fresh = self.sets.read_covered(&req.env_id, target, req.cols, deadline, &reg).await?;
+            let fresh = self
+                .sets
+                .read_covered(&req.env_id, target, req.cols, deadline, &reg)
+                .await?;
             pending.extend(fresh.rows.iter().cloned());
         }
         Ok(self.respond(req, handle, offset, &known, pending, &reg, true, true))
@@ -402,7 +486,17 @@ impl Feeds {
     /// re-check failed) records a cursor no later poll will take as covered, so that poll
     /// re-checks instead of trusting a stream that may have skipped this feed.
     #[allow(clippy::too_many_arguments)]
-    fn respond(&self, req: &FeedRequest, handle: &str, offset: Offset, known: &Known, mut pending: Pending, reg: &Registration, schema: bool, trusted: bool) -> FeedReply {
+    fn respond(
+        &self,
+        req: &FeedRequest,
+        handle: &str,
+        offset: Offset,
+        known: &Known,
+        mut pending: Pending,
+        reg: &Registration,
+        schema: bool,
+        trusted: bool,
+    ) -> FeedReply {
         // Cursor first, then the final drain: a delivery in between is in this response or
         // after the cursor.
         let mut cursor = reg.cursor();
@@ -417,18 +511,50 @@ impl Feeds {
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (protocol §10); its state
             // keeps the same working set and moves the replay cursor forward.
-            let prev = self.conns.get(&(req.env_id.clone(), handle.to_string(), offset)).and_then(|s| s.prev);
-            self.record(req, handle, offset, ConnState { ws, cursor, prev, recent });
+            let prev = self
+                .conns
+                .get(&(req.env_id.clone(), handle.to_string(), offset))
+                .and_then(|s| s.prev);
+            self.record(
+                req,
+                handle,
+                offset,
+                ConnState {
+                    ws,
+                    cursor,
+                    prev,
+                    recent,
+                },
+            );
             return self.reply(req, handle.to_string(), offset, &changes, schema);
         }
-        let next = Offset { ms: max_ms(offset.ms, &changes), seq: next_seq() };
-        self.record(req, handle, next, ConnState { ws, cursor, prev: Some(offset), recent });
+        let next = Offset {
+            ms: max_ms(offset.ms, &changes),
+            seq: next_seq(),
+        };
+        self.record(
+            req,
+            handle,
+            next,
+            ConnState {
+                ws,
+                cursor,
+                prev: Some(offset),
+                recent,
+            },
+        );
         self.reply(req, handle.to_string(), next, &changes, schema)
     }
 
     /// `live=true`: hold until the router delivers a change the client does not have, or the
     /// hold expires (then the backstop re-reads).
-    async fn live(&self, req: &FeedRequest, handle: &str, target: &Target, offset: Offset) -> Result<FeedReply, FeedError> {
+    async fn live(
+        &self,
+        req: &FeedRequest,
+        handle: &str,
+        target: &Target,
+        offset: Offset,
+    ) -> Result<FeedReply, FeedError> {
         let drained = self.drained.notified();
         tokio::pin!(drained);
         drained.as_mut().enable();
@@ -439,7 +565,10 @@ impl Feeds {
         };
         let resume = self.lookup(req, handle, offset).await;
         let known = self.known(req, &resume, offset);
-        let reg = self.router.register(&req.env_id, filter_of(target), req.cols, resume.cursor).await;
+        let reg = self
+            .router
+            .register(&req.env_id, filter_of(target), req.cols, resume.cursor)
+            .await;
         let mut pending = Pending::default();
         let first = reg.take();
         pending.extend(first.rows);
@@ -452,11 +581,16 @@ impl Feeds {
             // the feed is registered (anything after this read reaches the inbox).
             self.metrics.live_poll(LivePath::ColdResolve);
             path = DeliveryPath::Cold;
-            trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
+            trusted &= self
+                .recheck(req, target, deadline, &reg, &mut pending)
+                .await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
-                return Ok(self.emitted(path, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
+                return Ok(self.emitted(
+                    path,
+                    self.respond(req, handle, offset, &known, pending, &reg, false, trusted),
+                ));
             }
             tokio::select! {
                 wake = reg.wake() => {
@@ -487,8 +621,13 @@ impl Feeds {
             }
         }
         // Backstop: a change the stream never announced (lost publish) surfaces here.
-        let backstop_deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
-        match self.sets.read_shared(&req.env_id, target, req.cols, backstop_deadline).await {
+        let backstop_deadline =
+            Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
+        match self
+            .sets
+            .read_shared(&req.env_id, target, req.cols, backstop_deadline)
+            .await
+        {
             Ok(set) => pending.extend(set.rows.iter().cloned()),
             Err(err) => {
                 tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date");
@@ -502,9 +641,20 @@ impl Feeds {
 
     /// Reads what the feed carries as of now (shared read + replay, see
     /// [`Sets::read_covered`]); false if that failed (logged).
-    async fn recheck(&self, req: &FeedRequest, target: &Target, deadline: Instant, reg: &Registration, pending: &mut Pending) -> bool {
+    async fn recheck(
+        &self,
+        req: &FeedRequest,
+        target: &Target,
+        deadline: Instant,
+        reg: &Registration,
+        pending: &mut Pending,
+    ) -> bool {
         // Bounded by the poll's deadline (a replay may wait on the read-your-writes gate).
-        let read = tokio::time::timeout_at(deadline, self.sets.read_covered(&req.env_id, target, req.cols, deadline, reg));
+        let read = tokio::time::timeout_at(
+            deadline,
+            self.sets
+                .read_covered(&req.env_id, target, req.cols, deadline, reg),
+        );
         match read.await.unwrap_or(Err(ReadError::Deadline)) {
             Ok(set) => {
                 pending.extend(set.rows.iter().cloned());
@@ -520,14 +670,24 @@ impl Feeds {
 
 fn filter_of(target: &Target) -> FeedFilter {
     match target {
-        Target::Run { run_id } => FeedFilter::Run { run_id: run_id.clone() },
-        Target::Tag { tags, floor_ms } => FeedFilter::Tag { tags: tags.clone(), floor_ms: *floor_ms },
-        Target::Batch { batch_id } => FeedFilter::Batch { batch_id: batch_id.clone() },
+        Target::Run { run_id } => FeedFilter::Run {
+            run_id: run_id.clone(),
+        },
+        Target::Tag { tags, floor_ms } => FeedFilter::Tag {
+            tags: tags.clone(),
+            floor_ms: *floor_ms,
+        },
+        Target::Batch { batch_id } => FeedFilter::Batch {
+            batch_id: batch_id.clone(),
+        },
     }
 }
 
 fn max_ms(floor: i64, changes: &[(Operation, SerializedRow)]) -> i64 {
-    changes.iter().map(|(_, r)| r.meta.updated_at_ms).fold(floor.max(0), i64::max)
+    changes
+        .iter()
+        .map(|(_, r)| r.meta.updated_at_ms)
+        .fold(floor.max(0), i64::max)
 }
 
 /// Rounds `ms` down to a multiple of `bucket_ms` (0 = unchanged) (TAG-01).

@@ -82,19 +82,32 @@ fn target_kind(target: &Target) -> &'static str {
 
 impl Sets {
     /// Readers over `store`; caches sized from `caches`, cap and admission from `feeds`.
-    pub fn new(store: Arc<dyn RunStore>, router: Router, feeds: &FeedsConfig, caches: &CachesConfig) -> Sets {
+    pub fn new(
+        store: Arc<dyn RunStore>,
+        router: Router,
+        feeds: &FeedsConfig,
+        caches: &CachesConfig,
+    ) -> Sets {
         let set_ttl = |target: &Target| match target {
             Target::Run { .. } => caches.run_cache_ttl_ms,
             _ => caches.runset_cache_ttl_ms,
         };
-        let (run_ttl, list_ttl) = (set_ttl(&Target::Run { run_id: String::new() }), caches.runset_cache_ttl_ms);
+        let (run_ttl, list_ttl) = (
+            set_ttl(&Target::Run {
+                run_id: String::new(),
+            }),
+            caches.runset_cache_ttl_ms,
+        );
         let sets = Cache::builder()
             .max_capacity(caches.runset_cache_max_bytes)
             .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
                 let bytes: usize = v.rows.iter().map(|r| r.fragment.len() + 128).sum();
                 u32::try_from(bytes + 64).unwrap_or(u32::MAX)
             })
-            .expire_after(PerKindTtl { run: Duration::from_millis(run_ttl), list: Duration::from_millis(list_ttl) })
+            .expire_after(PerKindTtl {
+                run: Duration::from_millis(run_ttl),
+                list: Duration::from_millis(list_ttl),
+            })
             .build();
         let lookup_ttl = Duration::from_millis(caches.lookup_cache_ttl_ms.max(1));
         Sets {
@@ -102,9 +115,16 @@ impl Sets {
             router,
             cap: feeds.max_list_results,
             sets,
-            runs: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
-            batches: Cache::builder().max_capacity(100_000).time_to_live(lookup_ttl).build(),
-            admission: (feeds.resolve_admission_limit > 0).then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
+            runs: Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(lookup_ttl)
+                .build(),
+            batches: Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(lookup_ttl)
+                .build(),
+            admission: (feeds.resolve_admission_limit > 0)
+                .then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
             admission_limit: feeds.resolve_admission_limit,
             metrics: Metrics::noop(),
         }
@@ -122,12 +142,20 @@ impl Sets {
 
     /// The run named by a friendly id (replica, then primary; positive results cached briefly,
     /// misses never: a just-created run must not 404).
-    pub async fn find_run(&self, env_id: &str, friendly_id: &str) -> Result<Option<Arc<RunResource>>, StoreError> {
+    pub async fn find_run(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<Arc<RunResource>>, StoreError> {
         let key = (env_id.to_string(), friendly_id.to_string());
         if let Some(hit) = self.runs.get(&key).await {
             return Ok(Some(hit));
         }
-        let found = self.store.find_run(env_id, friendly_id).await?.map(Arc::new);
+        let found = self
+            .store
+            .find_run(env_id, friendly_id)
+            .await?
+            .map(Arc::new);
         if let Some(run) = &found {
             self.runs.insert(key, run.clone()).await;
         }
@@ -135,12 +163,20 @@ impl Sets {
     }
 
     /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
-    pub async fn find_batch(&self, env_id: &str, friendly_id: &str) -> Result<Option<Arc<BatchResource>>, StoreError> {
+    pub async fn find_batch(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<Arc<BatchResource>>, StoreError> {
         let key = (env_id.to_string(), friendly_id.to_string());
         if let Some(hit) = self.batches.get(&key).await {
             return Ok(Some(hit));
         }
-        let found = self.store.find_batch(env_id, friendly_id).await?.map(Arc::new);
+        let found = self
+            .store
+            .find_batch(env_id, friendly_id)
+            .await?
+            .map(Arc::new);
         if let Some(batch) = &found {
             self.batches.insert(key, batch.clone()).await;
         }
@@ -149,8 +185,19 @@ impl Sets {
 
     /// What the feed carries, through the single-flight cache (identical concurrent reads share
     /// one query; a miss takes an admission permit for list feeds).
-    pub async fn read_shared(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant) -> Result<Arc<RunSet>, ReadError> {
-        let key = SetKey { env_id: env_id.to_string(), target: target.clone(), cap: self.cap, cols };
+    pub async fn read_shared(
+        &self,
+        env_id: &str,
+        target: &Target,
+        cols: ColumnSet,
+        deadline: Instant,
+    ) -> Result<Arc<RunSet>, ReadError> {
+        let key = SetKey {
+            env_id: env_id.to_string(),
+            target: target.clone(),
+            cap: self.cap,
+            cols,
+        };
         // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
         let cached = self.sets.contains_key(&key);
         let ran = std::sync::atomic::AtomicBool::new(false);
@@ -178,14 +225,31 @@ impl Sets {
     /// taken. A shared result whose cursor the stream cannot vouch for (taken before the
     /// subscription was confirmed, before a reconnect, or evicted) is dropped and read again —
     /// once for all callers; only if that fails too does this caller read alone.
-    pub async fn read_covered(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant, reg: &Registration) -> Result<Arc<RunSet>, ReadError> {
-        let key = SetKey { env_id: env_id.to_string(), target: target.clone(), cap: self.cap, cols };
+    pub async fn read_covered(
+        &self,
+        env_id: &str,
+        target: &Target,
+        cols: ColumnSet,
+        deadline: Instant,
+        reg: &Registration,
+    ) -> Result<Arc<RunSet>, ReadError> {
+        let key = SetKey {
+            env_id: env_id.to_string(),
+            target: target.clone(),
+            cap: self.cap,
+            cols,
+        };
         for _ in 0..2 {
             let set = self.read_shared(env_id, target, cols, deadline).await?;
             if reg.replay_since(set.cursor).await {
                 return Ok(set);
             }
-            if self.sets.get(&key).await.is_some_and(|cached| Arc::ptr_eq(&cached, &set)) {
+            if self
+                .sets
+                .get(&key)
+                .await
+                .is_some_and(|cached| Arc::ptr_eq(&cached, &set))
+            {
                 self.sets.invalidate(&key).await;
             }
         }
@@ -194,38 +258,79 @@ impl Sets {
 
     /// What the feed carries, read now (no cache): for re-checks that must see the store as it
     /// is after a feed registered.
-    pub async fn read_fresh(&self, env_id: &str, target: &Target, cols: ColumnSet, deadline: Instant) -> Result<Arc<RunSet>, ReadError> {
-        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols, true)).await {
+    pub async fn read_fresh(
+        &self,
+        env_id: &str,
+        target: &Target,
+        cols: ColumnSet,
+        deadline: Instant,
+    ) -> Result<Arc<RunSet>, ReadError> {
+        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols, true))
+            .await
+        {
             Ok(result) => result,
             Err(_) => Err(ReadError::Deadline),
         }
     }
 
-    async fn read_fresh_inner(&self, env_id: &str, target: &Target, cols: ColumnSet, admit: bool) -> Result<Arc<RunSet>, ReadError> {
+    async fn read_fresh_inner(
+        &self,
+        env_id: &str,
+        target: &Target,
+        cols: ColumnSet,
+        admit: bool,
+    ) -> Result<Arc<RunSet>, ReadError> {
         let admission_started = Instant::now();
         let _permit = match (&self.admission, target, admit) {
-            (Some(sem), Target::Tag { .. } | Target::Batch { .. }, true) => sem.clone().acquire_owned().await.ok(),
+            (Some(sem), Target::Tag { .. } | Target::Batch { .. }, true) => {
+                sem.clone().acquire_owned().await.ok()
+            }
             _ => None,
         };
         if _permit.is_some() {
             self.metrics.admission_waited(admission_started.elapsed());
-            let free = self.admission.as_ref().map_or(0, |sem| sem.available_permits());
-            ADMISSION_PEAK.fetch_max(self.admission_limit.saturating_sub(free), std::sync::atomic::Ordering::Relaxed);
+            let free = self
+                .admission
+                .as_ref()
+                .map_or(0, |sem| sem.available_permits());
+            ADMISSION_PEAK.fetch_max(
+                self.admission_limit.saturating_sub(free),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         let cursor = self.router.touch(env_id);
         let query_started = Instant::now();
         let rows = match target {
-            Target::Run { run_id } => self.store.read_run(env_id, run_id, cols).await.map(|r| r.into_iter().collect::<Vec<_>>()),
-            Target::Tag { tags, floor_ms } => self.store.resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols).await,
-            Target::Batch { batch_id } => self.store.resolve_batch_set(env_id, batch_id, self.cap, cols).await,
+            Target::Run { run_id } => self
+                .store
+                .read_run(env_id, run_id, cols)
+                .await
+                .map(|r| r.into_iter().collect::<Vec<_>>()),
+            Target::Tag { tags, floor_ms } => {
+                self.store
+                    .resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols)
+                    .await
+            }
+            Target::Batch { batch_id } => {
+                self.store
+                    .resolve_batch_set(env_id, batch_id, self.cap, cols)
+                    .await
+            }
         }
-        .inspect_err(|_| self.metrics.run_set_query(target_kind(target), false, query_started.elapsed()))
+        .inspect_err(|_| {
+            self.metrics
+                .run_set_query(target_kind(target), false, query_started.elapsed())
+        })
         .map_err(|e| ReadError::Store(Arc::new(e)))?;
-        self.metrics.run_set_query(target_kind(target), true, query_started.elapsed());
+        self.metrics
+            .run_set_query(target_kind(target), true, query_started.elapsed());
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
             tracing::warn!(env_id, cap = self.cap, "run set truncated at the list cap");
         }
-        Ok(Arc::new(RunSet { cursor, rows: rows.iter().map(|row| serialize_row(row, cols)).collect() }))
+        Ok(Arc::new(RunSet {
+            cursor,
+            rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
+        }))
     }
 }
 
@@ -235,7 +340,12 @@ struct PerKindTtl {
 }
 
 impl moka::Expiry<SetKey, Arc<RunSet>> for PerKindTtl {
-    fn expire_after_create(&self, key: &SetKey, _value: &Arc<RunSet>, _now: std::time::Instant) -> Option<Duration> {
+    fn expire_after_create(
+        &self,
+        key: &SetKey,
+        _value: &Arc<RunSet>,
+        _now: std::time::Instant,
+    ) -> Option<Duration> {
         Some(match key.target {
             Target::Run { .. } => self.run,
             _ => self.list,

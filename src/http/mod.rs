@@ -15,7 +15,9 @@ use axum::Json;
 use serde_json::json;
 use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
-use crate::auth::{batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal};
+use crate::auth::{
+    batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
+};
 use crate::feeds::limit::Limiter;
 use crate::feeds::{now_ms, FeedError, FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::body::FragmentBody;
@@ -83,7 +85,8 @@ impl Params {
     /// Query parameters; a repeated key keeps its last value (`Object.fromEntries`); unknown
     /// keys (`log`, `expired_handle`, `table`, …) are ignored.
     fn parse(raw: Option<&str>) -> Params {
-        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or("")).unwrap_or_default();
+        let pairs: Vec<(String, String)> =
+            serde_urlencoded::from_str(raw.unwrap_or("")).unwrap_or_default();
         let mut p = Params::default();
         let mut shape_id = None;
         for (k, v) in pairs {
@@ -113,7 +116,10 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principa
     let legacy_api_version = header(headers, "x-trigger-api-version") != Some(CURRENT_API_VERSION);
     let principal = state
         .auth
-        .authenticate(header(headers, "authorization"), header(headers, "x-trigger-branch"))
+        .authenticate(
+            header(headers, "authorization"),
+            header(headers, "x-trigger-branch"),
+        )
         .await
         .map_err(|err| {
             let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::UNAUTHORIZED);
@@ -125,18 +131,31 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principa
             }
         })?;
     crate::telemetry::http::record_env_id(&principal.env.id);
-    Ok((principal, Ctx { legacy_client, legacy_api_version, params: Params::default() }))
+    Ok((
+        principal,
+        Ctx {
+            legacy_client,
+            legacy_api_version,
+            params: Params::default(),
+        },
+    ))
 }
 
 fn bad_request(ctx: &Ctx, message: &str) -> Response {
-    let status = if ctx.legacy_client { StatusCode::UNPROCESSABLE_ENTITY } else { StatusCode::BAD_REQUEST };
+    let status = if ctx.legacy_client {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else {
+        StatusCode::BAD_REQUEST
+    };
     error(status, message)
 }
 
 /// `{"error": message}` with JSON content type.
 fn error(status: StatusCode, message: &str) -> Response {
     let mut response = (status, Json(json!({ "error": message }))).into_response();
-    response.headers_mut().insert("cache-control", HeaderValue::from_static("no-store"));
+    response
+        .headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-store"));
     response
 }
 
@@ -146,7 +165,9 @@ fn forbidden() -> Response {
         Json(json!({"error": "Unauthorized", "code": "unauthorized", "param": "access_token", "type": "authorization"})),
     )
         .into_response();
-    response.headers_mut().insert("cache-control", HeaderValue::from_static("no-store"));
+    response
+        .headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-store"));
     response
 }
 
@@ -157,7 +178,8 @@ fn unavailable(err: &dyn std::fmt::Display) -> Response {
 
 /// Offset/handle validity shared by the three routes.
 fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, Response> {
-    let offset = OffsetParam::parse(ctx.params.offset.as_deref()).map_err(|e| bad_request(ctx, &e.to_string()))?;
+    let offset = OffsetParam::parse(ctx.params.offset.as_deref())
+        .map_err(|e| bad_request(ctx, &e.to_string()))?;
     if let OffsetParam::At(o) = offset {
         if ctx.params.handle.is_none() {
             return Err(bad_request(ctx, &format!("offset {o} requires a handle")));
@@ -177,7 +199,12 @@ fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
     }
 }
 
-async fn run_feed(State(state): State<AppState>, Path(run_id): Path<String>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+async fn run_feed(
+    State(state): State<AppState>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Response {
     let (principal, mut ctx) = match authenticate(&state, &headers).await {
         Ok(ok) => ok,
         Err(response) => return response,
@@ -187,7 +214,12 @@ async fn run_feed(State(state): State<AppState>, Path(run_id): Path<String>, hea
         Ok(o) => o,
         Err(response) => return response,
     };
-    let run = match state.feeds.sets().find_run(&principal.env.id, &run_id).await {
+    let run = match state
+        .feeds
+        .sets()
+        .find_run(&principal.env.id, &run_id)
+        .await
+    {
         Ok(Some(run)) => run,
         Ok(None) => return not_found(false),
         Err(err) => return unavailable(&err),
@@ -195,11 +227,17 @@ async fn run_feed(State(state): State<AppState>, Path(run_id): Path<String>, hea
     if !principal.ability.can_read_any(&run_route_resources(&run)) {
         return forbidden();
     }
-    let target = Target::Run { run_id: run.id.clone() };
+    let target = Target::Run {
+        run_id: run.id.clone(),
+    };
     serve(&state, &principal, &ctx, target, offset).await
 }
 
-async fn tag_feed(State(state): State<AppState>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+async fn tag_feed(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Response {
     let (principal, mut ctx) = match authenticate(&state, &headers).await {
         Ok(ok) => ok,
         Err(response) => return response,
@@ -218,17 +256,34 @@ async fn tag_feed(State(state): State<AppState>, headers: HeaderMap, RawQuery(qu
         None => max_age,
         Some(raw) => match parse_duration_ms(raw) {
             Some(ms) => ms.min(max_age),
-            None => return bad_request(&ctx, &format!("Invalid createdAt {raw:?}: expected a duration like 1h, 30m, 2d")),
+            None => {
+                return bad_request(
+                    &ctx,
+                    &format!("Invalid createdAt {raw:?}: expected a duration like 1h, 30m, 2d"),
+                )
+            }
         },
     };
     let floor_ms = now_ms() - i64::try_from(lookback).unwrap_or(i64::MAX / 2);
     if !principal.ability.can_read_any(&runs_list_resources(&tags)) {
         return forbidden();
     }
-    serve(&state, &principal, &ctx, Target::Tag { tags, floor_ms }, offset).await
+    serve(
+        &state,
+        &principal,
+        &ctx,
+        Target::Tag { tags, floor_ms },
+        offset,
+    )
+    .await
 }
 
-async fn batch_feed(State(state): State<AppState>, Path(batch_id): Path<String>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
+async fn batch_feed(
+    State(state): State<AppState>,
+    Path(batch_id): Path<String>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Response {
     let (principal, mut ctx) = match authenticate(&state, &headers).await {
         Ok(ok) => ok,
         Err(response) => return response,
@@ -238,25 +293,51 @@ async fn batch_feed(State(state): State<AppState>, Path(batch_id): Path<String>,
         Ok(o) => o,
         Err(response) => return response,
     };
-    let batch = match state.feeds.sets().find_batch(&principal.env.id, &batch_id).await {
+    let batch = match state
+        .feeds
+        .sets()
+        .find_batch(&principal.env.id, &batch_id)
+        .await
+    {
         Ok(Some(batch)) => batch,
         Ok(None) => return not_found(true),
         Err(err) => return unavailable(&err),
     };
-    if !principal.ability.can_read_any(&batch_route_resources(&batch.friendly_id)) {
+    if !principal
+        .ability
+        .can_read_any(&batch_route_resources(&batch.friendly_id))
+    {
         return forbidden();
     }
-    serve(&state, &principal, &ctx, Target::Batch { batch_id: batch.id.clone() }, offset).await
+    serve(
+        &state,
+        &principal,
+        &ctx,
+        Target::Batch {
+            batch_id: batch.id.clone(),
+        },
+        offset,
+    )
+    .await
 }
 
 fn not_found(should_retry: bool) -> Response {
     let mut response = error(StatusCode::NOT_FOUND, "Not found");
     let value = if should_retry { "true" } else { "false" };
-    response.headers_mut().insert(HeaderName::from_static("x-should-retry"), HeaderValue::from_static(value));
+    response.headers_mut().insert(
+        HeaderName::from_static("x-should-retry"),
+        HeaderValue::from_static(value),
+    );
     response
 }
 
-async fn serve(state: &AppState, principal: &Principal, ctx: &Ctx, target: Target, offset: OffsetParam) -> Response {
+async fn serve(
+    state: &AppState,
+    principal: &Principal,
+    ctx: &Ctx,
+    target: Target,
+    offset: OffsetParam,
+) -> Response {
     let req = FeedRequest {
         env_id: principal.env.id.clone(),
         target,
@@ -270,9 +351,18 @@ async fn serve(state: &AppState, principal: &Principal, ctx: &Ctx, target: Targe
     // Only live polls take a concurrency slot (REQ-02); it is released when this future ends,
     // whether answered or dropped because the client went away.
     let _slot = if req.live && matches!(req.offset, OffsetParam::At(_)) {
-        match state.limiter.acquire(&principal.env.id, &principal.env.organization_id).await {
+        match state
+            .limiter
+            .acquire(&principal.env.id, &principal.env.organization_id)
+            .await
+        {
             Some(slot) => Some(slot),
-            None => return error(StatusCode::TOO_MANY_REQUESTS, "Too many concurrent requests"),
+            None => {
+                return error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "Too many concurrent requests",
+                )
+            }
         }
     } else {
         None
@@ -280,7 +370,9 @@ async fn serve(state: &AppState, principal: &Principal, ctx: &Ctx, target: Targe
     match state.feeds.serve(req).await {
         Ok(reply) => ok(reply, ctx.legacy_client),
         Err(FeedError::MustRefetch { handle }) => must_refetch(&handle, ctx.legacy_client),
-        Err(FeedError::HandleRequired(offset)) => bad_request(ctx, &format!("offset {offset} requires a handle")),
+        Err(FeedError::HandleRequired(offset)) => {
+            bad_request(ctx, &format!("offset {offset} requires a handle"))
+        }
         Err(FeedError::Unavailable(err)) => unavailable(&err),
     }
 }
@@ -300,7 +392,11 @@ fn must_refetch(handle: &str, legacy_client: bool) -> Response {
     let headers = response.headers_mut();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     headers.insert("cache-control", HeaderValue::from_static("no-store"));
-    ElectricHeaders { handle: handle.to_string(), ..ElectricHeaders::default() }.apply(headers, legacy_client);
+    ElectricHeaders {
+        handle: handle.to_string(),
+        ..ElectricHeaders::default()
+    }
+    .apply(headers, legacy_client);
     response
 }
 
@@ -310,7 +406,9 @@ mod tests {
 
     #[test]
     fn req_01_params_last_value_wins_and_shape_id_is_the_legacy_handle() {
-        let p = Params::parse(Some("offset=1_2&offset=3_4&shape_id=h&live=true&cursor=&log=full&expired_handle=x"));
+        let p = Params::parse(Some(
+            "offset=1_2&offset=3_4&shape_id=h&live=true&cursor=&log=full&expired_handle=x",
+        ));
         assert_eq!(p.offset.as_deref(), Some("3_4"));
         assert_eq!(p.handle.as_deref(), Some("h"));
         assert!(p.live);

@@ -53,7 +53,8 @@ impl ReplayBuffer {
         window: Duration,
         cap: usize,
     ) -> Vec<Eviction> {
-        let wall_ms = crate::feeds::now_ms() - i64::try_from(now.elapsed().as_millis()).unwrap_or(0);
+        let wall_ms =
+            crate::feeds::now_ms() - i64::try_from(now.elapsed().as_millis()).unwrap_or(0);
         let merged = match self.by_run.remove(&record.run_id) {
             Some(mut earlier) => {
                 self.by_seq.remove(&earlier.seq);
@@ -65,7 +66,12 @@ impl ReplayBuffer {
         self.by_seq.insert(seq, merged.run_id.clone());
         self.by_run.insert(
             merged.run_id.clone(),
-            Buffered { seq, received_at: now, received_wall_ms: wall_ms, record: merged },
+            Buffered {
+                seq,
+                received_at: now,
+                received_wall_ms: wall_ms,
+                record: merged,
+            },
         );
         self.evict(now, window, cap)
     }
@@ -81,7 +87,11 @@ impl ReplayBuffer {
             if !expired && self.by_seq.len() <= cap {
                 break;
             }
-            evictions.push(if expired { Eviction::Window } else { Eviction::Cap });
+            evictions.push(if expired {
+                Eviction::Window
+            } else {
+                Eviction::Cap
+            });
             let entry_wall = entry.received_wall_ms;
             let run_id = run_id.clone();
             self.by_seq.remove(&seq);
@@ -104,7 +114,10 @@ impl ReplayBuffer {
 
     /// Buffered records that arrived at or after `from_ms` (wall clock), oldest first.
     pub fn since_wall(&self, from_ms: i64) -> impl Iterator<Item = &Buffered> {
-        self.by_seq.values().filter_map(|run_id| self.by_run.get(run_id)).filter(move |b| b.received_wall_ms >= from_ms)
+        self.by_seq
+            .values()
+            .filter_map(|run_id| self.by_run.get(run_id))
+            .filter(move |b| b.received_wall_ms >= from_ms)
     }
 
     /// Buffered records with a sequence greater than `cursor`, oldest first.
@@ -130,7 +143,14 @@ mod tests {
     use super::*;
 
     fn rec(run: &str, ms: Option<i64>) -> ChangeRecord {
-        ChangeRecord { v: 1, run_id: run.into(), env_id: "e".into(), tags: Some(vec![]), batch_id: None, updated_at_ms: ms }
+        ChangeRecord {
+            v: 1,
+            run_id: run.into(),
+            env_id: "e".into(),
+            tags: Some(vec![]),
+            batch_id: None,
+            updated_at_ms: ms,
+        }
     }
 
     #[test]
@@ -141,7 +161,10 @@ mod tests {
         b.insert(1, rec("r1", Some(10)), now, w, 10);
         b.insert(2, rec("r2", None), now, w, 10);
         b.insert(3, rec("r1", None), now, w, 10);
-        let order: Vec<_> = b.since(0).map(|e| (e.seq, e.record.run_id.clone())).collect();
+        let order: Vec<_> = b
+            .since(0)
+            .map(|e| (e.seq, e.record.run_id.clone()))
+            .collect();
         assert_eq!(order, vec![(2, "r2".into()), (3, "r1".into())]);
         // Merged, not replaced: the watermark of the earlier record survives.
         let r1 = b.since(2).next().map(|e| e.record.updated_at_ms);

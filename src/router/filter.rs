@@ -74,32 +74,55 @@ mod tests {
 
     #[test]
     fn rtr_17_tag_feed_is_contains_all_with_floor() {
-        let f = FeedFilter::Tag { tags: vec!["a".into(), "b".into()], floor_ms: 100 };
+        let f = FeedFilter::Tag {
+            tags: vec!["a".into(), "b".into()],
+            floor_ms: 100,
+        };
         assert!(!f.accepts(&meta(&["a"], 200, None)));
         assert!(f.accepts(&meta(&["a", "b", "c"], 200, None)));
         assert!(!f.accepts(&meta(&["a", "b"], 99, None)));
-        let unfiltered = FeedFilter::Tag { tags: vec![], floor_ms: 100 };
+        let unfiltered = FeedFilter::Tag {
+            tags: vec![],
+            floor_ms: 100,
+        };
         assert!(unfiltered.accepts(&meta(&[], 100, None)));
         assert!(!unfiltered.accepts(&meta(&[], 99, None)));
     }
 
     #[test]
     fn rtr_12_13_tag_candidates_any_overlap_or_partial() {
-        let f = FeedFilter::Tag { tags: vec!["a".into(), "b".into()], floor_ms: 0 };
+        let f = FeedFilter::Tag {
+            tags: vec!["a".into(), "b".into()],
+            floor_ms: 0,
+        };
         assert!(f.is_candidate(&rec(Some(&["b"]), None)));
         assert!(!f.is_candidate(&rec(Some(&["z"]), None)));
-        assert!(f.is_candidate(&rec(None, None)), "partial record is hydrate-to-classify");
-        let unfiltered = FeedFilter::Tag { tags: vec![], floor_ms: 0 };
+        assert!(
+            f.is_candidate(&rec(None, None)),
+            "partial record is hydrate-to-classify"
+        );
+        let unfiltered = FeedFilter::Tag {
+            tags: vec![],
+            floor_ms: 0,
+        };
         assert!(unfiltered.is_candidate(&rec(Some(&[]), None)));
     }
 
     #[test]
     fn rtr_11_batch_feed_by_exact_batch_and_partial_records_classified_by_row() {
-        let f = FeedFilter::Batch { batch_id: "b1".into() };
+        let f = FeedFilter::Batch {
+            batch_id: "b1".into(),
+        };
         assert!(f.is_candidate(&rec(Some(&[]), Some("b1"))));
         assert!(!f.is_candidate(&rec(Some(&[]), Some("other"))));
-        assert!(!f.is_candidate(&rec(Some(&[]), None)), "full record without batch");
-        assert!(f.is_candidate(&rec(None, None)), "partial record: hydrate decides");
+        assert!(
+            !f.is_candidate(&rec(Some(&[]), None)),
+            "full record without batch"
+        );
+        assert!(
+            f.is_candidate(&rec(None, None)),
+            "partial record: hydrate decides"
+        );
         assert!(f.accepts(&meta(&[], 0, Some("b1"))));
         assert!(!f.accepts(&meta(&[], 0, None)));
     }

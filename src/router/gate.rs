@@ -108,7 +108,10 @@ impl Gate {
             cfg,
             primary: SharedRead::default(),
             replica: SharedRead::default(),
-            estimator: Mutex::new(Estimator { samples: VecDeque::new(), floor: None }),
+            estimator: Mutex::new(Estimator {
+                samples: VecDeque::new(),
+                floor: None,
+            }),
             clock_mode: AtomicBool::new(false),
             gave_up: AtomicU64::new(0),
             waited: AtomicU64::new(0),
@@ -137,18 +140,35 @@ impl Gate {
         let lag = i64::try_from(self.estimate_ms() + self.cfg.margin_ms).unwrap_or(i64::MAX / 4);
         let elapsed = i64::try_from(arrived.elapsed().as_millis()).unwrap_or(0);
         let arrival_ms = now_ms - elapsed;
-        let safe_at = records.iter().map(|r| r.updated_at_ms.unwrap_or(arrival_ms)).max().unwrap_or(arrival_ms) + lag;
+        let safe_at = records
+            .iter()
+            .map(|r| r.updated_at_ms.unwrap_or(arrival_ms))
+            .max()
+            .unwrap_or(arrival_ms)
+            + lag;
         let delay = u64::try_from(safe_at - now_ms).unwrap_or(0);
         let until = (Instant::now() + Duration::from_millis(delay)).min(deadline);
         tokio::time::sleep_until(until).await;
         GateOutcome::Clock
     }
 
-    async fn wait_positions(&self, arrived: Instant, deadline: Instant) -> Result<GateOutcome, String> {
+    async fn wait_positions(
+        &self,
+        arrived: Instant,
+        deadline: Instant,
+    ) -> Result<GateOutcome, String> {
         let probe = self.probe.clone();
         let target = self
             .primary
-            .read_after(arrived, move || Box::pin(async move { probe.primary_lsn().await.map(Some).map_err(|e| e.to_string()) }))
+            .read_after(arrived, move || {
+                Box::pin(async move {
+                    probe
+                        .primary_lsn()
+                        .await
+                        .map(Some)
+                        .map_err(|e| e.to_string())
+                })
+            })
             .await?
             .unwrap_or(0);
         let mut waited = false;
@@ -156,9 +176,15 @@ impl Gate {
             let probe = self.probe.clone();
             let replayed = self
                 .replica
-                .read_after(Instant::now(), move || Box::pin(async move { probe.replica_replay_lsn().await.map_err(|e| e.to_string()) }))
+                .read_after(Instant::now(), move || {
+                    Box::pin(
+                        async move { probe.replica_replay_lsn().await.map_err(|e| e.to_string()) },
+                    )
+                })
                 .await?;
-            let Some(replayed) = replayed else { return Ok(GateOutcome::NoReplica) };
+            let Some(replayed) = replayed else {
+                return Ok(GateOutcome::NoReplica);
+            };
             if replayed >= target {
                 let lag_ms = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
                 self.sample(lag_ms);
@@ -172,7 +198,8 @@ impl Gate {
                 return Ok(GateOutcome::GaveUp);
             }
             waited = true;
-            tokio::time::sleep(REPLAY_POLL.min(deadline.saturating_duration_since(Instant::now()))).await;
+            tokio::time::sleep(REPLAY_POLL.min(deadline.saturating_duration_since(Instant::now())))
+                .await;
         }
     }
 
@@ -181,7 +208,11 @@ impl Gate {
         let window = Duration::from_millis(self.cfg.window_ms);
         let mut est = self.estimator.lock().unwrap_or_else(|p| p.into_inner());
         est.samples.push_back((now, lag_ms.min(MAX_LAG_SAMPLE_MS)));
-        while est.samples.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) > window) {
+        while est
+            .samples
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
+        {
             est.samples.pop_front();
         }
     }
@@ -194,7 +225,9 @@ impl Gate {
         let now = Instant::now();
         let ttl = Duration::from_millis(self.cfg.observed_floor_ttl_ms);
         let mut est = self.estimator.lock().unwrap_or_else(|p| p.into_inner());
-        let keep = est.floor.is_some_and(|(at, v)| now.saturating_duration_since(at) <= ttl && v >= lag_ms);
+        let keep = est
+            .floor
+            .is_some_and(|(at, v)| now.saturating_duration_since(at) <= ttl && v >= lag_ms);
         if !keep {
             est.floor = Some((now, lag_ms));
         }
@@ -214,14 +247,20 @@ impl Gate {
             .map(|(_, v)| *v)
             .max()
             .unwrap_or(self.cfg.default_ms);
-        let floor = est.floor.filter(|(at, _)| now.saturating_duration_since(*at) <= ttl).map(|(_, v)| v).unwrap_or(0);
+        let floor = est
+            .floor
+            .filter(|(at, _)| now.saturating_duration_since(*at) <= ttl)
+            .map(|(_, v)| v)
+            .unwrap_or(0);
         windowed.max(floor)
     }
 
     /// Delay before re-hydrating rows the tripwire found stale: max(25 ms, min(estimate +
     /// margin, max delay)) (GATE-05).
     pub fn retry_delay(&self) -> Duration {
-        let ms = (self.estimate_ms() + self.cfg.margin_ms).min(self.cfg.max_delay_ms).max(25);
+        let ms = (self.estimate_ms() + self.cfg.margin_ms)
+            .min(self.cfg.max_delay_ms)
+            .max(25);
         Duration::from_millis(ms)
     }
 
@@ -258,7 +297,10 @@ mod tests {
         async fn primary_lsn(&self) -> Result<Lsn, StoreError> {
             self.primary_reads.fetch_add(1, Ordering::Relaxed);
             if self.fail {
-                return Err(StoreError { op: "primary_lsn", source: sqlx::Error::PoolTimedOut });
+                return Err(StoreError {
+                    op: "primary_lsn",
+                    source: sqlx::Error::PoolTimedOut,
+                });
             }
             Ok(self.primary.load(Ordering::Relaxed))
         }
@@ -268,11 +310,19 @@ mod tests {
     }
 
     fn cfg() -> ReplicaLagConfig {
-        ReplicaLagConfig { max_delay_ms: 200, ..ReplicaLagConfig::default() }
+        ReplicaLagConfig {
+            max_delay_ms: 200,
+            ..ReplicaLagConfig::default()
+        }
     }
 
     fn probe(primary: u64, replica: u64, fail: bool) -> Arc<FakeProbe> {
-        Arc::new(FakeProbe { primary: AtomicU64::new(primary), replica: AtomicU64::new(replica), primary_reads: AtomicU64::new(0), fail })
+        Arc::new(FakeProbe {
+            primary: AtomicU64::new(primary),
+            replica: AtomicU64::new(replica),
+            primary_reads: AtomicU64::new(0),
+            fail,
+        })
     }
 
     #[tokio::test]
@@ -284,7 +334,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiter.is_finished(), "replica behind: still waiting");
         p.replica.store(100, Ordering::Relaxed);
-        let outcome = tokio::time::timeout(Duration::from_secs(1), waiter).await.expect("gate wait ends").expect("join");
+        let outcome = tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("gate wait ends")
+            .expect("join");
         assert_eq!(outcome, GateOutcome::Applied);
         assert_eq!(gate.waited.load(Ordering::Relaxed), 1);
     }
@@ -314,13 +367,30 @@ mod tests {
 
     #[tokio::test]
     async fn gate_01_unavailable_positions_fall_back_to_the_clock_rule() {
-        let gate = Gate::new(probe(0, 0, true), ReplicaLagConfig { default_ms: 40, margin_ms: 10, ..cfg() });
-        let record = ChangeRecord { run_id: "r".into(), updated_at_ms: Some(crate::feeds::now_ms()), ..ChangeRecord::default() };
+        let gate = Gate::new(
+            probe(0, 0, true),
+            ReplicaLagConfig {
+                default_ms: 40,
+                margin_ms: 10,
+                ..cfg()
+            },
+        );
+        let record = ChangeRecord {
+            run_id: "r".into(),
+            updated_at_ms: Some(crate::feeds::now_ms()),
+            ..ChangeRecord::default()
+        };
         let t0 = Instant::now();
         assert_eq!(gate.wait(&[record.clone()], t0).await, GateOutcome::Clock);
-        assert!(t0.elapsed() >= Duration::from_millis(40), "fresh watermark waits lag + margin");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(40),
+            "fresh watermark waits lag + margin"
+        );
         // GATE-03: an old watermark does not wait.
-        let old = ChangeRecord { updated_at_ms: Some(crate::feeds::now_ms() - 5_000), ..record };
+        let old = ChangeRecord {
+            updated_at_ms: Some(crate::feeds::now_ms() - 5_000),
+            ..record
+        };
         let t1 = Instant::now();
         gate.wait(&[old], t1).await;
         assert!(t1.elapsed() < Duration::from_millis(30));
@@ -328,7 +398,13 @@ mod tests {
 
     #[test]
     fn lag_01_05_estimate_default_window_max_and_observed_floor() {
-        let gate = Gate::new(probe(0, 0, false), ReplicaLagConfig { default_ms: 42, ..cfg() });
+        let gate = Gate::new(
+            probe(0, 0, false),
+            ReplicaLagConfig {
+                default_ms: 42,
+                ..cfg()
+            },
+        );
         assert_eq!(gate.estimate_ms(), 42);
         gate.sample(10);
         gate.sample(60);
@@ -337,7 +413,15 @@ mod tests {
         gate.observe_stale(250);
         assert_eq!(gate.estimate_ms(), 250);
         gate.observe_stale(100);
-        assert_eq!(gate.estimate_ms(), 250, "a smaller observation does not lower an active floor");
-        assert_eq!(gate.retry_delay(), Duration::from_millis(200), "capped at max delay");
+        assert_eq!(
+            gate.estimate_ms(),
+            250,
+            "a smaller observation does not lower an active floor"
+        );
+        assert_eq!(
+            gate.retry_delay(),
+            Duration::from_millis(200),
+            "capped at max delay"
+        );
     }
 }

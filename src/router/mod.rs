@@ -54,7 +54,6 @@ pub struct ReplayCursor {
     pub wall_ms: i64,
 }
 
-
 /// Where a replay starts.
 enum ReplayFrom {
     /// After this arrival sequence (a cursor of this instance and subscription).
@@ -172,22 +171,31 @@ impl EnvState {
     }
 
     /// Where the buffer can replay `cursor`'s gap from, if it covers it.
-    fn replay_from(&self, cursor: &ReplayCursor, instance: u64, hop_margin_ms: i64) -> Option<ReplayFrom> {
+    fn replay_from(
+        &self,
+        cursor: &ReplayCursor,
+        instance: u64,
+        hop_margin_ms: i64,
+    ) -> Option<ReplayFrom> {
         if !self.active || cursor.epoch == 0 {
             return None;
         }
         if cursor.instance == instance {
-            return (cursor.epoch == self.epoch && self.buffer.covers(cursor.seq)).then_some(ReplayFrom::Seq(cursor.seq));
+            return (cursor.epoch == self.epoch && self.buffer.covers(cursor.seq))
+                .then_some(ReplayFrom::Seq(cursor.seq));
         }
         let from = cursor.wall_ms - hop_margin_ms;
-        (self.active_since_wall_ms <= from && self.buffer.covers_wall(from)).then_some(ReplayFrom::Wall(from))
+        (self.active_since_wall_ms <= from && self.buffer.covers_wall(from))
+            .then_some(ReplayFrom::Wall(from))
     }
 
     fn replay_candidates(&self, from: Option<&ReplayFrom>, filter: &FeedFilter) -> Vec<Buffered> {
         let pick = |b: &&Buffered| filter.is_candidate(&b.record);
         match from {
             Some(ReplayFrom::Seq(seq)) => self.buffer.since(*seq).filter(pick).cloned().collect(),
-            Some(ReplayFrom::Wall(ms)) => self.buffer.since_wall(*ms).filter(pick).cloned().collect(),
+            Some(ReplayFrom::Wall(ms)) => {
+                self.buffer.since_wall(*ms).filter(pick).cloned().collect()
+            }
             None => self.buffer.since(0).filter(pick).cloned().collect(),
         }
     }
@@ -198,7 +206,10 @@ impl EnvState {
                 self.by_run.entry(run_id.clone()).or_default().insert(id);
             }
             FeedFilter::Batch { batch_id } => {
-                self.by_batch.entry(batch_id.clone()).or_default().insert(id);
+                self.by_batch
+                    .entry(batch_id.clone())
+                    .or_default()
+                    .insert(id);
                 self.batch_feeds.insert(id);
             }
             FeedFilter::Tag { tags, .. } => {
@@ -332,7 +343,10 @@ impl Router {
             stats: RouterStats::default(),
         });
         let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<(String, Vec<ChangeRecord>)>();
-        let coalescer = Coalescer::new(Duration::from_millis(cfg.env_wake_coalesce_window_ms), batch_tx);
+        let coalescer = Coalescer::new(
+            Duration::from_millis(cfg.env_wake_coalesce_window_ms),
+            batch_tx,
+        );
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
             while let Some(event) = events.recv().await {
@@ -362,7 +376,10 @@ impl Router {
         tokio::spawn(async move {
             while let Some((env_id, records)) = batch_rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
-                inner.stats.coalesced_batches.fetch_add(1, Ordering::Relaxed);
+                inner
+                    .stats
+                    .coalesced_batches
+                    .fetch_add(1, Ordering::Relaxed);
                 let arrived = tokio::time::Instant::now();
                 tokio::spawn(async move { inner.route_batch(env_id, records, 0, arrived).await });
             }
@@ -385,22 +402,39 @@ impl Router {
     ) -> Registration {
         let env = self.inner.ensure_env(env_id);
         let id = self.inner.next_feed_id.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot { filter: filter.clone(), cols, inbox: Mutex::new(Wake::default()), notify: Notify::new() });
+        let slot = Arc::new(Slot {
+            filter: filter.clone(),
+            cols,
+            inbox: Mutex::new(Wake::default()),
+            notify: Notify::new(),
+        });
         let replay_enabled = self.inner.cfg.replay_window_ms > 0;
         let (mut covered, replay_ids) = {
             let mut state = lock(&env.state);
             state.feeds.insert(id, slot.clone());
             state.index(id, &filter);
             state.pending -= 1;
-            let from = cursor.as_ref().and_then(|c| state.replay_from(c, self.inner.instance, self.inner.hop_margin_ms()));
+            let from = cursor.as_ref().and_then(|c| {
+                state.replay_from(c, self.inner.instance, self.inner.hop_margin_ms())
+            });
             let covered = !replay_enabled || from.is_some();
             (covered, state.replay_candidates(from.as_ref(), &filter))
         };
-        let mut registration = Registration { inner: self.inner.clone(), env, id, slot, covered: false };
+        let mut registration = Registration {
+            inner: self.inner.clone(),
+            env,
+            id,
+            slot,
+            covered: false,
+        };
         if replay_enabled && !replay_ids.is_empty() {
             match self.inner.replay(env_id, &filter, cols, &replay_ids).await {
                 Ok(rows) => {
-                    let counter = if rows.is_empty() { &self.inner.stats.replays_empty } else { &self.inner.stats.replays_delivered };
+                    let counter = if rows.is_empty() {
+                        &self.inner.stats.replays_empty
+                    } else {
+                        &self.inner.stats.replays_delivered
+                    };
                     counter.fetch_add(1, Ordering::Relaxed);
                     registration.slot.push(rows, false);
                 }
@@ -537,7 +571,9 @@ impl Inner {
             let mut envs = lock(&inner.envs);
             let still_idle = {
                 let state = lock(&env.state);
-                state.feeds.is_empty() && state.pending == 0 && state.linger_generation == generation
+                state.feeds.is_empty()
+                    && state.pending == 0
+                    && state.linger_generation == generation
             };
             if still_idle && envs.get(&env.id).is_some_and(|e| Arc::ptr_eq(e, &env)) {
                 envs.remove(&env.id);
@@ -560,26 +596,47 @@ impl Inner {
     /// Hydrates buffered records for one feed: behind the read-your-writes gate like the live
     /// path (a record still in its batch's gate wait must not be read early from the replica),
     /// then the feed's authoritative filter (REP-06/07).
-    async fn replay(&self, env_id: &str, filter: &FeedFilter, cols: ColumnSet, buffered: &[Buffered]) -> Result<Vec<SerializedRow>, ()> {
+    async fn replay(
+        &self,
+        env_id: &str,
+        filter: &FeedFilter,
+        cols: ColumnSet,
+        buffered: &[Buffered],
+    ) -> Result<Vec<SerializedRow>, ()> {
         if let Some(gate) = &self.gate {
             let newest = buffered.iter().map(|b| b.received_at).max();
             if let Some(newest) = newest {
-                let records: Vec<ChangeRecord> = buffered.iter().map(|b| b.record.clone()).collect();
-                gate.wait(&records, tokio::time::Instant::from_std(newest)).await;
+                let records: Vec<ChangeRecord> =
+                    buffered.iter().map(|b| b.record.clone()).collect();
+                gate.wait(&records, tokio::time::Instant::from_std(newest))
+                    .await;
             }
         }
         let ids: Vec<String> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
         let rows = self.hydrate(env_id, &ids, cols).await?;
-        Ok(rows.into_values().filter(|r| filter.accepts(&r.meta)).collect())
+        Ok(rows
+            .into_values()
+            .filter(|r| filter.accepts(&r.meta))
+            .collect())
     }
 
     /// One store query for `ids`, each row serialized once. `Err(())` after logging a failure.
-    async fn hydrate(&self, env_id: &str, ids: &[String], cols: ColumnSet) -> Result<HashMap<String, SerializedRow>, ()> {
+    async fn hydrate(
+        &self,
+        env_id: &str,
+        ids: &[String],
+        cols: ColumnSet,
+    ) -> Result<HashMap<String, SerializedRow>, ()> {
         self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
         match self.store.hydrate(env_id, ids, cols).await {
             Ok(rows) => {
-                self.stats.hydrated_rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
-                Ok(rows.iter().map(|row| (row.id.clone(), serialize_row(row, cols))).collect())
+                self.stats
+                    .hydrated_rows
+                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
+                Ok(rows
+                    .iter()
+                    .map(|row| (row.id.clone(), serialize_row(row, cols)))
+                    .collect())
             }
             Err(err) => {
                 self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
@@ -591,7 +648,13 @@ impl Inner {
 
     /// Routes one coalesced batch. `attempt` > 0: a re-hydrate of records the stale tripwire
     /// withheld (or an echo pass after giving up), re-sequenced as a new batch.
-    async fn route_batch(self: &Arc<Self>, env_id: String, records: Vec<ChangeRecord>, attempt: u32, arrived: tokio::time::Instant) {
+    async fn route_batch(
+        self: &Arc<Self>,
+        env_id: String,
+        records: Vec<ChangeRecord>,
+        attempt: u32,
+        arrived: tokio::time::Instant,
+    ) {
         let env_id = env_id.as_str();
         let Some(env) = self.env(env_id) else { return };
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -607,8 +670,15 @@ impl Inner {
                 state.last_seq += 1;
                 for id in state.candidates(record) {
                     if let Some(slot) = state.feeds.get(&id) {
-                        groups.entry(slot.cols).or_default().insert(record.run_id.clone());
-                        matches.entry(id).or_insert_with(|| (slot.clone(), BTreeSet::new())).1.insert(record.run_id.clone());
+                        groups
+                            .entry(slot.cols)
+                            .or_default()
+                            .insert(record.run_id.clone());
+                        matches
+                            .entry(id)
+                            .or_insert_with(|| (slot.clone(), BTreeSet::new()))
+                            .1
+                            .insert(record.run_id.clone());
                     }
                 }
             }
@@ -648,16 +718,22 @@ impl Inner {
             _ => None,
         };
         // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
-        self.stats.distinct_runs.fetch_add(groups.values().map(|ids| ids.len() as u64).sum(), Ordering::Relaxed);
-        let hydrated = futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
-            let ids: Vec<String> = ids.into_iter().collect();
-            (cols, self.hydrate(env_id, &ids, cols).await)
-        }))
-        .await;
+        self.stats.distinct_runs.fetch_add(
+            groups.values().map(|ids| ids.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        let hydrated =
+            futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
+                let ids: Vec<String> = ids.into_iter().collect();
+                (cols, self.hydrate(env_id, &ids, cols).await)
+            }))
+            .await;
         // A failed hydrate must not pass silently under the cursors: its feeds re-check from
         // the store (and answer with an untrusted cursor if that fails too).
-        let hydrated: HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>> =
-            hydrated.into_iter().map(|(cols, rows)| (cols, rows.ok())).collect();
+        let hydrated: HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>> = hydrated
+            .into_iter()
+            .map(|(cols, rows)| (cols, rows.ok()))
+            .collect();
         // 2b. Stale tripwire: withhold rows older than their record's watermark (or missing
         //     although the record says the run exists) and re-hydrate them shortly.
         let withheld = self.tripwire(env_id, &records, &hydrated, outcome, attempt);
@@ -684,7 +760,9 @@ impl Inner {
                 woken.push(slot);
             }
         }
-        self.stats.deliveries.fetch_add(deliveries, Ordering::Relaxed);
+        self.stats
+            .deliveries
+            .fetch_add(deliveries, Ordering::Relaxed);
         drop(done);
         for slot in woken {
             slot.notify.notify_one();
@@ -708,18 +786,26 @@ impl Inner {
         outcome: Option<GateOutcome>,
         attempt: u32,
     ) -> HashSet<String> {
-        let Some(gate) = self.gate.clone() else { return HashSet::new() };
-        let unsure = matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
+        let Some(gate) = self.gate.clone() else {
+            return HashSet::new();
+        };
+        let unsure =
+            matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
         let now_ms = crate::feeds::now_ms();
         let mut stale: HashMap<String, ChangeRecord> = HashMap::new();
         for record in records {
-            let rows: Vec<Option<&SerializedRow>> =
-                hydrated.values().flatten().map(|rows| rows.get(&record.run_id)).collect();
+            let rows: Vec<Option<&SerializedRow>> = hydrated
+                .values()
+                .flatten()
+                .map(|rows| rows.get(&record.run_id))
+                .collect();
             if rows.is_empty() {
                 continue; // every hydrate of this batch failed: the feeds re-check instead
             }
             let is_stale = match record.updated_at_ms {
-                Some(wm) => rows.iter().any(|r| r.is_none_or(|row| row.meta.updated_at_ms < wm)),
+                Some(wm) => rows
+                    .iter()
+                    .any(|r| r.is_none_or(|row| row.meta.updated_at_ms < wm)),
                 None => unsure && rows.iter().all(Option::is_none),
             };
             if is_stale {
@@ -733,16 +819,27 @@ impl Inner {
             }
         }
         if attempt > 0 && attempt <= gate.retries() {
-            let recovered = records.iter().filter(|r| !stale.contains_key(&r.run_id)).count() as u64;
-            self.stats.stale_recovered.fetch_add(recovered, Ordering::Relaxed);
+            let recovered = records
+                .iter()
+                .filter(|r| !stale.contains_key(&r.run_id))
+                .count() as u64;
+            self.stats
+                .stale_recovered
+                .fetch_add(recovered, Ordering::Relaxed);
         }
         if stale.is_empty() {
             return HashSet::new();
         }
         let withhold = attempt < gate.retries();
         if attempt == gate.retries() {
-            self.stats.stale_gave_up.fetch_add(stale.len() as u64, Ordering::Relaxed);
-            tracing::warn!(env_id, runs = stale.len(), "rows still stale after retries; delivering them (echo passes follow)");
+            self.stats
+                .stale_gave_up
+                .fetch_add(stale.len() as u64, Ordering::Relaxed);
+            tracing::warn!(
+                env_id,
+                runs = stale.len(),
+                "rows still stale after retries; delivering them (echo passes follow)"
+            );
         }
         // Retry while within the budget; afterwards echo (deliver-and-recheck) while the change
         // is recent, so the fresh version still arrives once the replica catches up.
@@ -808,7 +905,9 @@ impl Registration {
         }
         let replay: Vec<Buffered> = {
             let state = lock(&self.env.state);
-            let Some(from) = state.replay_from(&cursor, self.inner.instance, self.inner.hop_margin_ms()) else {
+            let Some(from) =
+                state.replay_from(&cursor, self.inner.instance, self.inner.hop_margin_ms())
+            else {
                 return false;
             };
             state.replay_candidates(Some(&from), &self.slot.filter)
@@ -816,7 +915,11 @@ impl Registration {
         if replay.is_empty() {
             return true;
         }
-        match self.inner.replay(&self.env.id, &self.slot.filter, self.slot.cols, &replay).await {
+        match self
+            .inner
+            .replay(&self.env.id, &self.slot.filter, self.slot.cols, &replay)
+            .await
+        {
             Ok(rows) => {
                 self.slot.push(rows, false);
                 true

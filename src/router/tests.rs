@@ -1612,7 +1612,10 @@ fn record_event(record: ChangeRecord) -> SourceEvent {
 }
 
 fn subscribed_event(env: &str, generation: u64) -> SourceEvent {
-    SourceEvent::Subscribed { env_id: env.into(), generation }
+    SourceEvent::Subscribed {
+        env_id: env.into(),
+        generation,
+    }
 }
 
 /// GAP-01/02 (ours, §4 item 5): replay coverage starts when the source confirms the
@@ -1720,24 +1723,44 @@ fn gated(max_delay_ms: u64, retries: u32) -> (Harness, Arc<FakeReplica>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let source = Arc::new(MemoryChangeSource::new(tx));
     let store = Arc::new(FakeStore::default());
-    let replica = Arc::new(FakeReplica { primary: 10.into(), replayed: 10.into() });
-    let lag = crate::config::ReplicaLagConfig { max_delay_ms, stale_hydrate_retries: retries, ..Default::default() };
+    let replica = Arc::new(FakeReplica {
+        primary: 10.into(),
+        replayed: 10.into(),
+    });
+    let lag = crate::config::ReplicaLagConfig {
+        max_delay_ms,
+        stale_hydrate_retries: retries,
+        ..Default::default()
+    };
     let gate = Arc::new(gate::Gate::new(replica.clone(), lag));
     let router = Router::start_with_gate(cfg(), source.clone(), store.clone(), rx, Some(gate));
-    (Harness { router, source, store }, replica)
+    (
+        Harness {
+            router,
+            source,
+            store,
+        },
+        replica,
+    )
 }
 
 /// Polls `cond` every millisecond for up to [`WAIT`] (real time: gate waits use timers).
 async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + WAIT;
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
 fn watermarked(run: &str, ms: i64) -> ChangeRecord {
-    ChangeRecord { updated_at_ms: Some(ms), ..full(run, &[]) }
+    ChangeRecord {
+        updated_at_ms: Some(ms),
+        ..full(run, &[])
+    }
 }
 
 /// GATE-02 (positions): a wake-path hydrate waits until the replica replayed past the primary
@@ -1750,7 +1773,11 @@ async fn gate_02_hydrate_waits_for_the_replica_to_replay_the_commit() {
     h.store.put(row("r1", &[], None)); // … is on the primary; the replica (at 10) lags
     h.push(watermarked("r1", 2_000));
     tokio::time::sleep(Duration::from_millis(30)).await;
-    assert_eq!(h.store.hydrate_count(), 0, "no hydrate before the replica caught up");
+    assert_eq!(
+        h.store.hydrate_count(),
+        0,
+        "no hydrate before the replica caught up"
+    );
     replica.replayed.store(20, Ordering::SeqCst);
     let w = wake(&f).await;
     assert_eq!(ids(&w.rows), vec!["r1"]);
@@ -1763,13 +1790,25 @@ async fn gate_02_hydrate_waits_for_the_replica_to_replay_the_commit() {
 async fn gate_06_stale_row_is_withheld_and_the_fresh_version_delivered() {
     let (h, _replica) = gated(1_000, 3);
     let f = h.reg(run_feed("r1"), None).await;
-    h.store.put(RunRow { updated_at_ms: 1_000, ..row("r1", &[], None) }); // stale copy
+    h.store.put(RunRow {
+        updated_at_ms: 1_000,
+        ..row("r1", &[], None)
+    }); // stale copy
     h.push(watermarked("r1", 2_000));
     eventually("first hydrate", || h.store.hydrate_count() >= 1).await;
     assert!(f.take().rows.is_empty(), "stale row withheld");
-    h.store.put(RunRow { updated_at_ms: 2_000, ..row("r1", &[], None) });
+    h.store.put(RunRow {
+        updated_at_ms: 2_000,
+        ..row("r1", &[], None)
+    });
     let w = wake(&f).await;
-    assert_eq!(w.rows.iter().map(|r| r.meta.updated_at_ms).collect::<Vec<_>>(), vec![2_000]);
+    assert_eq!(
+        w.rows
+            .iter()
+            .map(|r| r.meta.updated_at_ms)
+            .collect::<Vec<_>>(),
+        vec![2_000]
+    );
     assert_eq!(load(&h.router.stats().stale_recovered), 1);
 }
 
@@ -1795,12 +1834,22 @@ async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
     let (h, _replica) = gated(1_000, 0);
     let f = h.reg(run_feed("r1"), None).await;
     let now = crate::feeds::now_ms();
-    h.store.put(RunRow { updated_at_ms: now - 10, ..row("r1", &[], None) });
+    h.store.put(RunRow {
+        updated_at_ms: now - 10,
+        ..row("r1", &[], None)
+    });
     h.push(watermarked("r1", now));
     let first = wake(&f).await;
-    assert_eq!(first.rows[0].meta.updated_at_ms, now - 10, "liveness: stale row delivered");
+    assert_eq!(
+        first.rows[0].meta.updated_at_ms,
+        now - 10,
+        "liveness: stale row delivered"
+    );
     assert_eq!(load(&h.router.stats().stale_gave_up), 1);
-    h.store.put(RunRow { updated_at_ms: now, ..row("r1", &[], None) });
+    h.store.put(RunRow {
+        updated_at_ms: now,
+        ..row("r1", &[], None)
+    });
     let echo = wake(&f).await;
     assert_eq!(echo.rows[0].meta.updated_at_ms, now);
 }
@@ -1811,7 +1860,10 @@ async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
 async fn gate_10_applied_gate_trusts_records_without_watermark() {
     let (h, _replica) = gated(1_000, 3);
     let f = h.reg(run_feed("r1"), None).await;
-    h.store.put(RunRow { updated_at_ms: 1, ..row("r1", &[], None) });
+    h.store.put(RunRow {
+        updated_at_ms: 1,
+        ..row("r1", &[], None)
+    });
     h.push(full("r1", &[]));
     let w = wake(&f).await;
     assert_eq!(ids(&w.rows), vec!["r1"]);

@@ -54,7 +54,9 @@ impl ReplicaProbe for PgStore {
         .fetch_one(self.replica())
         .await
         .map_err(lag_err("replica_replay_lsn"))?;
-        let recovering: bool = row.try_get("recovering").map_err(lag_err("replica_replay_lsn"))?;
+        let recovering: bool = row
+            .try_get("recovering")
+            .map_err(lag_err("replica_replay_lsn"))?;
         let lsn: Option<i64> = row.try_get("lsn").map_err(lag_err("replica_replay_lsn"))?;
         Ok(match (recovering, lsn) {
             (true, Some(lsn)) => Some(u64::try_from(lsn).unwrap_or(0)),

@@ -37,13 +37,21 @@ pub struct PgStore {
 
 /// Errors of every [`PgStore`] in this process by kind (the `runfeed.pg.errors` metric):
 /// connection, pool_timeout, database, other.
-static ERRORS: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+static ERRORS: [AtomicU64; 4] = [
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+];
 const ERROR_KINDS: [&str; 4] = ["connection", "pool_timeout", "database", "other"];
 
 /// Counts `err` in the process-wide Postgres error counters.
 pub(super) fn count_error(err: &sqlx::Error) {
     let kind = match err {
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolClosed | sqlx::Error::Protocol(_) => 0,
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_) => 0,
         sqlx::Error::PoolTimedOut => 1,
         sqlx::Error::Database(_) => 2,
         _ => 3,

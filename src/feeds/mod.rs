@@ -267,12 +267,10 @@ impl Feeds {
     /// Tag feeds resume with the floor pinned in the handle, re-clamped to the max age (TAG-04).
     fn resume_target(&self, target: &Target, claims: &HandleClaims) -> Target {
         match (target, claims.floor_ms) {
-            (Target::Tag { tags, floor_ms }, Some(pinned)) => {
-                // `floor_ms` from the request is "now − max age" clamped (the HTTP layer
-                // computes it from createdAt); the pinned one wins unless it is older than
-                // the max age.
+            (Target::Tag { tags, .. }, Some(pinned)) => {
+                // The pinned floor wins over the request's `createdAt` (the client resends the
+                // same URL), unless it is older than the max age (a stale or crafted handle).
                 let min_floor = self.min_floor_ms();
-                let _ = floor_ms;
                 Target::Tag {
                     tags: tags.clone(),
                     floor_ms: bucket(pinned.max(min_floor), self.cfg.runset_created_at_bucket_ms),

@@ -88,16 +88,8 @@ impl Sets {
         feeds: &FeedsConfig,
         caches: &CachesConfig,
     ) -> Sets {
-        let set_ttl = |target: &Target| match target {
-            Target::Run { .. } => caches.run_cache_ttl_ms,
-            _ => caches.runset_cache_ttl_ms,
-        };
-        let (run_ttl, list_ttl) = (
-            set_ttl(&Target::Run {
-                run_id: String::new(),
-            }),
-            caches.runset_cache_ttl_ms,
-        );
+        // Single runs use the run cache TTL, run sets the run-set TTL (see `PerKindTtl`).
+        let (run_ttl, list_ttl) = (caches.run_cache_ttl_ms, caches.runset_cache_ttl_ms);
         let sets = Cache::builder()
             .max_capacity(caches.runset_cache_max_bytes)
             .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
@@ -147,19 +139,13 @@ impl Sets {
         env_id: &str,
         friendly_id: &str,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        let key = (env_id.to_string(), friendly_id.to_string());
-        if let Some(hit) = self.runs.get(&key).await {
-            return Ok(Some(hit));
-        }
-        let found = self
-            .store
-            .find_run(env_id, friendly_id)
-            .await?
-            .map(Arc::new);
-        if let Some(run) = &found {
-            self.runs.insert(key, run.clone()).await;
-        }
-        Ok(found)
+        cached_lookup(
+            &self.runs,
+            env_id,
+            friendly_id,
+            self.store.find_run(env_id, friendly_id),
+        )
+        .await
     }
 
     /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
@@ -168,19 +154,13 @@ impl Sets {
         env_id: &str,
         friendly_id: &str,
     ) -> Result<Option<Arc<BatchResource>>, StoreError> {
-        let key = (env_id.to_string(), friendly_id.to_string());
-        if let Some(hit) = self.batches.get(&key).await {
-            return Ok(Some(hit));
-        }
-        let found = self
-            .store
-            .find_batch(env_id, friendly_id)
-            .await?
-            .map(Arc::new);
-        if let Some(batch) = &found {
-            self.batches.insert(key, batch.clone()).await;
-        }
-        Ok(found)
+        cached_lookup(
+            &self.batches,
+            env_id,
+            friendly_id,
+            self.store.find_batch(env_id, friendly_id),
+        )
+        .await
     }
 
     /// What the feed carries, through the single-flight cache (identical concurrent reads share
@@ -332,6 +312,29 @@ impl Sets {
             rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
         }))
     }
+}
+
+/// A URL-id lookup through `cache`: hits are served from it, found resources are cached, misses
+/// are not (they may exist a moment later).
+async fn cached_lookup<T, F>(
+    cache: &Cache<(String, String), Arc<T>>,
+    env_id: &str,
+    friendly_id: &str,
+    read: F,
+) -> Result<Option<Arc<T>>, StoreError>
+where
+    T: Send + Sync + 'static,
+    F: std::future::Future<Output = Result<Option<T>, StoreError>>,
+{
+    let key = (env_id.to_string(), friendly_id.to_string());
+    if let Some(hit) = cache.get(&key).await {
+        return Ok(Some(hit));
+    }
+    let found = read.await?.map(Arc::new);
+    if let Some(resource) = &found {
+        cache.insert(key, resource.clone()).await;
+    }
+    Ok(found)
 }
 
 struct PerKindTtl {

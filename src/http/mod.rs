@@ -199,19 +199,27 @@ fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
     }
 }
 
+/// The common start of the three feed routes: authenticate (401), then parse the query and the
+/// offset (400/422), in trigger.dev's order.
+async fn begin(
+    state: &AppState,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<(Principal, Ctx, OffsetParam), Response> {
+    let (principal, mut ctx) = authenticate(state, headers).await?;
+    ctx.params = Params::parse(query);
+    let offset = parse_offset(&ctx)?;
+    Ok((principal, ctx, offset))
+}
+
 async fn run_feed(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (principal, mut ctx) = match authenticate(&state, &headers).await {
-        Ok(ok) => ok,
-        Err(response) => return response,
-    };
-    ctx.params = Params::parse(query.as_deref());
-    let offset = match parse_offset(&ctx) {
-        Ok(o) => o,
+    let (principal, ctx, offset) = match begin(&state, &headers, query.as_deref()).await {
+        Ok(begun) => begun,
         Err(response) => return response,
     };
     let run = match state
@@ -238,13 +246,8 @@ async fn tag_feed(
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (principal, mut ctx) = match authenticate(&state, &headers).await {
-        Ok(ok) => ok,
-        Err(response) => return response,
-    };
-    ctx.params = Params::parse(query.as_deref());
-    let offset = match parse_offset(&ctx) {
-        Ok(o) => o,
+    let (principal, ctx, offset) = match begin(&state, &headers, query.as_deref()).await {
+        Ok(begun) => begun,
         Err(response) => return response,
     };
     let tags = match parse_tags(ctx.params.tags.as_deref()) {
@@ -284,13 +287,8 @@ async fn batch_feed(
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (principal, mut ctx) = match authenticate(&state, &headers).await {
-        Ok(ok) => ok,
-        Err(response) => return response,
-    };
-    ctx.params = Params::parse(query.as_deref());
-    let offset = match parse_offset(&ctx) {
-        Ok(o) => o,
+    let (principal, ctx, offset) = match begin(&state, &headers, query.as_deref()).await {
+        Ok(begun) => begun,
         Err(response) => return response,
     };
     let batch = match state

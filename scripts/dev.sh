@@ -33,6 +33,15 @@ else
   echo "up to date"
 fi
 
+say "live runs page (tests/browser: React + @trigger.dev/react-hooks, built with vite)"
+PAGE_OK=0
+if (cd tests/browser && { [ -d node_modules ] && [ package-lock.json -ot node_modules/.package-lock.json ] || npm ci --no-audit --no-fund --loglevel=error; } && npx vite build --logLevel error); then
+  PAGE_OK=1
+else
+  echo "could not build the page (the feeds still work; see tests/browser)" >&2
+fi
+PAGE_PID_FILE="$TARGET_DIR/dev-page.pid"
+
 say "runfeed migrate ($DATABASE_URL)"
 "$BIN" migrate --database-url "$DATABASE_URL"
 
@@ -46,6 +55,7 @@ mkdir -p "$(dirname "$LOG")"
 "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$DATABASE_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
 SERVER_PID=$!
 cleanup() {
+  if [ -f "$PAGE_PID_FILE" ]; then kill "$(cat "$PAGE_PID_FILE")" 2>/dev/null || true; rm -f "$PAGE_PID_FILE"; fi
   if kill -0 "$SERVER_PID" 2>/dev/null; then
     kill "$SERVER_PID" 2>/dev/null || true
     wait "$SERVER_PID" 2>/dev/null || true
@@ -82,6 +92,13 @@ say "runfeed demo (Ctrl-C to stop the workload and the server)"
       esac
       if [ "$shown" -eq 0 ] && [ -n "$token" ] && [ -n "$run" ] && [ -n "$batch" ] && [ -n "$tag" ]; then
         shown=1
+        if [ "$PAGE_OK" = 1 ]; then
+          PAGE_LOG="$TARGET_DIR/dev-page.log"
+          node tests/browser/serve.mjs --base-url "$BASE_URL" --token "$token" --run "$run" --tag "$tag" --batch "$batch" --port "${RUNFEED_DEV_PAGE_PORT:-5173}" >"$PAGE_LOG" 2>&1 &
+          echo $! >"$PAGE_PID_FILE"
+          for _ in $(seq 50); do grep -q '^live runs page:' "$PAGE_LOG" 2>/dev/null && break; sleep 0.1; done
+          printf '\n--- open in a browser: the runs changing live ---\n  %s\n' "$(grep -m1 '^live runs page:' "$PAGE_LOG" | sed 's/^live runs page: //')"
+        fi
         cat <<HINT
 
 --- watch with the real @trigger.dev/sdk (in another terminal, from $ROOT) ---

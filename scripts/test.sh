@@ -4,7 +4,7 @@
 #   bash scripts/test.sh
 # Exits non-zero if any step fails; prints a summary at the end.
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
-# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_BROWSER=1 to run a subset locally.
+# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 to run a subset locally.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -125,6 +125,8 @@ if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then
   run_step "cargo test --locked" cargo_tests
   stop_redis_cluster
 fi
+# Seconds-long smoke of every runfeed-bench scenario (figures printed, not asserted; ~15 s).
+if [ "${SKIP_BENCH:-0}" != 1 ]; then run_step "bench smoke: scripts/bench-smoke.sh" bash scripts/bench-smoke.sh; fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
 # The live-runs page in Debian's headless chromium (installs chromium + npm deps; see scripts/browser.sh).
 if [ "${SKIP_BROWSER:-0}" != 1 ]; then run_step "browser: tests/browser (chromium + playwright-core)" bash scripts/browser.sh; fi

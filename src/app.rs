@@ -139,6 +139,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         auth,
         limiter,
         max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms,
+        limits: crate::http::RequestLimits::of(&config),
     };
     telemetry.metrics().observe(Sources {
         router: router.clone(),

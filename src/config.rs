@@ -36,6 +36,11 @@ pub struct ServerConfig {
     pub handle_secret: Option<String>,
     /// How long in-flight polls get to finish on shutdown, ms.
     pub shutdown_grace_ms: u64,
+    /// Longest accepted request target (path + query), bytes; longer → 414 JSON (8 KiB).
+    pub max_url_bytes: usize,
+    /// Most request header bytes (names + values) accepted; more → 431 JSON (32 KiB). hyper
+    /// itself refuses more than 100 headers or ~400 KiB of head per connection buffer.
+    pub max_header_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -44,6 +49,8 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:3030".into(),
             handle_secret: None,
             shutdown_grace_ms: 2_000,
+            max_url_bytes: 8_192,
+            max_header_bytes: 32_768,
         }
     }
 }
@@ -124,6 +131,10 @@ pub struct FeedsConfig {
     /// Per-organization live-poll limits (org id → limit), replacing the default for that
     /// organization's environments (trigger.dev's plan limit `realtimeConcurrentConnections`).
     pub concurrency_limit_overrides: std::collections::BTreeMap<String, u64>,
+    /// Most tags in one tag-feed filter; more → 400 (422 legacy) (100).
+    pub max_tags: usize,
+    /// Longest tag in a tag-feed filter, bytes; longer → 400 (422 legacy) (256).
+    pub max_tag_bytes: usize,
 }
 
 impl Default for FeedsConfig {
@@ -138,6 +149,8 @@ impl Default for FeedsConfig {
             resolve_admission_limit: 16,
             default_concurrency_limit: 100_000,
             concurrency_limit_overrides: std::collections::BTreeMap::new(),
+            max_tags: 100,
+            max_tag_bytes: 256,
         }
     }
 }

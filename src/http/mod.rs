@@ -39,10 +39,76 @@ pub struct AppState {
     pub limiter: Arc<Limiter>,
     /// Tag feed lookback ceiling, ms.
     pub max_created_at_age_ms: u64,
+    /// Request size limits (issue 7).
+    pub limits: RequestLimits,
+}
+
+/// Bounds on what a request may carry (`[server] max_url_bytes`, `max_header_bytes`,
+/// `[feeds] max_tags`, `max_tag_bytes`).
+#[derive(Clone, Copy, Debug)]
+pub struct RequestLimits {
+    pub max_url_bytes: usize,
+    pub max_header_bytes: usize,
+    pub max_tags: usize,
+    pub max_tag_bytes: usize,
+}
+
+impl RequestLimits {
+    pub fn of(config: &crate::config::Config) -> RequestLimits {
+        RequestLimits {
+            max_url_bytes: config.server.max_url_bytes,
+            max_header_bytes: config.server.max_header_bytes,
+            max_tags: config.feeds.max_tags,
+            max_tag_bytes: config.feeds.max_tag_bytes,
+        }
+    }
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits::of(&crate::config::Config::default())
+    }
+}
+
+/// Longest run or batch id looked up; longer ids (and ids with NUL, which Postgres refuses in
+/// text) are answered 404 without a query.
+const MAX_ID_BYTES: usize = 256;
+
+fn plausible_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_ID_BYTES && !id.contains('\0')
+}
+
+/// 414 for an over-long request target, 431 for too many header bytes — as JSON, inside the
+/// CORS layer (hyper's own 431 for >100 headers has no body).
+async fn request_limits(
+    State(limits): State<RequestLimits>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let target = request
+        .uri()
+        .path_and_query()
+        .map_or(0, |pq| pq.as_str().len());
+    if target > limits.max_url_bytes {
+        return error(StatusCode::URI_TOO_LONG, "URI Too Long");
+    }
+    let header_bytes: usize = request
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    if header_bytes > limits.max_header_bytes {
+        return error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "Request Header Fields Too Large",
+        );
+    }
+    next.run(request).await
 }
 
 /// The axum application: the three feed routes, `/healthz`, JSON 404s, CORS on everything.
 pub fn app(state: AppState) -> axum::Router {
+    let limits = state.limits;
     let cors = CorsLayer::new()
         .allow_origin(Any)
         .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS])
@@ -56,7 +122,11 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/realtime/v1/runs", get(tag_feed))
         .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "Not found") })
+        .method_not_allowed_fallback(|| async {
+            error(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
+        })
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(limits, request_limits))
         // One span per request: method, route, path, env id, status (never headers or query).
         .layer(crate::telemetry::http::trace_layer())
         .layer(cors)
@@ -222,6 +292,9 @@ async fn run_feed(
         Ok(begun) => begun,
         Err(response) => return response,
     };
+    if !plausible_id(&run_id) {
+        return not_found(false);
+    }
     let run = match state
         .feeds
         .sets()
@@ -254,6 +327,18 @@ async fn tag_feed(
         Ok(tags) => tags,
         Err(err) => return bad_request(&ctx, &err.to_string()),
     };
+    if tags.len() > state.limits.max_tags {
+        return bad_request(
+            &ctx,
+            &format!("Too many tags: at most {} allowed", state.limits.max_tags),
+        );
+    }
+    if tags.iter().any(|t| t.len() > state.limits.max_tag_bytes) {
+        return bad_request(
+            &ctx,
+            &format!("Tag too long: at most {} bytes", state.limits.max_tag_bytes),
+        );
+    }
     let max_age = state.max_created_at_age_ms;
     let lookback = match ctx.params.created_at.as_deref() {
         None => max_age,
@@ -262,7 +347,10 @@ async fn tag_feed(
             None => {
                 return bad_request(
                     &ctx,
-                    &format!("Invalid createdAt {raw:?}: expected a duration like 1h, 30m, 2d"),
+                    &format!(
+                        "Invalid createdAt {:?}: expected a duration like 1h, 30m, 2d",
+                        raw.chars().take(64).collect::<String>()
+                    ),
                 )
             }
         },
@@ -291,6 +379,9 @@ async fn batch_feed(
         Ok(begun) => begun,
         Err(response) => return response,
     };
+    if !plausible_id(&batch_id) {
+        return not_found(true);
+    }
     let batch = match state
         .feeds
         .sets()

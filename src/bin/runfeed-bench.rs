@@ -1,0 +1,1056 @@
+//! `runfeed-bench`: drives any server that speaks trigger.dev's realtime run-feed endpoints
+//! (Electric shape protocol) and measures it (issue 6). It seeds what it needs into the
+//! server's database (an environment and runs, written like trigger.dev writes them), mints
+//! public tokens, and publishes change records on Redis (Postgres update + change record).
+//!
+//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); plus
+//! `bare`, a tiny axum server that parks every request (the baseline of `held`). Each scenario
+//! prints a table and, with `--json FILE`, writes its figures as JSON.
+//!
+//! Server-side figures come from the admin `/metrics` (`--admin-url`) and, for CPU/RSS of a
+//! local server, from `/proc/<pid>` (`--server-pid`).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use futures::stream::{self, StreamExt};
+use rand::Rng;
+use runfeed::auth::mint_public_token;
+use runfeed::changes::{ChangeRecord, Publisher};
+use runfeed::cli::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
+use serde_json::{json, Value};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+
+const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
+
+#[derive(Parser)]
+#[command(
+    name = "runfeed-bench",
+    about = "Benchmarks a realtime run-feed server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// N live feeds parked: server RSS per held feed vs a bare axum server parking N requests.
+    Held(HeldArgs),
+    /// F feeds on one tag, one change: time until the last feed has its response.
+    Fanout(FanoutArgs),
+    /// R changes/s over E environments with H held feeds: publish → delivery latency.
+    Churn(ChurnArgs),
+    /// K distinct tag filters connect at once (cold): time to all snapshots.
+    Stampede(StampedeArgs),
+    /// H idle held feeds: requests/s, Postgres queries/s and CPU while nothing changes.
+    Idle(IdleArgs),
+    /// A bare axum server that parks every request for `--hold-ms` (the `held` baseline).
+    Bare(BareArgs),
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// The server's base URL (e.g. http://127.0.0.1:3030).
+    #[arg(long, env = "BENCH_BASE_URL")]
+    base_url: String,
+    /// The database the server reads (the tool writes environments and runs into it).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+    /// The Redis the server subscribes to (change records are published there).
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// The server's admin listener (/metrics), e.g. http://127.0.0.1:9464.
+    #[arg(long, env = "BENCH_ADMIN_URL")]
+    admin_url: Option<String>,
+    /// The server's pid, for CPU seconds and RSS from /proc (local servers only).
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// Spread client connections over this many source addresses 127.0.0.1.. (≈ 28 000
+    /// connections per address).
+    #[arg(long, default_value_t = 1)]
+    source_addrs: u8,
+    /// Write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<String>,
+}
+
+#[derive(Args)]
+struct HeldArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Held feeds.
+    #[arg(long, default_value_t = 2000)]
+    n: usize,
+    /// How long to keep them parked after all are held (ms).
+    #[arg(long, default_value_t = 1000)]
+    settle_ms: u64,
+    /// Skip the bare-axum baseline.
+    #[arg(long)]
+    no_bare: bool,
+}
+
+#[derive(Args)]
+struct FanoutArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Feeds on the hot tag.
+    #[arg(long, default_value_t = 1000)]
+    f: usize,
+}
+
+#[derive(Args)]
+struct ChurnArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Changes per second.
+    #[arg(long, default_value_t = 50.0)]
+    rate: f64,
+    /// Environments.
+    #[arg(long, default_value_t = 4)]
+    envs: usize,
+    /// Held feeds (spread over the environments; each follows one run's tag).
+    #[arg(long, default_value_t = 200)]
+    held: usize,
+    /// Runs per environment (each with its own tag).
+    #[arg(long, default_value_t = 10)]
+    runs: usize,
+    /// Duration of the churn (s).
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+}
+
+#[derive(Args)]
+struct StampedeArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Distinct tag filters connecting at once.
+    #[arg(long, default_value_t = 1000)]
+    k: usize,
+}
+
+#[derive(Args)]
+struct IdleArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Idle held feeds.
+    #[arg(long, default_value_t = 1000)]
+    held: usize,
+    /// Measurement window (s).
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+}
+
+#[derive(Args)]
+struct BareArgs {
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    #[arg(long, default_value_t = 600_000)]
+    hold_ms: u64,
+}
+
+// ---------------------------------------------------------------- harness
+
+struct Bench {
+    c: Common,
+    base: String,
+    pool: PgPool,
+    publisher: Publisher,
+    clients: Vec<reqwest::Client>,
+    next_client: AtomicUsize,
+    probe: reqwest::Client,
+}
+
+/// A parsed feed response.
+struct Resp {
+    status: u16,
+    handle: Option<String>,
+    offset: Option<String>,
+    cursor: Option<String>,
+    body: Value,
+}
+
+impl Resp {
+    /// `(run id, updatedAt)` of every change message.
+    fn changed_ids(&self) -> Vec<String> {
+        self.body
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|m| m.get("key").is_some())
+                    .filter_map(|m| m["value"]["id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+fn client_for(i: u8) -> anyhow::Result<reqwest::Client> {
+    let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + i));
+    Ok(reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(100_000)
+        .local_address(ip)
+        .timeout(Duration::from_secs(300))
+        .build()?)
+}
+
+impl Bench {
+    async fn new(c: Common) -> anyhow::Result<Bench> {
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&c.database_url)
+            .await
+            .context("connect to --database-url")?;
+        let publisher = Publisher::connect(&c.redis_url)
+            .await
+            .map_err(|e| anyhow::anyhow!("connect to --redis-url: {e}"))?;
+        let clients = (0..c.source_addrs.max(1))
+            .map(client_for)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Bench {
+            base: c.base_url.trim_end_matches('/').to_string(),
+            c,
+            pool,
+            publisher,
+            clients,
+            next_client: AtomicUsize::new(0),
+            probe: reqwest::Client::builder().no_proxy().build()?,
+        })
+    }
+
+    fn client(&self) -> &reqwest::Client {
+        let i = self.next_client.fetch_add(1, Ordering::Relaxed);
+        &self.clients[i % self.clients.len()]
+    }
+
+    async fn env(&self) -> anyhow::Result<DemoEnv> {
+        fixtures::create_env(&self.pool, "DEVELOPMENT").await
+    }
+
+    async fn tagged_run(&self, env: &DemoEnv, tag: &str) -> anyhow::Result<String> {
+        let spec = RunSpec {
+            tags: Some(vec![tag.to_string()]),
+            ..RunSpec::default()
+        };
+        Ok(fixtures::create_run(&self.pool, env, spec).await?.id)
+    }
+
+    /// Updates a run (Postgres) and publishes its change record (Redis), like trigger.dev.
+    async fn change(&self, env: &DemoEnv, run_id: &str, tag: &str) -> anyhow::Result<()> {
+        let status = if rand::rng().random_bool(0.5) {
+            "EXECUTING"
+        } else {
+            "PENDING"
+        };
+        let ms = fixtures::update_run(
+            &self.pool,
+            run_id,
+            RunUpdate {
+                status: Some(status.into()),
+                ..RunUpdate::default()
+            },
+        )
+        .await?;
+        let record = ChangeRecord {
+            v: 1,
+            run_id: run_id.to_string(),
+            env_id: env.env_id.clone(),
+            tags: Some(vec![tag.to_string()]),
+            batch_id: None,
+            updated_at_ms: Some(ms),
+        };
+        self.publisher
+            .publish(&record)
+            .await
+            .map_err(|e| anyhow::anyhow!("publish: {e}"))?;
+        Ok(())
+    }
+
+    fn token(env: &DemoEnv, tag: &str) -> String {
+        mint_public_token(
+            &env.api_key,
+            &env.env_id,
+            &[format!("read:tags:{tag}")],
+            Duration::from_secs(3600),
+            None,
+        )
+        .expect("mint token")
+    }
+
+    async fn get(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        params: &[(&str, &str)],
+    ) -> anyhow::Result<Resp> {
+        let resp = client
+            .get(format!("{}/realtime/v1/runs", self.base))
+            .query(params)
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-trigger-electric-version", ELECTRIC_VERSION)
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        let h = |n: &str| {
+            resp.headers()
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let (handle, offset, cursor) = (
+            h("electric-handle"),
+            h("electric-offset"),
+            h("electric-cursor"),
+        );
+        let text = resp.text().await?;
+        Ok(Resp {
+            status,
+            handle,
+            offset,
+            cursor,
+            body: serde_json::from_str(&text).unwrap_or(Value::Null),
+        })
+    }
+
+    async fn snapshot(&self, token: &str, tag: &str) -> anyhow::Result<Resp> {
+        let r = self
+            .get(
+                self.client(),
+                token,
+                &[("tags", tag), ("log", "full"), ("offset", "-1")],
+            )
+            .await?;
+        if r.status != 200 {
+            bail!("snapshot of tag {tag}: status {}", r.status);
+        }
+        Ok(r)
+    }
+
+    async fn live(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        tag: &str,
+        at: &Resp,
+    ) -> anyhow::Result<Resp> {
+        let handle = at.handle.as_deref().unwrap_or("");
+        let offset = at.offset.as_deref().unwrap_or("-1");
+        let cursor = at.cursor.as_deref().unwrap_or("");
+        self.get(
+            client,
+            token,
+            &[
+                ("tags", tag),
+                ("cursor", cursor),
+                ("handle", handle),
+                ("live", "true"),
+                ("log", "full"),
+                ("offset", offset),
+            ],
+        )
+        .await
+    }
+
+    /// The admin /metrics text ("" without --admin-url).
+    async fn scrape(&self) -> String {
+        let Some(admin) = &self.c.admin_url else {
+            return String::new();
+        };
+        let url = format!("{}/metrics", admin.trim_end_matches('/'));
+        match self.probe.get(url).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Sum of every sample of `name` (None when absent).
+    async fn metric(&self, name: &str) -> Option<f64> {
+        metric_sum(&self.scrape().await, name)
+    }
+
+    /// Waits until the server holds at least `n` feeds (router gauge), at most `limit`.
+    async fn wait_held(&self, n: usize, limit: Duration) -> bool {
+        if self.c.admin_url.is_none() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return true;
+        }
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self
+                .metric("runfeed_router_held_feeds")
+                .await
+                .unwrap_or(0.0)
+                >= n as f64
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// Server RSS: /proc/<pid> if given, else the process metric.
+    async fn server_rss(&self) -> Option<f64> {
+        match self.c.server_pid {
+            Some(pid) => proc_rss(pid),
+            None => self.metric("runfeed_process_resident_memory_bytes").await,
+        }
+    }
+
+    fn server_cpu(&self) -> Option<f64> {
+        self.c.server_pid.and_then(proc_cpu_s)
+    }
+}
+
+fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+fn page_size() -> f64 {
+    4096.0
+}
+
+fn proc_rss(pid: u32) -> Option<f64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let resident: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(resident * page_size())
+}
+
+fn proc_cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn opt(v: Option<f64>) -> Value {
+    v.map(|x| json!(x)).unwrap_or(Value::Null)
+}
+
+fn delta(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(b? - a?)
+}
+
+/// Prints `rows` as a two-column table and writes `{scenario, params, figures}` JSON.
+fn report(
+    c: &Common,
+    scenario: &str,
+    params: Value,
+    rows: Vec<(&str, Value)>,
+) -> anyhow::Result<()> {
+    println!("\n{scenario}  {params}");
+    println!("{:<44} {:>16}", "figure", "value");
+    println!("{:-<44} {:->16}", "", "");
+    let mut figures = serde_json::Map::new();
+    for (k, v) in rows {
+        let shown = match &v {
+            Value::Number(n) => {
+                let f = n.as_f64().unwrap_or(0.0);
+                if f.fract() == 0.0 && f.abs() < 1e15 {
+                    format!("{}", f as i64)
+                } else {
+                    format!("{f:.3}")
+                }
+            }
+            Value::Null => "n/a".to_string(),
+            other => other.to_string(),
+        };
+        println!("{k:<44} {shown:>16}");
+        figures.insert(k.to_string(), v);
+    }
+    if let Some(path) = &c.json {
+        let out = json!({
+            "scenario": scenario,
+            "params": params,
+            "figures": figures,
+            "at": chrono::Utc::now().to_rfc3339(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("write {path}"))?;
+    }
+    Ok(())
+}
+
+/// Parks `n` live polls of `tag` at `at` (one task each); returns their handles and the
+/// time each finished (with its response status).
+fn park(
+    b: &Arc<Bench>,
+    n: usize,
+    token: &str,
+    tag: &str,
+    at: &Arc<Resp>,
+) -> Vec<tokio::task::JoinHandle<(Option<u16>, Instant)>> {
+    (0..n)
+        .map(|_| {
+            let b = b.clone();
+            let token = token.to_string();
+            let tag = tag.to_string();
+            let at = at.clone();
+            tokio::spawn(async move {
+                let client = b.client().clone();
+                let r = b.live(&client, &token, &tag, &at).await;
+                (r.ok().map(|r| r.status), Instant::now())
+            })
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- scenarios
+
+async fn held(a: HeldArgs) -> anyhow::Result<()> {
+    let b = Arc::new(Bench::new(a.common.clone()).await?);
+    let env = b.env().await?;
+    b.tagged_run(&env, "held").await?;
+    let token = Bench::token(&env, "held");
+    let snap = Arc::new(b.snapshot(&token, "held").await?);
+    // Let the environment's subscription confirm, then measure before/after.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss_before = b.server_rss().await;
+    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+    let started = Instant::now();
+    let tasks = park(&b, a.n, &token, "held", &snap);
+    let all_held = b
+        .wait_held(held_before + a.n, Duration::from_secs(60))
+        .await;
+    let time_to_hold = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(a.settle_ms)).await;
+    let rss_after = b.server_rss().await;
+    for t in &tasks {
+        t.abort();
+    }
+    let per_feed = delta(rss_before, rss_after).map(|d| d / a.n as f64);
+
+    // Bare axum baseline: a child process parking the same number of requests.
+    let mut bare_per_feed = None;
+    if !a.no_bare {
+        bare_per_feed = bare_baseline(&b, a.n, a.settle_ms).await.ok();
+    }
+    report(
+        &a.common,
+        "held",
+        json!({"n": a.n}),
+        vec![
+            ("all feeds held", json!(all_held)),
+            ("time to hold all (ms)", json!(ms(time_to_hold))),
+            (
+                "server RSS before (MiB)",
+                opt(rss_before.map(|x| x / 1048576.0)),
+            ),
+            (
+                "server RSS held (MiB)",
+                opt(rss_after.map(|x| x / 1048576.0)),
+            ),
+            (
+                "server RSS per held feed (KiB)",
+                opt(per_feed.map(|x| x / 1024.0)),
+            ),
+            (
+                "bare axum RSS per parked request (KiB)",
+                opt(bare_per_feed.map(|x| x / 1024.0)),
+            ),
+            (
+                "ratio runfeed / bare",
+                opt(per_feed.zip(bare_per_feed).map(|(a, b)| a / b)),
+            ),
+        ],
+    )
+}
+
+async fn bare_baseline(b: &Arc<Bench>, n: usize, settle_ms: u64) -> anyhow::Result<f64> {
+    use tokio::io::AsyncBufReadExt;
+    let exe = std::env::current_exe()?;
+    let mut child = tokio::process::Command::new(exe)
+        .args(["bare", "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = child.id().context("bare pid")?;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+        .await??
+        .context("bare server printed nothing")?;
+    let base = line
+        .strip_prefix("bare listening on ")
+        .context("bare server banner")?
+        .to_string();
+    let counter = format!("{base}/count");
+    let rss_before = proc_rss(pid).context("bare rss")?;
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let client = b.client().clone();
+            let url = format!("{base}/realtime/v1/runs?live=true");
+            tokio::spawn(async move { client.get(url).send().await.map(|r| r.status()) })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let parked: usize = b
+            .probe
+            .get(&counter)
+            .send()
+            .await?
+            .text()
+            .await?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        if parked >= n || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(settle_ms)).await;
+    let rss_after = proc_rss(pid).context("bare rss")?;
+    for t in tasks {
+        t.abort();
+    }
+    let _ = child.kill().await;
+    Ok((rss_after - rss_before) / n as f64)
+}
+
+async fn bare(a: BareArgs) -> anyhow::Result<()> {
+    use axum::routing::get;
+    let parked = Arc::new(AtomicUsize::new(0));
+    let hold = Duration::from_millis(a.hold_ms);
+    let p1 = parked.clone();
+    let p2 = parked.clone();
+    let app = axum::Router::new()
+        .route(
+            "/count",
+            get(move || {
+                let p = p2.clone();
+                async move { p.load(Ordering::Relaxed).to_string() }
+            }),
+        )
+        .fallback(move || {
+            let p = p1.clone();
+            async move {
+                p.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(hold).await;
+                p.fetch_sub(1, Ordering::Relaxed);
+                r#"[{"headers":{"control":"up-to-date"}}]"#
+            }
+        });
+    let listener = tokio::net::TcpListener::bind(&a.listen).await?;
+    println!("bare listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
+    let b = Arc::new(Bench::new(a.common.clone()).await?);
+    let env = b.env().await?;
+    let hot = b.tagged_run(&env, "hot").await?;
+    let token = Bench::token(&env, "hot");
+    let snap = Arc::new(b.snapshot(&token, "hot").await?);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+    let tasks = park(&b, a.f, &token, "hot", &snap);
+    let all_held = b
+        .wait_held(held_before + a.f, Duration::from_secs(60))
+        .await;
+    // Let any cold re-checks finish before the baseline.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let q0 = b.metric("runfeed_pg_queries_total").await;
+    let s0 = b.metric("runfeed_router_distinct_runs_total").await;
+    let d0 = b.metric("runfeed_router_deliveries_total").await;
+    let published = Instant::now();
+    b.change(&env, &hot, "hot").await?;
+    let mut lat = Vec::with_capacity(a.f);
+    let mut errors = 0usize;
+    for t in tasks {
+        match tokio::time::timeout(Duration::from_secs(120), t).await {
+            Ok(Ok((Some(200), at))) => lat.push(ms(at.duration_since(published))),
+            _ => errors += 1,
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let q1 = b.metric("runfeed_pg_queries_total").await;
+    let s1 = b.metric("runfeed_router_distinct_runs_total").await;
+    let d1 = b.metric("runfeed_router_deliveries_total").await;
+    lat.sort_by(f64::total_cmp);
+    report(
+        &a.common,
+        "fanout",
+        json!({"f": a.f}),
+        vec![
+            ("all feeds held", json!(all_held)),
+            ("responses", json!(lat.len())),
+            ("errors", json!(errors)),
+            ("last response p50 (ms)", json!(pct(&lat, 50.0))),
+            ("last response p99 (ms)", json!(pct(&lat, 99.0))),
+            (
+                "last response max (ms)",
+                json!(lat.last().copied().unwrap_or(f64::NAN)),
+            ),
+            ("postgres queries for the change", opt(delta(q0, q1))),
+            ("serializations (router distinct runs)", opt(delta(s0, s1))),
+            ("router deliveries", opt(delta(d0, d1))),
+        ],
+    )
+}
+
+async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
+    let b = Arc::new(Bench::new(a.common.clone()).await?);
+    // E environments × runs, each run with its own tag.
+    let mut targets: Vec<(Arc<DemoEnv>, String, String)> = Vec::new();
+    for _ in 0..a.envs.max(1) {
+        let env = Arc::new(b.env().await?);
+        for r in 0..a.runs.max(1) {
+            let tag = format!("churn{r}");
+            let id = b.tagged_run(&env, &tag).await?;
+            targets.push((env.clone(), id, tag));
+        }
+    }
+    let published: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+
+    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+    // Followers: snapshot, then live polls in a loop, recording delivery latency.
+    let mut followers = Vec::new();
+    for i in 0..a.held {
+        let (env, _, tag) = targets[i % targets.len()].clone();
+        let (b, published, latencies, errors, stop) = (
+            b.clone(),
+            published.clone(),
+            latencies.clone(),
+            errors.clone(),
+            stop.clone(),
+        );
+        followers.push(tokio::spawn(async move {
+            let token = Bench::token(&env, &tag);
+            let client = b.client().clone();
+            let mut at = match b.snapshot(&token, &tag).await {
+                Ok(r) => r,
+                Err(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            };
+            while !stop.load(Ordering::Relaxed) {
+                match b.live(&client, &token, &tag, &at).await {
+                    Ok(r) if r.status == 200 => {
+                        let now = Instant::now();
+                        let ids = r.changed_ids();
+                        if !ids.is_empty() {
+                            let p = published.lock().unwrap();
+                            let mut l = latencies.lock().unwrap();
+                            for id in ids {
+                                if let Some(t) = p.get(&id) {
+                                    l.push(ms(now.duration_since(*t)));
+                                }
+                            }
+                        }
+                        at = r;
+                    }
+                    Ok(r) if r.status == 409 => {
+                        // Must refetch: start over.
+                        match b.snapshot(&token, &tag).await {
+                            Ok(r) => at = r,
+                            Err(_) => return,
+                        }
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }));
+    }
+    // Wait until the followers are parked.
+    let all_held = b
+        .wait_held(held_before + a.held, Duration::from_secs(60))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let bs0 = b.metric("runfeed_feeds_backstops_total").await;
+    let cpu0 = b.server_cpu();
+    let start = Instant::now();
+    let total = (a.rate * a.duration_s).round() as u64;
+    let interval = Duration::from_secs_f64(1.0 / a.rate.max(0.001));
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut publishes = Vec::new();
+    for i in 0..total {
+        ticker.tick().await;
+        let (env, id, tag) = targets[(i as usize * 7919) % targets.len()].clone();
+        let (b, published, errors) = (b.clone(), published.clone(), errors.clone());
+        publishes.push(tokio::spawn(async move {
+            // Stamp the publish time between the Postgres update and the Redis publish.
+            let ms = fixtures::update_run(
+                &b.pool,
+                &id,
+                RunUpdate {
+                    status: Some("EXECUTING".into()),
+                    ..RunUpdate::default()
+                },
+            )
+            .await;
+            let Ok(ms) = ms else {
+                errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            };
+            published.lock().unwrap().insert(id.clone(), Instant::now());
+            let record = ChangeRecord {
+                v: 1,
+                run_id: id,
+                env_id: env.env_id.clone(),
+                tags: Some(vec![tag]),
+                batch_id: None,
+                updated_at_ms: Some(ms),
+            };
+            if b.publisher.publish(&record).await.is_err() {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for p in publishes {
+        let _ = p.await;
+    }
+    let publish_s = start.elapsed().as_secs_f64();
+    // Drain: give the last deliveries time to arrive.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let cpu1 = b.server_cpu();
+    let bs1 = b.metric("runfeed_feeds_backstops_total").await;
+    stop.store(true, Ordering::Relaxed);
+    for f in &followers {
+        f.abort();
+    }
+    let mut lat = latencies.lock().unwrap().clone();
+    lat.sort_by(f64::total_cmp);
+    let deliveries = lat.len();
+    let cpu_per_1k = delta(cpu0, cpu1).map(|c| c / (deliveries.max(1) as f64) * 1000.0);
+    report(
+        &a.common,
+        "churn",
+        json!({"rate": a.rate, "envs": a.envs, "held": a.held, "runs_per_env": a.runs, "duration_s": a.duration_s}),
+        vec![
+            ("all feeds held", json!(all_held)),
+            ("changes published", json!(total)),
+            ("achieved changes/s", json!(total as f64 / publish_s)),
+            ("deliveries (feed × change)", json!(deliveries)),
+            ("delivery latency p50 (ms)", json!(pct(&lat, 50.0))),
+            ("delivery latency p99 (ms)", json!(pct(&lat, 99.0))),
+            ("delivery latency p99.9 (ms)", json!(pct(&lat, 99.9))),
+            ("server CPU s per 1000 deliveries", opt(cpu_per_1k)),
+            ("backstop deliveries", opt(delta(bs0, bs1))),
+            ("client errors", json!(errors.load(Ordering::Relaxed))),
+        ],
+    )
+}
+
+async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
+    let b = Arc::new(Bench::new(a.common.clone()).await?);
+    let env = Arc::new(b.env().await?);
+    // K runs, each with its own tag (written in parallel, 8 at a time).
+    let tags: Vec<String> = (0..a.k).map(|i| format!("cold{i}")).collect();
+    let created: Vec<anyhow::Result<String>> = stream::iter(tags.iter())
+        .map(|t| {
+            let (b, env) = (b.clone(), env.clone());
+            async move { b.tagged_run(&env, t).await }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    for c in created {
+        c?;
+    }
+    let q0 = b.metric("runfeed_pg_queries_total").await;
+    let peak = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (b, peak, done) = (b.clone(), peak.clone(), done.clone());
+        tokio::spawn(async move {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(v) = b.metric("runfeed_runset_admission_in_use").await {
+                    peak.fetch_max(v as u64, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let tasks: Vec<_> = tags
+        .iter()
+        .map(|t| {
+            let (b, env, t) = (b.clone(), env.clone(), t.clone());
+            tokio::spawn(async move {
+                let token = Bench::token(&env, &t);
+                let r = b.snapshot(&token, &t).await;
+                (r.is_ok(), Instant::now())
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        match t.await {
+            Ok((true, at)) => lat.push(ms(at.duration_since(started))),
+            _ => errors += 1,
+        }
+    }
+    let total = started.elapsed();
+    done.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
+    let q1 = b.metric("runfeed_pg_queries_total").await;
+    lat.sort_by(f64::total_cmp);
+    report(
+        &a.common,
+        "stampede",
+        json!({"k": a.k}),
+        vec![
+            ("time to all snapshots (ms)", json!(ms(total))),
+            ("snapshot p50 (ms)", json!(pct(&lat, 50.0))),
+            ("snapshot p99 (ms)", json!(pct(&lat, 99.0))),
+            ("errors", json!(errors)),
+            (
+                "peak concurrent resolves (admission in use)",
+                json!(peak.load(Ordering::Relaxed)),
+            ),
+            ("postgres queries", opt(delta(q0, q1))),
+        ],
+    )
+}
+
+async fn idle(a: IdleArgs) -> anyhow::Result<()> {
+    let b = Arc::new(Bench::new(a.common.clone()).await?);
+    let env = Arc::new(b.env().await?);
+    b.tagged_run(&env, "idle").await?;
+    let token = Bench::token(&env, "idle");
+    let snap = b.snapshot(&token, "idle").await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+    let errors = Arc::new(AtomicU64::new(0));
+    let client_requests = Arc::new(AtomicU64::new(0));
+    let start_at = Arc::new(snap);
+    let mut followers = Vec::new();
+    for _ in 0..a.held {
+        let (b, token, at, errors, reqs) = (
+            b.clone(),
+            token.clone(),
+            start_at.clone(),
+            errors.clone(),
+            client_requests.clone(),
+        );
+        followers.push(tokio::spawn(async move {
+            let client = b.client().clone();
+            let mut at = Resp {
+                status: at.status,
+                handle: at.handle.clone(),
+                offset: at.offset.clone(),
+                cursor: at.cursor.clone(),
+                body: Value::Null,
+            };
+            loop {
+                reqs.fetch_add(1, Ordering::Relaxed);
+                match b.live(&client, &token, "idle", &at).await {
+                    Ok(r) if r.status == 200 || r.status == 204 => {
+                        if r.handle.is_some() {
+                            at = r;
+                        }
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        }));
+    }
+    let all_held = b
+        .wait_held(held_before + a.held, Duration::from_secs(60))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r0 = b.metric("runfeed_http_requests_total").await;
+    let q0 = b.metric("runfeed_pg_queries_total").await;
+    let c0 = b.server_cpu();
+    let cr0 = client_requests.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(a.duration_s)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let r1 = b.metric("runfeed_http_requests_total").await;
+    let q1 = b.metric("runfeed_pg_queries_total").await;
+    let c1 = b.server_cpu();
+    let cr1 = client_requests.load(Ordering::Relaxed);
+    for f in &followers {
+        f.abort();
+    }
+    report(
+        &a.common,
+        "idle",
+        json!({"held": a.held, "duration_s": a.duration_s}),
+        vec![
+            ("all feeds held", json!(all_held)),
+            ("client requests/s", json!((cr1 - cr0) as f64 / secs)),
+            (
+                "server requests/s (metric)",
+                opt(delta(r0, r1).map(|d| d / secs)),
+            ),
+            ("postgres queries/s", opt(delta(q0, q1).map(|d| d / secs))),
+            (
+                "server CPU (% of one core)",
+                opt(delta(c0, c1).map(|d| d / secs * 100.0)),
+            ),
+            ("client errors", json!(errors.load(Ordering::Relaxed))),
+        ],
+    )
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.scenario {
+        Scenario::Held(a) => held(a).await,
+        Scenario::Fanout(a) => fanout(a).await,
+        Scenario::Churn(a) => churn(a).await,
+        Scenario::Stampede(a) => stampede(a).await,
+        Scenario::Idle(a) => idle(a).await,
+        Scenario::Bare(a) => bare(a).await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("runfeed-bench: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -729,13 +729,13 @@ async fn over_limit_live_polls_get_exactly_n_429s() {
     drop(peer);
 }
 
-/// Issue 4 / architecture item (admission): hundreds of DISTINCT tag filters snapshotted at
+/// Issue 4 / architecture item (admission): 1 000 DISTINCT tag filters snapshotted at
 /// once (every one a run-set cache miss) never run more than `resolve_admission_limit` run-set
 /// resolves at a time, and every snapshot still succeeds with its run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn distinct_filter_stampede_respects_admission_limit() {
     const A: usize = 4;
-    const TAGS: usize = 300;
+    const TAGS: usize = 1_000;
     const PER_RUN: usize = 10;
     let srv =
         Arc::new(TestServer::start_with(20_000, |c| c.feeds.resolve_admission_limit = A).await);
@@ -781,12 +781,10 @@ async fn distinct_filter_stampede_respects_admission_limit() {
 
 /// Issue 4: after a change was delivered by instance A, the client's next live poll landing on
 /// instance B (within `hop_margin_ms` of the change) must HOLD — the client already has that
-/// row. Today B replays the record (its replay starts `hop_margin_ms` before A's cursor) and,
-/// having no working set for a connection it never served, cannot tell the row was delivered:
-/// it answers at once with the same row again, under a new offset. A client alternating between
-/// instances then ping-pongs (~1 ms per round trip, one hydrate query each) until
-/// `hop_margin_ms` has passed since the change — ~200 redundant responses per change with a
-/// 200 ms margin, ~1 000 with the default 1 s margin.
+/// row. B replays the record (its replay starts `hop_margin_ms` before A's cursor) but has no
+/// working set for a connection it never served; the shared cursor carries the versions of the
+/// runs A's recent responses carried, so B drops the row instead of re-sending it (without
+/// them a client alternating between instances would ping-pong until the margin passed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hop_right_after_a_change_holds_instead_of_redelivering() {
     let srv = TestServer::start_with(3_000, |c| c.router.hop_margin_ms = 200).await;

@@ -145,7 +145,7 @@ impl RunStore for FakeStore {
         _run_id: &str,
         _cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
-        unimplemented!("the router only hydrates")
+        panic!("the router only hydrates")
     }
 
     async fn resolve_tag_set(
@@ -156,7 +156,7 @@ impl RunStore for FakeStore {
         _cap: usize,
         _cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
-        unimplemented!("the router only hydrates")
+        panic!("the router only hydrates")
     }
 
     async fn resolve_batch_set(
@@ -166,7 +166,7 @@ impl RunStore for FakeStore {
         _cap: usize,
         _cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
-        unimplemented!("the router only hydrates")
+        panic!("the router only hydrates")
     }
 
     async fn find_run(
@@ -174,7 +174,7 @@ impl RunStore for FakeStore {
         _env_id: &str,
         _friendly_id: &str,
     ) -> Result<Option<RunResource>, StoreError> {
-        unimplemented!("the router only hydrates")
+        panic!("the router only hydrates")
     }
 
     async fn find_batch(
@@ -182,7 +182,7 @@ impl RunStore for FakeStore {
         _env_id: &str,
         _friendly_id: &str,
     ) -> Result<Option<BatchResource>, StoreError> {
-        unimplemented!("the router only hydrates")
+        panic!("the router only hydrates")
     }
 }
 

@@ -179,11 +179,11 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
     println!("  export PUBLIC_TOKEN='{token}'");
     println!("  # one run: snapshot, then long-poll with the electric-handle / electric-offset response headers");
     println!(
-        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" '{base}/realtime/v1/runs/{}?offset=-1'",
+        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" -H 'x-trigger-electric-version: 1.0.0-beta.1' '{base}/realtime/v1/runs/{}?offset=-1'",
         seeded.watch_run
     );
     println!(
-        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" '{base}/realtime/v1/runs/{}?offset=<electric-offset>&handle=<electric-handle>&live=true'",
+        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" -H 'x-trigger-electric-version: 1.0.0-beta.1' '{base}/realtime/v1/runs/{}?offset=<electric-offset>&handle=<electric-handle>&live=true'",
         seeded.watch_run
     );
     println!("  # runs tagged {DEMO_TAG} created in the last hour");

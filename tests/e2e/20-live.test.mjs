@@ -166,10 +166,17 @@ test("scenario 06: completion", async () => {
     what: "no SDK request left in flight",
     timeoutMs: 3000,
   });
-  // The server survives the abort and still serves the finished run.
-  const res = await raw(long, runPath(run, { log: "full", offset: "-1" }), { token });
-  assert.equal(res.status, 200);
-  assert.equal(res.json.find(isChange).value.status, "COMPLETED_SUCCESSFULLY");
+  // The server survives the abort and still serves the finished run. A snapshot may come from
+  // the single-run read cache (run_cache_ttl_ms, 250 ms: it collapses refetch bursts), so it can
+  // trail a change by that much — its cursor makes the next live poll deliver the change.
+  await waitFor(
+    async () => {
+      const res = await raw(long, runPath(run, { log: "full", offset: "-1" }), { token });
+      assert.equal(res.status, 200);
+      return res.json.find(isChange).value.status === "COMPLETED_SUCCESSFULLY";
+    },
+    { what: "a snapshot of the finished run", timeoutMs: 2000, intervalMs: 50 }
+  );
 });
 
 test("scenario 10: no tight loops", async (t) => {

@@ -771,8 +771,8 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                         let now = Instant::now();
                         let ids = r.changed_ids();
                         if !ids.is_empty() {
-                            let p = published.lock().unwrap();
-                            let mut l = latencies.lock().unwrap();
+                            let p = published.lock().unwrap_or_else(|p| p.into_inner());
+                            let mut l = latencies.lock().unwrap_or_else(|p| p.into_inner());
                             for id in ids {
                                 if let Some(t) = p.get(&id) {
                                     l.push(ms(now.duration_since(*t)));
@@ -829,7 +829,10 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                 errors.fetch_add(1, Ordering::Relaxed);
                 return;
             };
-            published.lock().unwrap().insert(id.clone(), Instant::now());
+            published
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id.clone(), Instant::now());
             let record = ChangeRecord {
                 v: 1,
                 run_id: id,
@@ -855,7 +858,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
     for f in &followers {
         f.abort();
     }
-    let mut lat = latencies.lock().unwrap().clone();
+    let mut lat = latencies.lock().unwrap_or_else(|p| p.into_inner()).clone();
     lat.sort_by(f64::total_cmp);
     let deliveries = lat.len();
     let cpu_per_1k = delta(cpu0, cpu1).map(|c| c / (deliveries.max(1) as f64) * 1000.0);

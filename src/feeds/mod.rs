@@ -373,10 +373,7 @@ impl Feeds {
     /// Versions of the runs this response considered, then those carried from the state it
     /// answers (bounded by [`cursors::RECENT_MAX`]).
     fn recent(
-        &self,
-        req: &FeedRequest,
-        handle: &str,
-        offset: Offset,
+        presented: Option<&ConnState>,
         known: &Known,
         pending: &Pending,
         ws: &WorkingSet,
@@ -387,11 +384,7 @@ impl Feeds {
             .collect();
         let carried: Vec<(String, Version)> = match known {
             Known::Partial(map) => map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-            _ => self
-                .conns
-                .get(&(req.env_id.clone(), handle.to_string(), offset))
-                .map(|s| s.recent.clone())
-                .unwrap_or_default(),
+            _ => presented.map(|s| s.recent.clone()).unwrap_or_default(),
         };
         for (id, v) in carried {
             if out.len() >= cursors::RECENT_MAX {
@@ -505,14 +498,15 @@ impl Feeds {
         pending.extend(late.rows);
         let changes = pending.changes(known);
         let ws = pending.next_working_set(known);
-        let recent = self.recent(req, handle, offset, known, &pending, &ws);
+        // The state recorded for the offset the client presented (read once).
+        let presented = self
+            .conns
+            .get(&(req.env_id.clone(), handle.to_string(), offset));
+        let recent = Self::recent(presented.as_deref(), known, &pending, &ws);
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (protocol §10); its state
             // keeps the same working set and moves the replay cursor forward.
-            let prev = self
-                .conns
-                .get(&(req.env_id.clone(), handle.to_string(), offset))
-                .and_then(|s| s.prev);
+            let prev = presented.and_then(|s| s.prev);
             self.record(
                 req,
                 handle,

@@ -4,6 +4,7 @@
 # non-root user.
 #   docker build -t runfeed .
 #   docker run --rm -p 3030:3030 -e DATABASE_URL=… -e REDIS_URL=… runfeed
+# tests/deploy.rs checks this file statically (cargo test --test deploy).
 
 FROM rust:1.95-bookworm AS builder
 WORKDIR /src

@@ -4,7 +4,7 @@
 #   bash scripts/test.sh
 # Exits non-zero if any step fails; prints a summary at the end.
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
-# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 to run a subset locally.
+# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -130,6 +130,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then run_step "bench smoke: scripts/bench-smoke.
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
 # The live-runs page in Debian's headless chromium (installs chromium + npm deps; see scripts/browser.sh).
 if [ "${SKIP_BROWSER:-0}" != 1 ]; then run_step "browser: tests/browser (chromium + playwright-core)" bash scripts/browser.sh; fi
+
+# Every cargo-fuzz target for a bounded time (issue 7; FUZZ_SECONDS per target, default 20;
+# the first, cold build of the instrumented crate takes a few minutes).
+if [ "${SKIP_FUZZ:-0}" != 1 ]; then run_step "fuzz: scripts/fuzz.sh (${FUZZ_SECONDS:-20}s per target)" bash scripts/fuzz.sh; fi
 
 summary
 exit "$FAILED"

@@ -166,29 +166,26 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let addr = listener.local_addr().context("reading the bound address")?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
-    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone())
-        .into_make_service();
+    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone());
+    let limits = crate::http::serve::ConnLimits::of(&config);
     let task = tokio::spawn(async move {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let server = axum::serve(listener, service).with_graceful_shutdown(async move {
+        let server = crate::http::serve::serve(listener, service, limits, async move {
             let _ = shutdown_rx.await;
-            // Held polls answer up-to-date at once; the server then finishes in-flight responses.
+            // Held polls answer up-to-date at once; connections then finish their in-flight
+            // responses and close.
             feeds.drain();
             let _ = stop_tx.send(true);
         });
         let mut stop_rx = stop_rx;
         tokio::select! {
-            result = server => {
-                if let Err(err) = result {
-                    tracing::error!(error = %err, "server stopped with an error");
-                }
-            }
+            () = server => {}
             _ = async {
-                // Held long-polls would keep a graceful shutdown waiting for ~20 s: cut them
-                // off after the grace period (clients retry).
+                // A response a client does not read would keep the drain waiting: cut the
+                // remaining connections off after the grace period (clients retry).
                 let _ = stop_rx.wait_for(|stopped| *stopped).await;
                 tokio::time::sleep(grace).await;
-            } => tracing::info!("shutdown grace period over; closing held polls"),
+            } => tracing::info!("shutdown grace period over; closing the remaining connections"),
         }
     });
     Ok(Running {

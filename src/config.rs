@@ -8,27 +8,36 @@ use std::path::Path;
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
+    /// `[server]`
     pub server: ServerConfig,
+    /// `[database]`
     pub database: DatabaseConfig,
+    /// `[redis]`
     pub redis: RedisConfig,
+    /// `[feeds]`
     pub feeds: FeedsConfig,
+    /// `[router]`
     pub router: RouterConfig,
+    /// `[caches]`
     pub caches: CachesConfig,
+    /// `[replica_lag]`
     pub replica_lag: ReplicaLagConfig,
+    /// `[telemetry]`
     pub telemetry: TelemetryConfig,
 }
 
 /// `[server]`
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
-    /// Listen address (`--listen`, `RUNFEED_LISTEN`).
+    /// Listen address, `host:port` (`--listen`, `RUNFEED_LISTEN`).
     pub listen: String,
     /// Secret that signs shape handles. Set the same value on every instance of a fleet; unset
     /// = a random secret per process (handles then die with the process: clients get a 409
@@ -39,8 +48,16 @@ pub struct ServerConfig {
     /// Longest accepted request target (path + query), bytes; longer → 414 JSON (8 KiB).
     pub max_url_bytes: usize,
     /// Most request header bytes (names + values) accepted; more → 431 JSON (32 KiB). hyper
-    /// itself refuses more than 100 headers or ~400 KiB of head per connection buffer.
+    /// itself refuses more than 100 headers, and a head larger than 4 × (`max_url_bytes` +
+    /// `max_header_bytes`) (the per-connection buffer cap) with a bare 431.
     pub max_header_bytes: usize,
+    /// Time a connection gets to deliver a complete request head, ms, counted from when it
+    /// starts waiting for one (so it also closes idle keep-alive connections); slower clients
+    /// (slowloris) are disconnected. Held live polls are not affected. 0 disables.
+    pub header_read_timeout_ms: u64,
+    /// A response write that makes no progress for this long closes the connection, ms (a
+    /// client that stops reading cannot pin a response in memory). 0 disables.
+    pub write_stall_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -51,21 +68,24 @@ impl Default for ServerConfig {
             shutdown_grace_ms: 2_000,
             max_url_bytes: 8_192,
             max_header_bytes: 32_768,
+            header_read_timeout_ms: 10_000,
+            write_stall_timeout_ms: 30_000,
         }
     }
 }
 
 /// `[database]`
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatabaseConfig {
     /// The primary (`--database-url`, `DATABASE_URL`).
     pub url: String,
     /// The read replica (`--replica-url`, `DATABASE_READ_REPLICA_URL`); defaults to the primary.
     pub replica_url: Option<String>,
-    /// Hydrate from the primary (reference `RUN_READS_FROM_PRIMARY`, default off).
+    /// Hydrate from the primary and skip the replica-lag gate (`--run-reads-from-primary`;
+    /// reference `RUN_READS_FROM_PRIMARY`, default off).
     pub run_reads_from_primary: bool,
-    /// Connections per pool.
+    /// Connections per pool (the primary's and the replica's each).
     pub max_connections: u32,
     /// Per-query timeout, ms.
     pub statement_timeout_ms: u64,
@@ -84,7 +104,7 @@ impl Default for DatabaseConfig {
 }
 
 /// `[redis]`
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
     /// The Redis carrying change records (`--redis-url`, `REDIS_URL`). With `cluster`, the seed
@@ -109,7 +129,7 @@ impl Default for RedisConfig {
 }
 
 /// `[feeds]`: the HTTP feeds (reference `LIVE_POLL_*`, `MAX_LIST_RESULTS`, …).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct FeedsConfig {
     /// Live long-poll hold before the backstop re-read, ms (`LIVE_POLL_TIMEOUT_MS`, 20 000).
@@ -156,7 +176,7 @@ impl Default for FeedsConfig {
 }
 
 /// `[router]`: change routing (reference `ENV_WAKE_COALESCE_WINDOW_MS`, `REPLAY_*`, `UNSUBSCRIBE_LINGER_MS`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
     /// Leading-edge coalescing window per environment, ms; 0 = none (250).
@@ -188,8 +208,9 @@ impl Default for RouterConfig {
     }
 }
 
-/// `[caches]` (reference `RUN_CACHE_*`, `RUNSET_CACHE_*`, `WORKING_SET_*`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `[caches]`: read-through caches and per-connection feed state (reference `RUN_CACHE_*`,
+/// `RUNSET_CACHE_*`, `WORKING_SET_*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct CachesConfig {
     /// Single-run read-through cache TTL, ms (250); 0 disables (single-flight remains).
@@ -227,17 +248,36 @@ impl Default for CachesConfig {
 }
 
 /// `[replica_lag]`: read-your-writes gate (reference `REPLICA_LAG_*`, `STALE_HYDRATE_RETRIES`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReplicaLagConfig {
+    /// Hold each batch of change records until the read replica has applied the commits it
+    /// announces (`REPLICA_LAG_GATE_ENABLED`, true). Only with a replica distinct from the
+    /// primary and without `database.run_reads_from_primary`.
     pub gate_enabled: bool,
+    /// The reference's periodic lag-sampling interval, ms (`REPLICA_LAG_SAMPLE_INTERVAL_MS`,
+    /// 250). Accepted for compatibility and unused: runfeed samples the lag per waiting batch.
     pub sample_interval_ms: u64,
+    /// The reference stops sampling after this long without traffic, ms
+    /// (`REPLICA_LAG_IDLE_AFTER_MS`, 30 000). Accepted for compatibility and unused: runfeed
+    /// only probes while batches wait.
     pub idle_after_ms: u64,
+    /// The lag estimate is the largest sample of this trailing window, ms
+    /// (`REPLICA_LAG_WINDOW_MS`, 5 000).
     pub window_ms: u64,
+    /// Lag estimate while the window holds no sample, ms (`REPLICA_LAG_DEFAULT_MS`, 30).
     pub default_ms: u64,
+    /// Added to the lag estimate when waiting by the clock (replica positions unavailable) and
+    /// before re-hydrating stale rows, ms (`REPLICA_LAG_MARGIN_MS`, 10).
     pub margin_ms: u64,
+    /// Longest a batch waits for the replica before hydrating anyway (a sick replica costs
+    /// freshness, never liveness), ms (`REPLICA_LAG_MAX_DELAY_MS`, 1 000).
     pub max_delay_ms: u64,
+    /// Re-hydrate attempts for rows the stale tripwire caught before they are delivered anyway
+    /// (`STALE_HYDRATE_RETRIES`, 3).
     pub stale_hydrate_retries: u32,
+    /// A stale hydrate observed at lag L keeps the estimate at L or more for this long, ms
+    /// (`REPLICA_LAG_OBSERVED_FLOOR_TTL_MS`, 60 000).
     pub observed_floor_ttl_ms: u64,
 }
 
@@ -259,11 +299,11 @@ impl Default for ReplicaLagConfig {
 
 /// `[telemetry]`: metrics export, the admin listener and log format (runfeed's own; the
 /// reference exports through the webapp's OTel setup, behaviours §2.2).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetryConfig {
-    /// Admin listener serving `/metrics` (Prometheus text), `/healthz` and `/readyz`; an empty
-    /// string disables it. Keep it off the public network.
+    /// Admin listener address, `host:port`, serving `/metrics` (Prometheus text), `/healthz`
+    /// and `/readyz`; an empty string disables it. Keep it off the public network.
     pub admin_listen: String,
     /// OTLP/HTTP (protobuf) metrics endpoint, e.g. `http://otel-collector:4318/v1/metrics`
     /// (a bare `http://host:4318` gets `/v1/metrics` appended); unset = no OTLP export.
@@ -366,6 +406,247 @@ impl Config {
     }
 }
 
+/// Config keys `runfeed serve` also takes as a flag: the flag's clap id → `section.key`. Each
+/// flag's name and environment variable are read from the CLI definition.
+const SERVE_FLAG_KEYS: [(&str, &str); 5] = [
+    ("listen", "server.listen"),
+    ("database_url", "database.url"),
+    ("replica_url", "database.replica_url"),
+    ("redis_url", "redis.url"),
+    ("run_reads_from_primary", "database.run_reads_from_primary"),
+];
+
+/// Switches outside the configuration that also set a key: (`section.key`, how it is spelt).
+const OTHER_SWITCHES: [(&str, &str); 1] = [("telemetry.log_format", "RUNFEED_LOG_FORMAT=json")];
+
+/// One row of the configuration reference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceEntry {
+    /// `section`.
+    pub section: String,
+    /// `key` inside the section.
+    pub key: String,
+    /// How to set it from outside a file: `RUNFEED_<SECTION>__<KEY>`, then any dedicated
+    /// environment variable or `serve` flag.
+    pub env: Vec<String>,
+    /// JSON-schema type, shortened (`integer`, `string, optional`, `map of string → integer`).
+    pub ty: String,
+    /// [`Config::default`]'s value, TOML-ish (`unset` for an absent optional).
+    pub default: String,
+    /// The first paragraph of the key's doc comment, on one line.
+    pub description: String,
+}
+
+/// One `[section]` of the configuration reference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceSection {
+    /// The section name (`server`, `feeds`, …).
+    pub name: String,
+    /// The first paragraph of the section struct's doc comment, without the leading `` `[name]` ``.
+    pub description: String,
+    /// Its keys, in declaration order.
+    pub entries: Vec<ReferenceEntry>,
+}
+
+/// The configuration reference, built from [`Config`]'s JSON schema (doc comments →
+/// descriptions), [`Config::default`] and the `serve` command's flags.
+pub fn reference() -> Vec<ReferenceSection> {
+    let schema = schemars::schema_for!(Config);
+    let root = schema.as_value();
+    let defaults = serde_json::to_value(Config::default()).expect("the defaults serialize");
+    let serve = serve_flags();
+    let mut sections = Vec::new();
+    for (name, prop) in properties(root) {
+        let def = resolve(root, prop);
+        let section_doc = first_paragraph(
+            def.get("description")
+                .or_else(|| prop.get("description"))
+                .and_then(|d| d.as_str())
+                .unwrap_or(""),
+        );
+        let heading = format!("`[{name}]`");
+        let rest = section_doc
+            .strip_prefix(&heading)
+            .unwrap_or(&section_doc)
+            .trim_start_matches([':', ' ']);
+        let mut chars = rest.chars();
+        let description = match chars.next() {
+            Some(first) => first.to_uppercase().chain(chars).collect(),
+            None => String::new(),
+        };
+        let mut entries = Vec::new();
+        for (key, field) in properties(def) {
+            let path = format!("{name}.{key}");
+            let mut env = vec![format!(
+                "RUNFEED_{}__{}",
+                name.to_uppercase(),
+                key.to_uppercase()
+            )];
+            if let Some(extra) = serve.iter().find(|(k, _)| *k == path) {
+                env.extend(extra.1.iter().cloned());
+            }
+            env.extend(
+                OTHER_SWITCHES
+                    .iter()
+                    .filter(|(k, _)| *k == path)
+                    .map(|(_, s)| s.to_string()),
+            );
+            entries.push(ReferenceEntry {
+                section: name.to_string(),
+                key: key.to_string(),
+                env,
+                ty: type_name(resolve(root, field)),
+                default: render_default(&defaults[name][key]),
+                description: first_paragraph(
+                    field
+                        .get("description")
+                        .and_then(|d| d.as_str())
+                        .unwrap_or(""),
+                ),
+            });
+        }
+        sections.push(ReferenceSection {
+            name: name.to_string(),
+            description,
+            entries,
+        });
+    }
+    sections
+}
+
+/// The configuration reference as Markdown: one table per section (README "Deploy" holds a
+/// copy between `<!-- config-reference:start -->` and `<!-- config-reference:end -->`;
+/// `runfeed config-reference` prints it, `scripts/config-reference.sh` rewrites the README).
+pub fn reference_markdown() -> String {
+    let mut out = String::new();
+    for section in reference() {
+        out.push_str(&format!("#### `[{}]`\n\n", section.name));
+        if !section.description.is_empty() {
+            out.push_str(&format!("{}\n\n", md_cell(&section.description)));
+        }
+        out.push_str("| key | environment / flag | type | default | description |\n");
+        out.push_str("|---|---|---|---|---|\n");
+        for e in &section.entries {
+            let env = e
+                .env
+                .iter()
+                .map(|v| format!("`{v}`"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.push_str(&format!(
+                "| `{}.{}` | {} | {} | {} | {} |\n",
+                e.section,
+                e.key,
+                env,
+                e.ty,
+                e.default,
+                md_cell(&e.description)
+            ));
+        }
+        out.push('\n');
+    }
+    out.truncate(out.trim_end().len());
+    out.push('\n');
+    out
+}
+
+/// `(section.key, [--flag, ENV])` for every `serve` flag in [`SERVE_FLAG_KEYS`].
+fn serve_flags() -> Vec<(&'static str, Vec<String>)> {
+    use clap::CommandFactory;
+    let cli = crate::cli::Cli::command();
+    let serve = cli
+        .find_subcommand("serve")
+        .expect("the CLI has a serve command");
+    SERVE_FLAG_KEYS
+        .iter()
+        .map(|(id, key)| {
+            let arg = serve
+                .get_arguments()
+                .find(|a| a.get_id().as_str() == *id)
+                .unwrap_or_else(|| panic!("serve has no --{id} flag (SERVE_FLAG_KEYS)"));
+            let mut names = Vec::new();
+            if let Some(env) = arg.get_env() {
+                names.push(env.to_string_lossy().into_owned());
+            }
+            if let Some(long) = arg.get_long() {
+                names.push(format!("--{long}"));
+            }
+            (*key, names)
+        })
+        .collect()
+}
+
+/// A schema object's `properties`, in declaration order.
+fn properties(schema: &serde_json::Value) -> impl Iterator<Item = (&str, &serde_json::Value)> {
+    schema
+        .get("properties")
+        .and_then(|p| p.as_object())
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| (k.as_str(), v))
+}
+
+/// Follows a local `$ref` (`#/$defs/Name`).
+fn resolve<'a>(
+    root: &'a serde_json::Value,
+    schema: &'a serde_json::Value,
+) -> &'a serde_json::Value {
+    match schema.get("$ref").and_then(|r| r.as_str()) {
+        Some(r) => r
+            .strip_prefix('#')
+            .and_then(|pointer| root.pointer(pointer))
+            .unwrap_or(schema),
+        None => schema,
+    }
+}
+
+/// `integer`, `string, optional`, `map of string → integer`, ….
+fn type_name(schema: &serde_json::Value) -> String {
+    let types: Vec<&str> = match schema.get("type") {
+        Some(serde_json::Value::String(t)) => vec![t.as_str()],
+        Some(serde_json::Value::Array(ts)) => ts.iter().filter_map(|t| t.as_str()).collect(),
+        _ => Vec::new(),
+    };
+    let optional = types.contains(&"null");
+    let base = match types.iter().find(|t| **t != "null").copied() {
+        Some("object") => match schema.get("additionalProperties") {
+            Some(values) if values.is_object() => format!("map of string → {}", type_name(values)),
+            _ => "table".to_string(),
+        },
+        Some(t) => t.to_string(),
+        None => "any".to_string(),
+    };
+    if optional {
+        format!("{base}, optional")
+    } else {
+        base
+    }
+}
+
+/// A default as it would be written in TOML, in backticks; `unset` for `None`.
+fn render_default(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::Null => "unset".to_string(),
+        serde_json::Value::Object(map) if map.is_empty() => "`{}`".to_string(),
+        other => format!("`{other}`"),
+    }
+}
+
+/// The first paragraph of a doc comment on one line, intra-doc links reduced to their code.
+fn first_paragraph(doc: &str) -> String {
+    let para = doc.trim().split("\n\n").next().unwrap_or("");
+    para.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace("[`", "`")
+        .replace("`]", "`")
+}
+
+/// Text safe inside a Markdown table cell.
+fn md_cell(text: &str) -> String {
+    text.replace('|', "\\|")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,6 +672,109 @@ mod tests {
             assert_eq!(config.feeds.live_poll_timeout_ms, 3000);
             Ok(())
         });
+    }
+
+    #[test]
+    fn reference_covers_every_key_with_a_description_and_units() {
+        let sections = reference();
+        let defaults = serde_json::to_value(Config::default()).unwrap();
+        let names: Vec<&str> = sections.iter().map(|s| s.name.as_str()).collect();
+        let expected: Vec<&str> = defaults
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        assert_eq!(names, expected, "one reference section per config section");
+        for section in &sections {
+            let keys: Vec<&str> = section.entries.iter().map(|e| e.key.as_str()).collect();
+            let expected: Vec<&str> = defaults[&section.name]
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str())
+                .collect();
+            assert_eq!(keys, expected, "[{}]: one row per key", section.name);
+            for e in &section.entries {
+                let path = format!("{}.{}", e.section, e.key);
+                assert!(!e.description.is_empty(), "{path} has no doc comment");
+                if e.key.ends_with("_ms") {
+                    assert!(
+                        e.description.contains("ms"),
+                        "{path}: doc names no unit (ms)"
+                    );
+                }
+                if e.key.ends_with("_bytes") {
+                    assert!(
+                        e.description.contains("bytes"),
+                        "{path}: doc names no unit (bytes)"
+                    );
+                }
+                assert!(
+                    e.env[0] == format!("RUNFEED_{}__{}", e.section, e.key).to_uppercase(),
+                    "{path}: first name is the RUNFEED_ variable"
+                );
+                assert!(e.ty != "any", "{path}: unknown type");
+            }
+        }
+    }
+
+    #[test]
+    fn reference_names_the_serve_flags_and_the_docs_agree() {
+        let sections = reference();
+        let entry = |path: &str| {
+            sections
+                .iter()
+                .flat_map(|s| &s.entries)
+                .find(|e| format!("{}.{}", e.section, e.key) == path)
+                .unwrap_or_else(|| panic!("{path} is not in the reference"))
+                .clone()
+        };
+        let listen = entry("server.listen");
+        assert_eq!(
+            listen.env,
+            ["RUNFEED_SERVER__LISTEN", "RUNFEED_LISTEN", "--listen"]
+        );
+        assert_eq!(listen.default, "`\"127.0.0.1:3030\"`");
+        assert_eq!(listen.ty, "string");
+        let replica = entry("database.replica_url");
+        assert!(replica
+            .env
+            .contains(&"DATABASE_READ_REPLICA_URL".to_string()));
+        assert_eq!(replica.ty, "string, optional");
+        assert_eq!(replica.default, "unset");
+        assert_eq!(
+            entry("feeds.concurrency_limit_overrides").ty,
+            "map of string → integer"
+        );
+        assert_eq!(entry("feeds.live_poll_jitter_ratio").default, "`0.15`");
+        // Every flag and dedicated variable is also named by the key's doc comment.
+        for (_, path) in SERVE_FLAG_KEYS {
+            let e = entry(path);
+            for name in &e.env[1..] {
+                assert!(
+                    e.description.contains(&format!("`{name}`")),
+                    "{path}: the doc comment does not name {name}"
+                );
+            }
+        }
+        // Every serve flag that sets a key is in SERVE_FLAG_KEYS (only --config is not a key).
+        use clap::CommandFactory;
+        let cli = crate::cli::Cli::command();
+        let serve = cli.find_subcommand("serve").unwrap();
+        for arg in serve.get_arguments() {
+            let id = arg.get_id().as_str();
+            if matches!(id, "config" | "help") {
+                continue;
+            }
+            assert!(
+                SERVE_FLAG_KEYS.iter().any(|(flag, _)| *flag == id),
+                "serve flag {id} is missing from SERVE_FLAG_KEYS"
+            );
+        }
+        let md = reference_markdown();
+        assert!(md.starts_with("#### `[server]`\n"));
+        assert!(md.contains("| `feeds.live_poll_timeout_ms` | `RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS` | integer | `20000` | "));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use runfeed::cli::{Cli, Command};
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // `serve` installs logging once its configuration (telemetry.log_format) is loaded.
-    if !matches!(cli.command, Command::Serve(_)) {
+    if !matches!(cli.command, Command::Serve(_) | Command::ConfigReference) {
         runfeed::telemetry::init_logging();
     }
     let result = match cli.command {
@@ -16,6 +16,10 @@ async fn main() -> std::process::ExitCode {
         Command::Publish(args) => runfeed::cli::publish::run(args).await,
         Command::Token(args) => runfeed::cli::token::run(args).await,
         Command::Demo(args) => runfeed::cli::demo::run(args).await,
+        Command::ConfigReference => {
+            print!("{}", runfeed::config::reference_markdown());
+            Ok(())
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

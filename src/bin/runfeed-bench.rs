@@ -94,6 +94,15 @@ struct HeldArgs {
     /// Skip the bare-axum baseline.
     #[arg(long)]
     no_bare: bool,
+    /// Which feeds to park: one run's feed (the unit) or one tag's.
+    #[arg(long, value_enum, default_value_t = FeedKind::Run)]
+    kind: FeedKind,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum FeedKind {
+    Run,
+    Tag,
 }
 
 #[derive(Args)]
@@ -191,6 +200,39 @@ impl Resp {
     }
 }
 
+/// What a feed follows: a tag (`/realtime/v1/runs?tags=`) or one run (`/realtime/v1/runs/<id>`).
+#[derive(Clone, Debug)]
+enum Feed {
+    Tag(String),
+    /// A run's friendly id (`run_…`).
+    Run(String),
+}
+
+impl Feed {
+    fn tag(tag: &str) -> Feed {
+        Feed::Tag(tag.to_string())
+    }
+
+    /// The path and the query parameters that select the feed.
+    fn path_and_params(&self) -> (String, Vec<(&'static str, String)>) {
+        match self {
+            Feed::Tag(tag) => (
+                "/realtime/v1/runs".into(),
+                vec![("tags", tag.clone()), ("log", "full".into())],
+            ),
+            Feed::Run(id) => (format!("/realtime/v1/runs/{id}"), Vec::new()),
+        }
+    }
+
+    /// The public-token scope that reads it.
+    fn scope(&self) -> String {
+        match self {
+            Feed::Tag(tag) => format!("read:tags:{tag}"),
+            Feed::Run(id) => format!("read:runs:{id}"),
+        }
+    }
+}
+
 fn client_for(i: u8) -> anyhow::Result<reqwest::Client> {
     let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + i));
     Ok(reqwest::Client::builder()
@@ -273,11 +315,11 @@ impl Bench {
         Ok(())
     }
 
-    fn token(env: &DemoEnv, tag: &str) -> String {
+    fn token(env: &DemoEnv, feed: &Feed) -> String {
         mint_public_token(
             &env.api_key,
             &env.env_id,
-            &[format!("read:tags:{tag}")],
+            &[feed.scope()],
             Duration::from_secs(3600),
             None,
         )
@@ -288,10 +330,11 @@ impl Bench {
         &self,
         client: &reqwest::Client,
         token: &str,
-        params: &[(&str, &str)],
+        path: &str,
+        params: &[(&str, String)],
     ) -> anyhow::Result<Resp> {
         let resp = client
-            .get(format!("{}/realtime/v1/runs", self.base))
+            .get(format!("{}{path}", self.base))
             .query(params)
             .header("authorization", format!("Bearer {token}"))
             .header("x-trigger-electric-version", ELECTRIC_VERSION)
@@ -319,16 +362,12 @@ impl Bench {
         })
     }
 
-    async fn snapshot(&self, token: &str, tag: &str) -> anyhow::Result<Resp> {
-        let r = self
-            .get(
-                self.client(),
-                token,
-                &[("tags", tag), ("log", "full"), ("offset", "-1")],
-            )
-            .await?;
+    async fn snapshot(&self, token: &str, feed: &Feed) -> anyhow::Result<Resp> {
+        let (path, mut params) = feed.path_and_params();
+        params.push(("offset", "-1".into()));
+        let r = self.get(self.client(), token, &path, &params).await?;
         if r.status != 200 {
-            bail!("snapshot of tag {tag}: status {}", r.status);
+            bail!("snapshot of {feed:?}: status {}", r.status);
         }
         Ok(r)
     }
@@ -337,25 +376,17 @@ impl Bench {
         &self,
         client: &reqwest::Client,
         token: &str,
-        tag: &str,
+        feed: &Feed,
         at: &Resp,
     ) -> anyhow::Result<Resp> {
-        let handle = at.handle.as_deref().unwrap_or("");
-        let offset = at.offset.as_deref().unwrap_or("-1");
-        let cursor = at.cursor.as_deref().unwrap_or("");
-        self.get(
-            client,
-            token,
-            &[
-                ("tags", tag),
-                ("cursor", cursor),
-                ("handle", handle),
-                ("live", "true"),
-                ("log", "full"),
-                ("offset", offset),
-            ],
-        )
-        .await
+        let (path, mut params) = feed.path_and_params();
+        params.extend([
+            ("cursor", at.cursor.clone().unwrap_or_default()),
+            ("handle", at.handle.clone().unwrap_or_default()),
+            ("live", "true".into()),
+            ("offset", at.offset.clone().unwrap_or_else(|| "-1".into())),
+        ]);
+        self.get(client, token, &path, &params).await
     }
 
     /// The admin /metrics text ("" without --admin-url).
@@ -513,18 +544,18 @@ fn park(
     b: &Arc<Bench>,
     n: usize,
     token: &str,
-    tag: &str,
+    feed: &Feed,
     at: &Arc<Resp>,
 ) -> Vec<tokio::task::JoinHandle<(Option<u16>, Instant)>> {
     (0..n)
         .map(|_| {
             let b = b.clone();
             let token = token.to_string();
-            let tag = tag.to_string();
+            let feed = feed.clone();
             let at = at.clone();
             tokio::spawn(async move {
                 let client = b.client().clone();
-                let r = b.live(&client, &token, &tag, &at).await;
+                let r = b.live(&client, &token, &feed, &at).await;
                 (r.ok().map(|r| r.status), Instant::now())
             })
         })
@@ -536,15 +567,19 @@ fn park(
 async fn held(a: HeldArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
     let env = b.env().await?;
-    b.tagged_run(&env, "held").await?;
-    let token = Bench::token(&env, "held");
-    let snap = Arc::new(b.snapshot(&token, "held").await?);
+    let run_id = b.tagged_run(&env, "held").await?;
+    let feed = match a.kind {
+        FeedKind::Run => Feed::Run(format!("run_{run_id}")),
+        FeedKind::Tag => Feed::tag("held"),
+    };
+    let token = Bench::token(&env, &feed);
+    let snap = Arc::new(b.snapshot(&token, &feed).await?);
     // Let the environment's subscription confirm, then measure before/after.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_before = b.server_rss().await;
     let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
     let started = Instant::now();
-    let tasks = park(&b, a.n, &token, "held", &snap);
+    let tasks = park(&b, a.n, &token, &feed, &snap);
     let all_held = b
         .wait_held(held_before + a.n, Duration::from_secs(60))
         .await;
@@ -564,7 +599,7 @@ async fn held(a: HeldArgs) -> anyhow::Result<()> {
     report(
         &a.common,
         "held",
-        json!({"n": a.n}),
+        json!({"n": a.n, "kind": format!("{:?}", a.kind).to_lowercase()}),
         vec![
             ("all feeds held", json!(all_held)),
             ("time to hold all (ms)", json!(ms(time_to_hold))),
@@ -677,11 +712,11 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
     let env = b.env().await?;
     let hot = b.tagged_run(&env, "hot").await?;
-    let token = Bench::token(&env, "hot");
-    let snap = Arc::new(b.snapshot(&token, "hot").await?);
+    let token = Bench::token(&env, &Feed::tag("hot"));
+    let snap = Arc::new(b.snapshot(&token, &Feed::tag("hot")).await?);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
-    let tasks = park(&b, a.f, &token, "hot", &snap);
+    let tasks = park(&b, a.f, &token, &Feed::tag("hot"), &snap);
     let all_held = b
         .wait_held(held_before + a.f, Duration::from_secs(60))
         .await;
@@ -756,9 +791,9 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
             stop.clone(),
         );
         followers.push(tokio::spawn(async move {
-            let token = Bench::token(&env, &tag);
+            let token = Bench::token(&env, &Feed::tag(&tag));
             let client = b.client().clone();
-            let mut at = match b.snapshot(&token, &tag).await {
+            let mut at = match b.snapshot(&token, &Feed::tag(&tag)).await {
                 Ok(r) => r,
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
@@ -766,7 +801,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                 }
             };
             while !stop.load(Ordering::Relaxed) {
-                match b.live(&client, &token, &tag, &at).await {
+                match b.live(&client, &token, &Feed::tag(&tag), &at).await {
                     Ok(r) if r.status == 200 => {
                         let now = Instant::now();
                         let ids = r.changed_ids();
@@ -783,7 +818,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                     }
                     Ok(r) if r.status == 409 => {
                         // Must refetch: start over.
-                        match b.snapshot(&token, &tag).await {
+                        match b.snapshot(&token, &Feed::tag(&tag)).await {
                             Ok(r) => at = r,
                             Err(_) => return,
                         }
@@ -917,8 +952,8 @@ async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
         .map(|t| {
             let (b, env, t) = (b.clone(), env.clone(), t.clone());
             tokio::spawn(async move {
-                let token = Bench::token(&env, &t);
-                let r = b.snapshot(&token, &t).await;
+                let token = Bench::token(&env, &Feed::tag(&t));
+                let r = b.snapshot(&token, &Feed::tag(&t)).await;
                 (r.is_ok(), Instant::now())
             })
         })
@@ -958,8 +993,8 @@ async fn idle(a: IdleArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
     let env = Arc::new(b.env().await?);
     b.tagged_run(&env, "idle").await?;
-    let token = Bench::token(&env, "idle");
-    let snap = b.snapshot(&token, "idle").await?;
+    let token = Bench::token(&env, &Feed::tag("idle"));
+    let snap = b.snapshot(&token, &Feed::tag("idle")).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
     let errors = Arc::new(AtomicU64::new(0));
@@ -985,7 +1020,7 @@ async fn idle(a: IdleArgs) -> anyhow::Result<()> {
             };
             loop {
                 reqs.fetch_add(1, Ordering::Relaxed);
-                match b.live(&client, &token, "idle", &at).await {
+                match b.live(&client, &token, &Feed::tag("idle"), &at).await {
                     Ok(r) if r.status == 200 || r.status == 204 => {
                         if r.handle.is_some() {
                             at = r;

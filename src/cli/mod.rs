@@ -1,4 +1,4 @@
-//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `demo`.
+//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `demo`, `config-reference`.
 //! `serve` is in [`crate::app`]; the others live here.
 
 use std::path::PathBuf;
@@ -32,6 +32,9 @@ pub enum Command {
     Token(token::TokenArgs),
     /// Seed a demo environment, print how to watch it, and keep a realistic workload going.
     Demo(demo::DemoArgs),
+    /// Print the configuration reference (Markdown: every key, its environment variable, type,
+    /// default and description), generated from the config struct.
+    ConfigReference,
 }
 
 /// Connection flags shared by the commands.

@@ -5,6 +5,8 @@
 //! for clients without `x-trigger-electric-version`, which loop on 400) → find the resource in
 //! the authenticated environment (404) → scopes (403) → feed (200 / 409 / 503).
 
+pub mod serve;
+
 use std::sync::Arc;
 
 use axum::extract::{Path, RawQuery, State};

@@ -70,6 +70,7 @@ scenario held --n "${SMOKE_N:-200}" --settle-ms 300
 scenario fanout --f "${SMOKE_F:-200}"
 scenario churn --rate 20 --envs 2 --runs 4 --held 40 --duration-s 2
 scenario stampede --k "${SMOKE_K:-100}"
-scenario idle --held 50 --duration-s 2
+scenario idle --held 50 --distinct 5 --duration-s 2
+scenario idle --held 20 --distinct 5 --kind run --duration-s 1
 [ "$FAILED" -eq 0 ] && log "OK (JSON in $OUT)"
 exit "$FAILED"

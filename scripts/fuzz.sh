@@ -23,7 +23,7 @@ cargo fuzz build --fuzz-dir tests/fuzz -O --sanitizer "$SANITIZER"
 failed=0
 for t in "${targets[@]}"; do
   echo "==> fuzz $t (${SECONDS_PER_TARGET}s)"
-  if ! timeout --kill-after=10 $((SECONDS_PER_TARGET + 120)) \
+  if ! timeout --kill-after=10 $((SECONDS_PER_TARGET + 600)) \
       cargo fuzz run --fuzz-dir tests/fuzz -O --sanitizer "$SANITIZER" "$t" -- \
         -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 -timeout=5 -rss_limit_mb=2048; then
     echo "FAIL: fuzz target $t (artifacts: tests/fuzz/artifacts/$t/)"

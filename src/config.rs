@@ -230,6 +230,13 @@ pub struct CachesConfig {
     pub working_set_max_entries: u64,
     /// Resource / environment lookup cache TTL for authentication and URL ids, ms (1 000).
     pub lookup_cache_ttl_ms: u64,
+    /// A backstop (the store read at the end of a quiet hold, which finds changes whose
+    /// publish was lost) reuses a backstop read of the same feed filter taken by another poll
+    /// within this window, ms (60 000); 0 = every backstop reads, like the reference. Only
+    /// polls that know their client's versions share (a stale shared read can then never
+    /// regress a row). Idle cost: one read per distinct filter per window instead of one per
+    /// feed per hold; a lost publish surfaces within this window plus one hold.
+    pub backstop_share_ms: u64,
 }
 
 impl Default for CachesConfig {
@@ -243,6 +250,7 @@ impl Default for CachesConfig {
             working_set_ttl_ms: 300_000,
             working_set_max_entries: 10_000,
             lookup_cache_ttl_ms: 1_000,
+            backstop_share_ms: 60_000,
         }
     }
 }

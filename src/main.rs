@@ -3,6 +3,13 @@
 use clap::Parser;
 use runfeed::cli::{Cli, Command};
 
+/// jemalloc keeps its metadata outside the allocations: hyper reserves an 8 KiB read and an
+/// 8 KiB write buffer per connection and a held poll touches a few hundred bytes of them, so
+/// with jemalloc the rest stays non-resident (glibc's in-band chunk headers touch it). See
+/// BENCHMARKS.md, "Held feeds".
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();

@@ -2829,3 +2829,104 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
         "the replay hydrate at most, no full resolve: {hop_queries} queries"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shared backstops (issue 6, idle cost)
+// ---------------------------------------------------------------------------------------------
+
+/// Three quiet holds on one tag (two connections) → store queries spent by their backstops.
+async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
+    let srv = TestServer::start_with(400, |c| {
+        c.caches.backstop_share_ms = share_ms;
+        // Snapshot reads must not be what the backstops reuse.
+        c.caches.runset_cache_ttl_ms = 50;
+        // Count feed reads only: the key → environment lookup stays cached.
+        c.caches.lookup_cache_ttl_ms = 60_000;
+    })
+    .await;
+    let env = srv.env().await;
+    srv.tagged_run(&env, &["quiet"]).await;
+    let h = modern(&env.api_key);
+    // The first snapshot subscribes the environment; snapshots after the subscription is
+    // confirmed hand out cursors that resume without a cold read.
+    srv.fetch(&tag_url("quiet").snapshot(), &h).await;
+    srv.wait_subscribed(&env.env_id).await;
+    tokio::time::sleep(Duration::from_millis(100)).await; // the pre-subscription read expires (50 ms TTL)
+    let a = srv.fetch(&tag_url("quiet").snapshot(), &h).await;
+    let b = srv.fetch(&tag_url("quiet").snapshot(), &h).await;
+    let store = srv.running().store.clone();
+    let before = settle_queries(&store).await;
+    for at in [&a, &b, &a] {
+        let r = srv
+            .fetch(
+                &tag_url("quiet").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
+                &h,
+            )
+            .await;
+        r.assert_status(200);
+        assert!(r.is_bare_up_to_date(), "a quiet hold answers up-to-date");
+    }
+    store.query_count() - before
+}
+
+/// Idle cost: backstops of one filter share one read for `caches.backstop_share_ms`, so quiet
+/// holds of many feeds on a tag cost one read per window, not one per feed per hold. The
+/// reference re-resolves every held multi-run feed at every backstop (`share_ms = 0` here):
+/// three reads for three quiet holds.
+#[tokio::test]
+async fn backstops_of_one_filter_share_one_read() {
+    let shared = backstop_queries_for_three_quiet_holds(60_000).await;
+    let reference = backstop_queries_for_three_quiet_holds(0).await;
+    assert_eq!(shared, 1, "three quiet holds with shared backstops");
+    assert_eq!(reference, 3, "three quiet holds, every backstop reading");
+}
+
+/// A shared backstop still finds a change whose publish was lost: once the window of the read
+/// that predates it ends, the next backstop reads again and delivers it as an `update`.
+#[tokio::test]
+async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
+    let srv = TestServer::start_with(300, |c| {
+        c.caches.backstop_share_ms = 1_000;
+        c.caches.runset_cache_ttl_ms = 50;
+    })
+    .await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["lost"]).await;
+    let h = modern(&env.api_key);
+    let mut at = srv.fetch(&tag_url("lost").snapshot(), &h).await;
+    // One quiet hold: its backstop read is now shared for 1 s.
+    at = srv
+        .fetch(
+            &tag_url("lost").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
+            &h,
+        )
+        .await;
+    // Committed, never published.
+    srv.set_status(&run.id, "EXECUTING").await;
+    let t = Instant::now();
+    let delivered = loop {
+        let r = srv
+            .fetch(
+                &tag_url("lost").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
+                &h,
+            )
+            .await;
+        r.assert_status(200);
+        if let Some(row) = r.row(&run.id) {
+            break (r.ops(), row["value"]["status"].clone());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the lost change never surfaced"
+        );
+        at = r;
+    };
+    assert_eq!(delivered.0, vec![op("update", &run.id)]);
+    assert_eq!(delivered.1, json!("EXECUTING"));
+    // Window (1 s) + at most two holds (0.3 s + 15 %), with slack for a loaded machine.
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "surfaced after {:?}",
+        t.elapsed()
+    );
+}

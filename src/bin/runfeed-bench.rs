@@ -151,7 +151,13 @@ struct IdleArgs {
     /// Idle held feeds.
     #[arg(long, default_value_t = 1000)]
     held: usize,
-    /// Measurement window (s).
+    /// Distinct feeds they are spread over: tags (`--kind tag`) or runs (`--kind run`).
+    #[arg(long, default_value_t = 50)]
+    distinct: usize,
+    /// Tag feeds (re-resolved by the reference at every backstop) or run feeds.
+    #[arg(long, value_enum, default_value_t = FeedKind::Tag)]
+    kind: FeedKind,
+    /// Measurement window (s); longer than a hold (20 s) to include the backstops.
     #[arg(long, default_value_t = 10.0)]
     duration_s: f64,
 }
@@ -992,23 +998,27 @@ async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
 async fn idle(a: IdleArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
     let env = Arc::new(b.env().await?);
-    b.tagged_run(&env, "idle").await?;
-    let token = Bench::token(&env, &Feed::tag("idle"));
-    let snap = b.snapshot(&token, &Feed::tag("idle")).await?;
+    // The distinct feeds, each with its own token and snapshot.
+    let mut feeds = Vec::new();
+    for i in 0..a.distinct.max(1) {
+        let tag = format!("idle{i}");
+        let run_id = b.tagged_run(&env, &tag).await?;
+        let feed = match a.kind {
+            FeedKind::Run => Feed::Run(format!("run_{run_id}")),
+            FeedKind::Tag => Feed::Tag(tag),
+        };
+        let token = Bench::token(&env, &feed);
+        let snap = Arc::new(b.snapshot(&token, &feed).await?);
+        feeds.push((feed, token, snap));
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
     let errors = Arc::new(AtomicU64::new(0));
     let client_requests = Arc::new(AtomicU64::new(0));
-    let start_at = Arc::new(snap);
     let mut followers = Vec::new();
-    for _ in 0..a.held {
-        let (b, token, at, errors, reqs) = (
-            b.clone(),
-            token.clone(),
-            start_at.clone(),
-            errors.clone(),
-            client_requests.clone(),
-        );
+    for i in 0..a.held {
+        let (feed, token, at) = feeds[i % feeds.len()].clone();
+        let (b, errors, reqs) = (b.clone(), errors.clone(), client_requests.clone());
         followers.push(tokio::spawn(async move {
             let client = b.client().clone();
             let mut at = Resp {
@@ -1020,7 +1030,7 @@ async fn idle(a: IdleArgs) -> anyhow::Result<()> {
             };
             loop {
                 reqs.fetch_add(1, Ordering::Relaxed);
-                match b.live(&client, &token, &Feed::tag("idle"), &at).await {
+                match b.live(&client, &token, &feed, &at).await {
                     Ok(r) if r.status == 200 || r.status == 204 => {
                         if r.handle.is_some() {
                             at = r;
@@ -1055,7 +1065,7 @@ async fn idle(a: IdleArgs) -> anyhow::Result<()> {
     report(
         &a.common,
         "idle",
-        json!({"held": a.held, "duration_s": a.duration_s}),
+        json!({"held": a.held, "distinct": a.distinct, "kind": format!("{:?}", a.kind).to_lowercase(), "duration_s": a.duration_s}),
         vec![
             ("all feeds held", json!(all_held)),
             ("client requests/s", json!((cr1 - cr0) as f64 / secs)),

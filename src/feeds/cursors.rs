@@ -45,12 +45,59 @@ fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
+fn bump_by(counter: &AtomicU64, n: usize) {
+    counter.fetch_add(n as u64, Ordering::Relaxed);
+}
+
+/// The writer task: drains up to [`WRITE_BATCH_MAX`] queued writes and sends them as one
+/// pipeline of `SET key value PX ttl`, bounded by 4 × [`READ_DEADLINE`]. Ends when every
+/// [`CursorStore`] clone is gone.
+async fn write_loop(
+    client: Client,
+    mut rx: tokio::sync::mpsc::Receiver<(String, String)>,
+    ttl_ms: i64,
+    stats: Arc<CursorStats>,
+) {
+    let mut batch = Vec::with_capacity(WRITE_BATCH_MAX);
+    while rx.recv_many(&mut batch, WRITE_BATCH_MAX).await > 0 {
+        let n = batch.len();
+        let pipeline = client.pipeline();
+        for (key, value) in batch.drain(..) {
+            // Queued locally; the result arrives with `all()`.
+            let _: Result<(), _> = pipeline
+                .set(key, value, Some(Expiration::PX(ttl_ms)), None, false)
+                .await;
+        }
+        match tokio::time::timeout(READ_DEADLINE * 4, pipeline.try_all::<()>()).await {
+            Ok(results) => {
+                let failed = results.iter().filter(|r| r.is_err()).count();
+                bump_by(&stats.set_ok, n - failed);
+                bump_by(&stats.set_error, failed);
+                if failed > 0 {
+                    tracing::debug!(failed, "replay cursor writes failed");
+                }
+            }
+            Err(_) => {
+                bump_by(&stats.set_error, n);
+                tracing::debug!(n, "replay cursor writes timed out");
+            }
+        }
+    }
+}
+
+/// Cursor writes waiting for the writer task at most; beyond that (Redis slow or down) writes
+/// are dropped and counted as `set_error` (the next poll then re-checks cold).
+pub const WRITE_QUEUE_MAX: usize = 16_384;
+/// Most writes sent to Redis in one pipeline.
+const WRITE_BATCH_MAX: usize = 512;
+
 /// The Redis-backed cursor store.
 #[derive(Clone)]
 pub struct CursorStore {
     client: Client,
-    ttl_ms: i64,
     stats: Arc<CursorStats>,
+    /// `(key, value)` to the writer task; `None` outside a tokio runtime (writes are skipped).
+    writes: Option<tokio::sync::mpsc::Sender<(String, String)>>,
 }
 
 fn key(env_id: &str, handle: &str, offset: Offset) -> String {
@@ -113,11 +160,22 @@ fn decode_cursor(value: &str) -> Option<ReplayCursor> {
 
 impl CursorStore {
     /// A store on `client`; entries live `ttl_ms` (the working-set TTL).
+    ///
+    /// Writes go through one background task that sends whatever has queued up as a single
+    /// pipeline (a fan-out to 10 000 feeds is ~20 round trips, not 10 000 tasks and commands).
+    /// Must be called inside a tokio runtime for writes to happen.
     pub fn new(client: Client, ttl_ms: u64) -> CursorStore {
+        let ttl_ms = i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX);
+        let stats: Arc<CursorStats> = Arc::default();
+        let writes = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            let (tx, rx) = tokio::sync::mpsc::channel(WRITE_QUEUE_MAX);
+            rt.spawn(write_loop(client.clone(), rx, ttl_ms, stats.clone()));
+            tx
+        });
         CursorStore {
             client,
-            ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX),
-            stats: Arc::default(),
+            stats,
+            writes,
         }
     }
 
@@ -135,29 +193,13 @@ impl CursorStore {
         cursor: &ReplayCursor,
         recent: &[(String, Version)],
     ) {
-        let (client, key, value, ttl) = (
-            self.client.clone(),
-            key(env_id, handle, offset),
-            encode(cursor, recent),
-            self.ttl_ms,
-        );
-        let stats = self.stats.clone();
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let write =
-                    client.set::<(), _, _>(key, value, Some(Expiration::PX(ttl)), None, false);
-                match tokio::time::timeout(READ_DEADLINE * 4, write).await {
-                    Ok(Ok(())) => bump(&stats.set_ok),
-                    Ok(Err(err)) => {
-                        bump(&stats.set_error);
-                        tracing::debug!(error = %err, "replay cursor write failed")
-                    }
-                    Err(_) => {
-                        bump(&stats.set_error);
-                        tracing::debug!("replay cursor write timed out")
-                    }
-                }
-            });
+        let Some(writes) = &self.writes else {
+            return;
+        };
+        let write = (key(env_id, handle, offset), encode(cursor, recent));
+        if writes.try_send(write).is_err() {
+            // Queue full (Redis slow or down) or the writer is gone.
+            bump(&self.stats.set_error);
         }
     }
 

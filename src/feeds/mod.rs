@@ -206,7 +206,8 @@ impl Feeds {
     /// the future (client gone) releases everything at once.
     pub async fn serve(&self, req: FeedRequest) -> Result<FeedReply, FeedError> {
         let offset = match req.offset {
-            OffsetParam::Initial => return self.snapshot(&req).await,
+            // Boxed: only the live path's state may size the future a held poll keeps.
+            OffsetParam::Initial => return Box::pin(self.snapshot(&req)).await,
             OffsetParam::At(offset) => offset,
         };
         let Some(handle) = req.handle.as_deref() else {
@@ -221,7 +222,7 @@ impl Feeds {
             guard.finish();
             reply
         } else {
-            self.catch_up(&req, handle, &target, offset).await
+            Box::pin(self.catch_up(&req, handle, &target, offset)).await
         }
     }
 
@@ -449,7 +450,9 @@ impl Feeds {
         target: &Target,
         offset: Offset,
     ) -> Result<FeedReply, FeedError> {
-        let resume = self.lookup(req, handle, offset).await;
+        // Every await but the hold is boxed: this future lives for the whole hold, and an
+        // inline read would size it (issue 6, memory per held feed).
+        let resume = Box::pin(self.lookup(req, handle, offset)).await;
         let known = self.known(req, &resume, offset);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
         let set = self
@@ -555,11 +558,15 @@ impl Feeds {
         } else {
             Instant::now() + self.hold()
         };
-        let resume = self.lookup(req, handle, offset).await;
+        // Every await but the hold is boxed: this future lives for the whole hold, and an
+        // inline read would size it (issue 6, memory per held feed).
+        let resume = Box::pin(self.lookup(req, handle, offset)).await;
         let known = self.known(req, &resume, offset);
-        let reg = self
-            .router
-            .register(&req.env_id, filter_of(target), req.cols, resume.cursor)
+        let reg =
+            Box::pin(
+                self.router
+                    .register(&req.env_id, filter_of(target), req.cols, resume.cursor),
+            )
             .await;
         let mut pending = Pending::default();
         let first = reg.take();
@@ -573,9 +580,7 @@ impl Feeds {
             // the feed is registered (anything after this read reaches the inbox).
             self.metrics.live_poll(LivePath::ColdResolve);
             path = DeliveryPath::Cold;
-            trusted &= self
-                .recheck(req, target, deadline, &reg, &mut pending)
-                .await;
+            trusted &= Box::pin(self.recheck(req, target, deadline, &reg, &mut pending)).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
@@ -595,7 +600,7 @@ impl Feeds {
                     if wake.recheck {
                         self.metrics.live_poll(LivePath::FullResolve);
                         path = DeliveryPath::Recheck;
-                        trusted &= self.recheck(req, target, deadline, &reg, &mut pending).await;
+                        trusted &= Box::pin(self.recheck(req, target, deadline, &reg, &mut pending)).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
                         return Ok(self.emitted(path, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
@@ -615,11 +620,22 @@ impl Feeds {
         // Backstop: a change the stream never announced (lost publish) surfaces here.
         let backstop_deadline =
             Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
-        match self
-            .sets
-            .read_shared(&req.env_id, target, req.cols, backstop_deadline)
+        // Polls that know their client's versions share backstop reads of the same filter
+        // (`caches.backstop_share_ms`): an older shared read cannot regress a known row.
+        let backstop = if matches!(known, Known::Set(_) | Known::Floor(_)) {
+            Box::pin(
+                self.sets
+                    .read_backstop(&req.env_id, target, req.cols, backstop_deadline),
+            )
             .await
-        {
+        } else {
+            Box::pin(
+                self.sets
+                    .read_shared(&req.env_id, target, req.cols, backstop_deadline),
+            )
+            .await
+        };
+        match backstop {
             Ok(set) => pending.extend(set.rows.iter().cloned()),
             Err(err) => {
                 tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date");
@@ -708,5 +724,43 @@ mod tests {
         assert_eq!(bucket(t, 60_000) % 60_000, 0);
         assert!(bucket(t, 60_000) <= t && t - bucket(t, 60_000) < 60_000);
         assert_eq!(bucket(t, 0), t);
+    }
+}
+
+#[cfg(test)]
+mod future_sizes {
+    //! Sizes of the futures a held live poll keeps alive (issue 6, memory per held feed).
+    use super::*;
+
+    fn size1<'a, A: 'a, B, F: std::future::Future + 'a>(_: fn(&'a A, B) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+    fn size_live<'a, F: std::future::Future + 'a>(
+        _: fn(&'a Feeds, &'a FeedRequest, &'a str, &'a Target, Offset) -> F,
+    ) -> usize {
+        std::mem::size_of::<F>()
+    }
+    fn size_snap<'a, F: std::future::Future + 'a>(_: fn(&'a Feeds, &'a FeedRequest) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+    fn size_lookup<'a, F: std::future::Future + 'a>(
+        _: fn(&'a Feeds, &'a FeedRequest, &'a str, Offset) -> F,
+    ) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// A held live poll keeps `Feeds::serve`'s future for the whole hold: the reads before
+    /// and after the hold are boxed so they do not size it (5 832 bytes for `live` before, in
+    /// a debug build, because `lookup`'s 5 368 were inline).
+    #[test]
+    fn held_poll_futures_stay_small() {
+        let (serve, live) = (size1(Feeds::serve), size_live(Feeds::live));
+        println!(
+            "bytes: Feeds::serve {serve}, live {live}, snapshot {}, lookup {}",
+            size_snap(Feeds::snapshot),
+            size_lookup(Feeds::lookup)
+        );
+        assert!(live <= 1024, "Feeds::live future is {live} bytes");
+        assert!(serve <= 1536, "Feeds::serve future is {serve} bytes");
     }
 }

@@ -62,6 +62,8 @@ pub struct Sets {
     router: Router,
     cap: usize,
     sets: Cache<SetKey, Arc<RunSet>>,
+    /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0).
+    backstops: Option<Cache<SetKey, Arc<RunSet>>>,
     runs: Cache<(String, String), Arc<RunResource>>,
     batches: Cache<(String, String), Arc<BatchResource>>,
     admission: Option<Arc<Semaphore>>,
@@ -102,11 +104,22 @@ impl Sets {
             })
             .build();
         let lookup_ttl = Duration::from_millis(caches.lookup_cache_ttl_ms.max(1));
+        let backstops = (caches.backstop_share_ms > 0).then(|| {
+            Cache::builder()
+                .max_capacity(caches.runset_cache_max_bytes)
+                .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
+                    let bytes: usize = v.rows.iter().map(|r| r.fragment.len() + 128).sum();
+                    u32::try_from(bytes + 64).unwrap_or(u32::MAX)
+                })
+                .time_to_live(Duration::from_millis(caches.backstop_share_ms))
+                .build()
+        });
         Sets {
             store,
             router,
             cap: feeds.max_list_results,
             sets,
+            backstops,
             runs: Cache::builder()
                 .max_capacity(100_000)
                 .time_to_live(lookup_ttl)
@@ -198,6 +211,33 @@ impl Sets {
         };
         self.metrics.resolve(target_kind(target), outcome);
         result
+    }
+
+    /// A backstop read: [`Sets::read_shared`], reused by every backstop of the same key for
+    /// `caches.backstop_share_ms` (see there). The caller must diff the result against its
+    /// client's known versions, since it may predate changes the client already has.
+    pub async fn read_backstop(
+        &self,
+        env_id: &str,
+        target: &Target,
+        cols: ColumnSet,
+        deadline: Instant,
+    ) -> Result<Arc<RunSet>, ReadError> {
+        let Some(backstops) = &self.backstops else {
+            return self.read_shared(env_id, target, cols, deadline).await;
+        };
+        let key = SetKey {
+            env_id: env_id.to_string(),
+            target: target.clone(),
+            cap: self.cap,
+            cols,
+        };
+        let read = backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline));
+        match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(set)) => Ok(set),
+            Ok(Err(err)) => Err((*err).clone()),
+            Err(_) => Err(ReadError::Deadline),
+        }
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one

@@ -97,8 +97,8 @@ test("scenario 05: live wake on change", async () => {
   const batch = c.batches.find((b) => b.at >= t0 && (b.messages ?? []).some(isChange));
   assert.ok(batch, c.describe());
   const changes = batch.messages.filter(isChange);
-  assert.equal(changes.length, 1);
-  assert.equal(changes[0].headers.operation, "update");
+  assert.equal(changes.length, 1, c.describe());
+  assert.equal(changes[0].headers.operation, "update", c.describe());
   assert.equal(changes[0].value.status, "EXECUTING");
   assert.ok(isUpToDate(batch.messages.at(-1)), "ends with up-to-date");
   assert.equal(c.shapeNotifications, notifications + 1, "Shape notified once with the merged row");

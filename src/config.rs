@@ -237,6 +237,10 @@ pub struct CachesConfig {
     /// regress a row). Idle cost: one read per distinct filter per window instead of one per
     /// feed per hold; a lost publish surfaces within this window plus one hold.
     pub backstop_share_ms: u64,
+    /// Run and batch lookups of the feed URLs (ids, task, batch: immutable) are cached this
+    /// long, ms (300 000), so a re-poll costs no query. A run's tags can change: when only its
+    /// tags could grant the request (a tag-scoped token on a run feed) they are read fresh.
+    pub resource_cache_ttl_ms: u64,
 }
 
 impl Default for CachesConfig {
@@ -251,6 +255,7 @@ impl Default for CachesConfig {
             working_set_max_entries: 10_000,
             lookup_cache_ttl_ms: 1_000,
             backstop_share_ms: 60_000,
+            resource_cache_ttl_ms: 300_000,
         }
     }
 }

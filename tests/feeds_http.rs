@@ -2930,3 +2930,58 @@ async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
         t.elapsed()
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Run lookups cached by their immutable part (issue 6, idle cost)
+// ---------------------------------------------------------------------------------------------
+
+/// A run feed's URL lookup is cached for `caches.resource_cache_ttl_ms` (5 min): re-polls with
+/// a run-scoped token cost no query. A tag-scoped token is decided on the run's CURRENT tags:
+/// adding the tag grants access at once and removing it revokes it at once, even though the
+/// cached lookup still holds the old tags.
+#[tokio::test]
+async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
+    let srv = TestServer::start_with(20_000, |c| {
+        // Authentication lookups expire fast, run reads never (within the test): what is left
+        // to count is the run URL lookup.
+        c.caches.lookup_cache_ttl_ms = 100;
+        c.caches.run_cache_ttl_ms = 60_000;
+    })
+    .await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let by_id = modern(&srv.token(&env, &[&format!("read:runs:{}", run.friendly_id)]));
+    let by_tag = modern(&srv.token(&env, &["read:tags:vip"]));
+    let url = run_url(&run.friendly_id).snapshot();
+    let store = srv.running().store.clone();
+
+    srv.fetch(&url, &by_id).await.assert_status(200);
+    let before = settle_queries(&store).await;
+    for _ in 0..3 {
+        // Past the authentication cache's TTL (and the reference's 1 s lookup TTL scaled
+        // down): each snapshot re-authenticates (one query) but must not look the run up again.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        srv.fetch(&url, &by_id).await.assert_status(200);
+    }
+    let spent = store.query_count() - before;
+    assert_eq!(
+        spent, 3,
+        "3 snapshots: one authentication query each, no run lookup"
+    );
+
+    srv.fetch(&url, &by_tag).await.assert_status(403);
+    let tagged = RunUpdate {
+        tags: Some(vec!["vip".into()]),
+        ..RunUpdate::default()
+    };
+    srv.update(&run.id, tagged).await;
+    srv.fetch(&url, &by_tag).await.assert_status(200);
+    let untagged = RunUpdate {
+        tags: Some(vec![]),
+        ..RunUpdate::default()
+    };
+    srv.update(&run.id, untagged).await;
+    srv.fetch(&url, &by_tag).await.assert_status(403);
+    // The id-scoped token is unaffected by the tag change.
+    srv.fetch(&url, &by_id).await.assert_status(200);
+}

@@ -103,7 +103,7 @@ impl Sets {
                 list: Duration::from_millis(list_ttl),
             })
             .build();
-        let lookup_ttl = Duration::from_millis(caches.lookup_cache_ttl_ms.max(1));
+        let lookup_ttl = Duration::from_millis(caches.resource_cache_ttl_ms.max(1));
         let backstops = (caches.backstop_share_ms > 0).then(|| {
             Cache::builder()
                 .max_capacity(caches.runset_cache_max_bytes)
@@ -145,8 +145,9 @@ impl Sets {
         self.admission.as_ref().map(|sem| sem.available_permits())
     }
 
-    /// The run named by a friendly id (replica, then primary; positive results cached briefly,
-    /// misses never: a just-created run must not 404).
+    /// The run named by a friendly id (replica, then primary; positive results cached for
+    /// `caches.resource_cache_ttl_ms`, misses never: a just-created run must not 404). The
+    /// cached tags may be stale: see [`Sets::find_run_fresh`].
     pub async fn find_run(
         &self,
         env_id: &str,
@@ -159,6 +160,26 @@ impl Sets {
             self.store.find_run(env_id, friendly_id),
         )
         .await
+    }
+
+    /// [`Sets::find_run`] read from the store now (refreshing the cache): for decisions that
+    /// depend on the run's mutable part, its tags.
+    pub async fn find_run_fresh(
+        &self,
+        env_id: &str,
+        friendly_id: &str,
+    ) -> Result<Option<Arc<RunResource>>, StoreError> {
+        let key = (env_id.to_string(), friendly_id.to_string());
+        let found = self
+            .store
+            .find_run(env_id, friendly_id)
+            .await?
+            .map(Arc::new);
+        match &found {
+            Some(run) => self.runs.insert(key, run.clone()).await,
+            None => self.runs.invalidate(&key).await,
+        }
+        Ok(found)
     }
 
     /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).

@@ -32,6 +32,7 @@ use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::ColumnSet;
+use crate::store::RunResource;
 
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
 /// legacy `DEQUEUED → EXECUTING` rewrite (trigger-facts §3).
@@ -311,8 +312,31 @@ async fn run_feed(
         Ok(None) => return not_found(false),
         Err(err) => return unavailable(&err),
     };
-    if !principal.ability.can_read_any(&run_route_resources(&run)) {
-        return forbidden();
+    // The cached lookup's ids, task and batch are immutable; its tags may be stale, so a
+    // grant that only the tags could give is decided on a fresh read.
+    let untagged = RunResource {
+        tags: Vec::new(),
+        ..(*run).clone()
+    };
+    if !principal
+        .ability
+        .can_read_any(&run_route_resources(&untagged))
+    {
+        let fresh = Box::pin(
+            state
+                .feeds
+                .sets()
+                .find_run_fresh(&principal.env.id, &run_id),
+        )
+        .await;
+        let run = match fresh {
+            Ok(Some(run)) => run,
+            Ok(None) => return not_found(false),
+            Err(err) => return unavailable(&err),
+        };
+        if !principal.ability.can_read_any(&run_route_resources(&run)) {
+            return forbidden();
+        }
     }
     let target = Target::Run {
         run_id: run.id.clone(),

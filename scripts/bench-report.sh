@@ -6,7 +6,7 @@
 #   bash scripts/bench-report.sh
 #   BASELINE_BIN=/path/to/older/runfeed bash scripts/bench-report.sh
 # Knobs (env): HELD_N (15000), FANOUT_F ("2000 10000"), CHURN_RATE (2000), CHURN_ENVS (1000),
-# CHURN_HELD (10000), CHURN_S (20), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
+# CHURN_HELD (10000), CHURN_S (20), CHURN_WINDOWS ("250"), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
 # IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle").
 set -uo pipefail
 
@@ -98,10 +98,14 @@ if want fanout; then
   done
 fi
 if want churn; then
-  # The replica gate is off here (no distinct replica), as the target asks.
-  start_server churn "$BIN/runfeed" && bench churn churn --rate "${CHURN_RATE:-2000}" \
-    --envs "${CHURN_ENVS:-1000}" --runs 10 --held "${CHURN_HELD:-10000}" --duration-s "${CHURN_S:-20}"
-  stop_server
+  # The replica gate is off here (no distinct replica), as the target asks. CHURN_WINDOWS lists
+  # env wake coalesce windows (ms) to run it with: the default 250, and e.g. 0.
+  for w in ${CHURN_WINDOWS:-250}; do
+    start_server "churn-w$w" "$BIN/runfeed" RUNFEED_ROUTER__ENV_WAKE_COALESCE_WINDOW_MS="$w" &&
+      bench "churn-w$w" churn --rate "${CHURN_RATE:-2000}" --envs "${CHURN_ENVS:-1000}" --runs 10 \
+        --held "${CHURN_HELD:-10000}" --duration-s "${CHURN_S:-20}"
+    stop_server
+  done
 fi
 if want stampede; then
   start_server stampede "$BIN/runfeed" && bench stampede stampede --k "${STAMPEDE_K:-1000}"

@@ -120,9 +120,10 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         ));
     }
     let feeds = Arc::new(feeds);
-    let auth = Arc::new(Authenticator::new(
+    let auth = Arc::new(Authenticator::with_found_env_ttl(
         store.clone() as Arc<dyn EnvStore>,
         Duration::from_millis(config.caches.lookup_cache_ttl_ms),
+        Duration::from_millis(config.caches.public_token_env_ttl_ms),
     ));
     let limiter = Arc::new(Limiter::new(
         Some(kv),

@@ -241,6 +241,11 @@ pub struct CachesConfig {
     /// long, ms (300 000), so a re-poll costs no query. A run's tags can change: when only its
     /// tags could grant the request (a tag-scoped token on a run feed) they are read fresh.
     pub resource_cache_ttl_ms: u64,
+    /// Environments found by id for public tokens (JWT `sub`) are reused this long, ms
+    /// (10 000; misses follow `lookup_cache_ttl_ms`). Idle feeds re-poll every ~20 s each, so
+    /// with the 1 s lookup TTL every environment cost a query per second. A rotated API key
+    /// stops verifying public tokens within this long.
+    pub public_token_env_ttl_ms: u64,
 }
 
 impl Default for CachesConfig {
@@ -256,6 +261,7 @@ impl Default for CachesConfig {
             lookup_cache_ttl_ms: 1_000,
             backstop_share_ms: 60_000,
             resource_cache_ttl_ms: 300_000,
+            public_token_env_ttl_ms: 10_000,
         }
     }
 }

@@ -150,8 +150,29 @@ struct Caches {
     revoked_keys: Cache<String, Vec<String>>,
 }
 
+/// Found environments by id (the public-token path) live `found`, misses `missing`.
+struct FoundLongerExpiry {
+    found: Duration,
+    missing: Duration,
+}
+
+impl moka::Expiry<String, Option<EnvRecord>> for FoundLongerExpiry {
+    fn expire_after_create(
+        &self,
+        _key: &String,
+        value: &Option<EnvRecord>,
+        _created_at: std::time::Instant,
+    ) -> Option<Duration> {
+        Some(if value.is_some() {
+            self.found
+        } else {
+            self.missing
+        })
+    }
+}
+
 impl Caches {
-    fn new(ttl: Duration) -> Self {
+    fn new(ttl: Duration, found_by_id_ttl: Duration) -> Self {
         fn build<K, V>(ttl: Duration) -> Cache<K, V>
         where
             K: std::hash::Hash + Eq + Send + Sync + 'static,
@@ -165,7 +186,13 @@ impl Caches {
         Caches {
             by_api_key: build(ttl),
             by_revoked_key: build(ttl),
-            by_id: build(ttl),
+            by_id: Cache::builder()
+                .max_capacity(CACHE_MAX_ENTRIES)
+                .expire_after(FoundLongerExpiry {
+                    found: found_by_id_ttl.max(ttl),
+                    missing: ttl,
+                })
+                .build(),
             branch: build(ttl),
             revoked_keys: build(ttl),
         }
@@ -242,9 +269,21 @@ pub struct Authenticator {
 impl Authenticator {
     /// `cache_ttl`: how long environment/key lookups (by api key, by revoked key, by env id, by
     /// branch, revoked keys of an env) are reused, found or not (0 disables caching). At most
-    /// 10 000 entries per lookup kind.
+    /// 10 000 entries per lookup kind. Environments FOUND by id (public tokens) are kept
+    /// [`Authenticator::with_found_env_ttl`] instead (the longer of the two).
     pub fn new(store: Arc<dyn EnvStore>, cache_ttl: Duration) -> Self {
-        let caches = (!cache_ttl.is_zero()).then(|| Caches::new(cache_ttl));
+        Self::with_found_env_ttl(store, cache_ttl, cache_ttl)
+    }
+
+    /// [`Authenticator::new`], keeping environments found by id (the public-token path: one
+    /// lookup per environment, whatever the number of feeds) for `found_env_ttl`
+    /// (`caches.public_token_env_ttl_ms`).
+    pub fn with_found_env_ttl(
+        store: Arc<dyn EnvStore>,
+        cache_ttl: Duration,
+        found_env_ttl: Duration,
+    ) -> Self {
+        let caches = (!cache_ttl.is_zero()).then(|| Caches::new(cache_ttl, found_env_ttl));
         Authenticator { store, caches }
     }
 
@@ -648,5 +687,34 @@ mod tests {
         assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
         assert_eq!(err.to_string(), "Invalid Public Access Token");
         assert_eq!(err.status(), 401);
+    }
+
+    /// Environments found by id (public tokens) outlive the short lookup TTL; misses do not
+    /// (a just-created environment is not refused for long).
+    #[tokio::test]
+    async fn found_environments_by_id_are_kept_longer_than_misses() {
+        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
+        let auth = Authenticator::with_found_env_ttl(
+            store.clone(),
+            Duration::from_millis(20),
+            Duration::from_secs(60),
+        );
+        let token = |sub: &str| {
+            mint_public_token("tr_prod_key", sub, &[], Duration::from_secs(60), None).unwrap()
+        };
+        let found = format!("Bearer {}", token("env_1"));
+        let missing = format!("Bearer {}", token("env_missing"));
+        assert!(auth.authenticate(Some(&found), None).await.is_ok());
+        assert!(auth.authenticate(Some(&missing), None).await.is_err());
+        let after_first = store.lookups.load(Ordering::SeqCst);
+        // Past the short TTL (a TTL expiry, not synchronisation).
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(auth.authenticate(Some(&found), None).await.is_ok());
+        assert!(auth.authenticate(Some(&missing), None).await.is_err());
+        assert_eq!(
+            store.lookups.load(Ordering::SeqCst) - after_first,
+            1,
+            "only the miss is looked up again"
+        );
     }
 }

@@ -2945,6 +2945,7 @@ async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
         // Authentication lookups expire fast, run reads never (within the test): what is left
         // to count is the run URL lookup.
         c.caches.lookup_cache_ttl_ms = 100;
+        c.caches.public_token_env_ttl_ms = 100;
         c.caches.run_cache_ttl_ms = 60_000;
     })
     .await;

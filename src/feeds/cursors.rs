@@ -68,20 +68,26 @@ async fn write_loop(
                 .set(key, value, Some(Expiration::PX(ttl_ms)), None, false)
                 .await;
         }
-        match tokio::time::timeout(READ_DEADLINE * 4, pipeline.try_all::<()>()).await {
-            Ok(results) => {
-                let failed = results.iter().filter(|r| r.is_err()).count();
-                bump_by(&stats.set_ok, n - failed);
-                bump_by(&stats.set_error, failed);
-                if failed > 0 {
-                    tracing::debug!(failed, "replay cursor writes failed");
+        // Sent now; the replies are awaited in a task of their own, so the next batch never
+        // waits behind this one (a poll hopping to another instance right after its response
+        // must find its cursor stored).
+        let stats = stats.clone();
+        tokio::spawn(async move {
+            match tokio::time::timeout(READ_DEADLINE * 4, pipeline.try_all::<()>()).await {
+                Ok(results) => {
+                    let failed = results.iter().filter(|r| r.is_err()).count();
+                    bump_by(&stats.set_ok, n - failed);
+                    bump_by(&stats.set_error, failed);
+                    if failed > 0 {
+                        tracing::debug!(failed, "replay cursor writes failed");
+                    }
+                }
+                Err(_) => {
+                    bump_by(&stats.set_error, n);
+                    tracing::debug!(n, "replay cursor writes timed out");
                 }
             }
-            Err(_) => {
-                bump_by(&stats.set_error, n);
-                tracing::debug!(n, "replay cursor writes timed out");
-            }
-        }
+        });
     }
 }
 

@@ -109,6 +109,31 @@ async fn held_run_feeds(http: &reqwest::Client, admin: &str) -> anyhow::Result<u
         .sum())
 }
 
+/// Takes a run feed's snapshot; returns its `(electric-handle, electric-offset)`.
+async fn snapshot_position(
+    http: &reqwest::Client,
+    addr: &str,
+    run_friendly_id: &str,
+    api_key: &str,
+) -> anyhow::Result<(String, String)> {
+    let snapshot = http
+        .get(format!("http://{addr}/realtime/v1/runs/{run_friendly_id}"))
+        .bearer_auth(api_key)
+        .header("x-trigger-electric-version", "1.0.0-beta.1")
+        .send()
+        .await?;
+    anyhow::ensure!(snapshot.status() == 200, "snapshot: {}", snapshot.status());
+    let header = |name: &str| -> anyhow::Result<String> {
+        Ok(snapshot
+            .headers()
+            .get(name)
+            .with_context(|| format!("snapshot without {name}"))?
+            .to_str()?
+            .to_string())
+    };
+    Ok((header("electric-handle")?, header("electric-offset")?))
+}
+
 /// Waits (≤ 60 s) until exactly `n` run feeds are held.
 async fn wait_held(http: &reqwest::Client, admin: &str, n: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -146,25 +171,8 @@ async fn sigterm_answers_1000_held_polls_with_up_to_date_and_exits() -> anyhow::
         let run = fixtures::create_run(&db.pool, &env, fixtures::RunSpec::default()).await?;
         let (mut child, addr, admin) = spawn_server(&db.url, &[]).await?;
         let http = reqwest::Client::new();
-        let snapshot = http
-            .get(format!(
-                "http://{addr}/realtime/v1/runs/{}",
-                run.friendly_id
-            ))
-            .bearer_auth(&env.api_key)
-            .header("x-trigger-electric-version", "1.0.0-beta.1")
-            .send()
-            .await?;
-        anyhow::ensure!(snapshot.status() == 200, "snapshot: {}", snapshot.status());
-        let header = |name: &str| -> anyhow::Result<String> {
-            Ok(snapshot
-                .headers()
-                .get(name)
-                .with_context(|| format!("snapshot without {name}"))?
-                .to_str()?
-                .to_string())
-        };
-        let (handle, offset) = (header("electric-handle")?, header("electric-offset")?);
+        let (handle, offset) =
+            snapshot_position(&http, &addr, &run.friendly_id, &env.api_key).await?;
         let target = format!(
             "/realtime/v1/runs/{}?live=true&handle={handle}&offset={offset}",
             run.friendly_id
@@ -238,27 +246,8 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
         // An idle connection that never sends a byte.
         let mut idle = TcpStream::connect(&addr).await?;
         let http = reqwest::Client::new();
-        let snapshot = http
-            .get(format!(
-                "http://{addr}/realtime/v1/runs/{}",
-                run.friendly_id
-            ))
-            .bearer_auth(&env.api_key)
-            .header("x-trigger-electric-version", "1.0.0-beta.1")
-            .send()
-            .await?;
-        let handle = snapshot
-            .headers()
-            .get("electric-handle")
-            .context("handle")?
-            .to_str()?
-            .to_string();
-        let offset = snapshot
-            .headers()
-            .get("electric-offset")
-            .context("offset")?
-            .to_str()?
-            .to_string();
+        let (handle, offset) =
+            snapshot_position(&http, &addr, &run.friendly_id, &env.api_key).await?;
         let target = format!(
             "/realtime/v1/runs/{}?live=true&handle={handle}&offset={offset}",
             run.friendly_id

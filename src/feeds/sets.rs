@@ -140,6 +140,16 @@ impl Sets {
         self.metrics = metrics;
     }
 
+    /// The cache key of a read of `target` with `cols`.
+    fn set_key(&self, env_id: &str, target: &Target, cols: ColumnSet) -> SetKey {
+        SetKey {
+            env_id: env_id.to_string(),
+            target: target.clone(),
+            cap: self.cap,
+            cols,
+        }
+    }
+
     /// Free admission permits (`None`: admission is unbounded).
     pub fn admission_available(&self) -> Option<usize> {
         self.admission.as_ref().map(|sem| sem.available_permits())
@@ -206,12 +216,7 @@ impl Sets {
         cols: ColumnSet,
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
-        let key = SetKey {
-            env_id: env_id.to_string(),
-            target: target.clone(),
-            cap: self.cap,
-            cols,
-        };
+        let key = self.set_key(env_id, target, cols);
         // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
         let cached = self.sets.contains_key(&key);
         let ran = std::sync::atomic::AtomicBool::new(false);
@@ -220,11 +225,7 @@ impl Sets {
             self.read_fresh_inner(env_id, target, cols, true).await
         };
         let fut = self.sets.try_get_with(key, init);
-        let result = match tokio::time::timeout_at(deadline, fut).await {
-            Ok(Ok(set)) => Ok(set),
-            Ok(Err(err)) => Err((*err).clone()),
-            Err(_) => Err(ReadError::Deadline),
-        };
+        let result = shared_by_deadline(deadline, fut).await;
         let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
             (true, _) => ResolveResult::Miss,
             (false, true) => ResolveResult::Hit,
@@ -247,18 +248,9 @@ impl Sets {
         let Some(backstops) = &self.backstops else {
             return self.read_shared(env_id, target, cols, deadline).await;
         };
-        let key = SetKey {
-            env_id: env_id.to_string(),
-            target: target.clone(),
-            cap: self.cap,
-            cols,
-        };
+        let key = self.set_key(env_id, target, cols);
         let read = backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline));
-        match tokio::time::timeout_at(deadline, read).await {
-            Ok(Ok(set)) => Ok(set),
-            Ok(Err(err)) => Err((*err).clone()),
-            Err(_) => Err(ReadError::Deadline),
-        }
+        shared_by_deadline(deadline, read).await
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
@@ -274,12 +266,7 @@ impl Sets {
         deadline: Instant,
         reg: &Registration,
     ) -> Result<Arc<RunSet>, ReadError> {
-        let key = SetKey {
-            env_id: env_id.to_string(),
-            target: target.clone(),
-            cap: self.cap,
-            cols,
-        };
+        let key = self.set_key(env_id, target, cols);
         for _ in 0..2 {
             let set = self.read_shared(env_id, target, cols, deadline).await?;
             if reg.replay_since(set.cursor).await {
@@ -377,6 +364,19 @@ impl Sets {
 
 /// A URL-id lookup through `cache`: hits are served from it, found resources are cached, misses
 /// are not (they may exist a moment later).
+/// A cache-shared read bounded by `deadline`: moka's shared error is cloned out, a timeout is
+/// [`ReadError::Deadline`].
+async fn shared_by_deadline(
+    deadline: Instant,
+    read: impl std::future::Future<Output = Result<Arc<RunSet>, Arc<ReadError>>>,
+) -> Result<Arc<RunSet>, ReadError> {
+    match tokio::time::timeout_at(deadline, read).await {
+        Ok(Ok(set)) => Ok(set),
+        Ok(Err(err)) => Err((*err).clone()),
+        Err(_) => Err(ReadError::Deadline),
+    }
+}
+
 async fn cached_lookup<T, F>(
     cache: &Cache<(String, String), Arc<T>>,
     env_id: &str,

@@ -169,7 +169,7 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
         args.token_ttl
     );
     println!();
-    println!("Start the server in another terminal:");
+    println!("If the server is not running yet (scripts/dev.sh has already started it), start it in another terminal:");
     println!(
         "  runfeed serve --database-url '{}' --redis-url '{}'",
         args.db.database_url, args.redis.redis_url

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Local demo: services, build, migrate, `runfeed serve` on 127.0.0.1:3030 in the background and
-# `runfeed demo` in the foreground (a seeded environment plus a live workload). Ctrl-C stops both.
+# `runfeed-demo` in the foreground (a seeded environment plus a live workload). Ctrl-C stops both.
 #   bash scripts/dev.sh
 # Env: RUNFEED_DEV_PORT (default 3030), RUNFEED_DEV_DB (default runfeed_demo),
 #      RUNFEED_PROFILE=release for an optimised build (default: debug, which builds much faster
@@ -25,6 +25,7 @@ bash scripts/services.sh
 say "cargo build ($PROFILE)"
 if [ "$PROFILE" = release ]; then cargo build --release --locked; else cargo build --locked; fi
 BIN="$TARGET_DIR/$PROFILE/runfeed"
+DEMO_BIN="$TARGET_DIR/$PROFILE/runfeed-demo"
 
 say "npm ci (tests/e2e: the real clients, for tests/e2e/watch.mjs)"
 if [ ! -d tests/e2e/node_modules ] || [ tests/e2e/package-lock.json -nt tests/e2e/node_modules/.package-lock.json ]; then
@@ -76,10 +77,10 @@ until grep -q '^runfeed listening on ' "$LOG" 2>/dev/null; do
 done
 grep -m1 '^runfeed listening on ' "$LOG"
 
-say "runfeed demo (Ctrl-C to stop the workload and the server)"
+say "runfeed-demo (Ctrl-C to stop the workload and the server)"
 # The demo prints ENV_ID= / PUBLIC_TOKEN= / RUN_ID= / BATCH_ID= / TAG= lines first; once they are
 # all there, add the commands that watch the same feeds through the real trigger.dev SDK.
-"$BIN" demo --database-url "$DATABASE_URL" --redis-url "$REDIS_URL" --base-url "$BASE_URL" |
+"$DEMO_BIN" --database-url "$DATABASE_URL" --redis-url "$REDIS_URL" --base-url "$BASE_URL" |
   {
     token="" run="" batch="" tag="" shown=0
     while IFS= read -r line; do

@@ -22,7 +22,6 @@ async fn main() -> std::process::ExitCode {
         Command::Migrate(args) => runfeed::cli::migrate::run(args).await,
         Command::Publish(args) => runfeed::cli::publish::run(args).await,
         Command::Token(args) => runfeed::cli::token::run(args).await,
-        Command::Demo(args) => runfeed::cli::demo::run(args).await,
         Command::ConfigReference => {
             print!("{}", runfeed::config::reference_markdown());
             Ok(())

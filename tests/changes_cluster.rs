@@ -26,7 +26,7 @@ use runfeed::changes::{
     channel_name, publish_once_with, ChangeRecord, ChangeSource, Publisher, RedisChangeSource,
     RedisOptions, SourceEvent,
 };
-use runfeed::cli::fixtures::RunSpec;
+use runfeed_dev::fixtures::RunSpec;
 use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 

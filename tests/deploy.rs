@@ -329,6 +329,13 @@ fn check_bind_mounts(doc: &Value, root: &Path) -> Vec<String> {
     problems
 }
 
+/// `runfeed-demo`'s command line.
+#[derive(clap::Parser)]
+struct DemoCli {
+    #[command(flatten)]
+    _args: runfeed_dev::demo::DemoArgs,
+}
+
 /// The runfeed image's ENTRYPOINT (compose's `command` replaces only its CMD).
 fn image_entrypoint() -> Vec<String> {
     exec_form(&dockerfile(), "ENTRYPOINT").unwrap_or_else(|| vec!["runfeed".into()])
@@ -343,6 +350,13 @@ fn check_runfeed_commands(doc: &Value, entrypoint: &[String]) -> Vec<String> {
         };
         let args: Vec<String> = entry.into_iter().chain(command).collect();
         let env = env_of(svc);
+        if args.first().is_some_and(|w| w == "runfeed-demo") {
+            // The development workload (crates/runfeed-dev): its own command line.
+            if let Err(e) = with_env(&env, || DemoCli::try_parse_from(&args)) {
+                problems.push(format!("service {name}: runfeed-demo rejects {e}"));
+            }
+            continue;
+        }
         match parse_cli(&args, &env) {
             Ok(cli) => {
                 if let Some(Err(e)) = serve_listen(&cli, &env) {

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use runfeed::cli::fixtures::{RunSpec, RunUpdate};
 use runfeed::protocol::encode::format_timestamp_ms;
+use runfeed_dev::fixtures::{RunSpec, RunUpdate};
 use serde_json::json;
 use tokio::time::Instant;
 

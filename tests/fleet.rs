@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use common::*;
 use runfeed::changes::channel_name;
-use runfeed::cli::fixtures::{DemoEnv, RunSpec};
 use runfeed::protocol::encode::format_timestamp_ms;
+use runfeed_dev::fixtures::{DemoEnv, RunSpec};
 use sqlx::Row;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

@@ -13,8 +13,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use runfeed::cli::fixtures::{self, DemoEnv, RunSpec};
 use runfeed::protocol::handle::{FeedKind, HandleClaims, HandleKey};
+use runfeed_dev::fixtures::{self, DemoEnv, RunSpec};
 use serde_json::Value;
 
 const REQUESTED_WITH: &str = "https://app.example";

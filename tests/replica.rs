@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use common::*;
 use runfeed::changes::ChangeRecord;
-use runfeed::cli::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate};
 use runfeed::config::Config;
+use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate};
 use serde_json::{Map, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};

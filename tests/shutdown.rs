@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use runfeed::changes::publish::Publisher;
 use runfeed::changes::{ChangeRecord, RedisOptions};
-use runfeed::cli::fixtures::{self, TestDb};
+use runfeed_dev::fixtures::{self, TestDb};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};

@@ -2,7 +2,7 @@
 //! at `postgres://postgres@127.0.0.1:5432` (trust auth; override with `RUNFEED_TEST_PG`).
 //!
 //! Each test creates its own database `runfeed_t_<random hex>` through the `postgres` maintenance
-//! database, applies `runfeed::store::migrate`, inserts the minimal trigger-facts §1.9 fixture
+//! database, applies `runfeed::store::setup::migrate`, inserts the minimal trigger-facts §1.9 fixture
 //! (Organization → Project → RuntimeEnvironment → BatchTaskRun → TaskRun with only the NOT NULL
 //! columns that have no default, plus what the test needs), and drops the database at the end
 //! (best effort, also when the test panics).
@@ -15,7 +15,8 @@ use chrono::NaiveDateTime;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use runfeed::auth::{mint_public_token, Ability, AuthError, Authenticator};
 use runfeed::protocol::ColumnSet;
-use runfeed::store::{migrate, EnvStore, PgStore, RunStore};
+use runfeed::store::setup::migrate;
+use runfeed::store::{EnvStore, PgStore, RunStore};
 use serde_json::{json, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};

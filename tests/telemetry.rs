@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use common::*;
-use runfeed::cli::fixtures::RunSpec;
+use runfeed_dev::fixtures::RunSpec;
 use serde_json::Value;
 use tokio::time::Instant;
 

@@ -1,12 +1,11 @@
-//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `demo`, `config-reference`.
+//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `config-reference`.
+//! (The demo workload is `runfeed-demo`, in the development crate `crates/runfeed-dev`.)
 //! `serve` is in [`crate::app`]; the others live here.
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-pub mod demo;
-pub mod fixtures;
 pub mod migrate;
 pub mod publish;
 pub mod token;
@@ -30,8 +29,6 @@ pub enum Command {
     Publish(publish::PublishArgs),
     /// Mint a public access token for an environment (signed with its key from the database).
     Token(token::TokenArgs),
-    /// Seed a demo environment, print how to watch it, and keep a realistic workload going.
-    Demo(demo::DemoArgs),
     /// Print the configuration reference (Markdown: every key, its environment variable, type,
     /// default and description), generated from the config struct.
     ConfigReference,

@@ -8,7 +8,8 @@
 //! - [`RunStore`] / [`EnvStore`]: the seams the router, feeds and auth code against.
 //! - [`PgStore`] (`pg.rs`): the Postgres implementation (primary + replica pools, query counter).
 //! - `sql.rs`: SQL text per column set and row decoding into [`RunRow`].
-//! - [`migrate`]: applies `migrations/` (trigger-facts §1 schema subset).
+//! - [`setup`]: creates a database and applies `migrations/` (`runfeed migrate`; development
+//!   and tests only).
 
 use async_trait::async_trait;
 
@@ -16,6 +17,7 @@ use crate::protocol::{ColumnSet, RunRow};
 
 pub mod lag;
 mod pg;
+pub mod setup;
 mod sql;
 
 pub use lag::{Lsn, ReplicaProbe};
@@ -145,15 +147,4 @@ pub trait EnvStore: Send + Sync + 'static {
     ) -> Result<Option<EnvRecord>, StoreError>;
     /// Unexpired revoked keys of `env_id` (JWT grace retry).
     async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError>;
-}
-
-/// Applies `migrations/` (the trigger.dev tables runfeed reads) to `pool`. Idempotent.
-///
-/// The migrator records applied versions in `_sqlx_migrations`, so a second run is a no-op; the
-/// SQL itself also tolerates pre-existing trigger.dev objects (`IF NOT EXISTS`, guarded enum
-/// creation), so it can be pointed at a database that already holds the real tables.
-///
-/// Errors: [`sqlx::migrate::MigrateError`] (connection, SQL, or a changed already-applied file).
-pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    sqlx::migrate!("./migrations").run(pool).await
 }

@@ -17,8 +17,8 @@ use reqwest::header::HeaderMap;
 use runfeed::app::{self, Running};
 use runfeed::auth::mint_public_token;
 use runfeed::changes::{channel_name, ChangeRecord, Publisher};
-use runfeed::cli::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate, TestDb};
 use runfeed::config::Config;
+use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate, TestDb};
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -660,7 +660,7 @@ impl Drop for TestServer {
                 let _ = rt.block_on(async {
                     tokio::time::timeout(
                         Duration::from_secs(20),
-                        fixtures::drop_database(PG_ADMIN, &name),
+                        runfeed::store::setup::drop_database(PG_ADMIN, &name),
                     )
                     .await
                 });

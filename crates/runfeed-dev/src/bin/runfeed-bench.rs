@@ -22,7 +22,7 @@ use futures::stream::{self, StreamExt};
 use rand::Rng;
 use runfeed::auth::mint_public_token;
 use runfeed::changes::{ChangeRecord, Publisher};
-use runfeed::cli::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
+use runfeed_dev::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
 use serde_json::{json, Value};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;

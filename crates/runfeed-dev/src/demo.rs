@@ -1,4 +1,4 @@
-//! `runfeed demo`: seeds a demo organization/project/DEVELOPMENT environment with runs, tags and
+//! `runfeed-demo`: seeds a demo organization/project/DEVELOPMENT environment with runs, tags and
 //! a batch, prints machine-readable `KEY=value` lines and copy-paste commands to watch the feeds,
 //! then keeps a realistic workload going until Ctrl-C (or SIGTERM).
 //!
@@ -21,9 +21,9 @@ use clap::Args;
 use serde_json::json;
 use sqlx::{PgPool, Row};
 
-use super::fixtures::{self, DemoEnv, RunSpec, RunUpdate, Stamp};
-use crate::changes::publish::Publisher;
-use crate::changes::ChangeRecord;
+use crate::fixtures::{self, DemoEnv, RunSpec, RunUpdate, Stamp};
+use runfeed::changes::publish::Publisher;
+use runfeed::changes::ChangeRecord;
 
 /// Project slug that identifies the demo environment's project.
 pub const DEMO_PROJECT_SLUG: &str = "runfeed-demo";
@@ -38,13 +38,19 @@ pub const DEMO_TAG: &str = "user:alice";
 /// Tags of the wire-format torture run: a quote, a backslash, the word NULL and a comma.
 pub const WEIRD_TAGS: [&str; 4] = ["demo", "weird \"quoted\" \\ tag", "NULL", "with,comma"];
 
-/// `runfeed demo`.
+/// `runfeed-demo`.
 #[derive(Debug, Args, Clone)]
 pub struct DemoArgs {
-    #[command(flatten)]
-    pub db: super::DbArgs,
-    #[command(flatten)]
-    pub redis: super::RedisArgs,
+    /// The trigger.dev database (created and migrated when missing).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/runfeed_demo"
+    )]
+    pub database_url: String,
+    /// The Redis the server subscribes to (change records are published there).
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
     /// Base URL of the runfeed server to print in the instructions.
     #[arg(long, default_value = "http://127.0.0.1:3030")]
     pub base_url: String,
@@ -82,11 +88,11 @@ pub struct Seeded {
 
 /// Seeds and runs the workload.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let token_ttl = super::token::parse_ttl(&args.token_ttl).context("invalid --token-ttl")?;
-    let (pool, _created) = super::migrate::connect_migrated(&args.db.database_url).await?;
+    let token_ttl = humantime::parse_duration(&args.token_ttl).context("invalid --token-ttl")?;
+    let (pool, _created) = runfeed::store::setup::connect_migrated(&args.database_url).await?;
     let seeded = seed(&pool).await.context("seed the demo environment")?;
     let scopes: Vec<String> = DEMO_SCOPES.iter().map(|s| s.to_string()).collect();
-    let token = crate::auth::mint_public_token(
+    let token = runfeed::auth::mint_public_token(
         &seeded.env.api_key,
         &seeded.env.env_id,
         &scopes,
@@ -97,11 +103,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     print_summary(&args, &seeded, &token);
 
-    let publisher = connect_publisher(&args.redis.redis_url).await;
+    let publisher = connect_publisher(&args.redis_url).await;
     let publisher = match (publisher, args.seed_only) {
         (Ok(p), _) => Some(p),
         (Err(e), true) => {
-            eprintln!("runfeed demo: warning: not publishing the seeded runs: {e:#}");
+            eprintln!("runfeed-demo: warning: not publishing the seeded runs: {e:#}");
             None
         }
         (Err(e), false) => return Err(e),
@@ -145,7 +151,7 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
     let env = &seeded.env;
     let base = args.base_url.trim_end_matches('/');
     let (batch_id, batch_friendly) = &seeded.batch;
-    println!("runfeed demo: environment {} seeded", env.env_id);
+    println!("runfeed-demo: environment {} seeded", env.env_id);
     println!("ENV_ID={}", env.env_id);
     println!("SECRET_KEY={}", env.api_key);
     println!("PUBLIC_TOKEN={token}");
@@ -172,7 +178,7 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
     println!("If the server is not running yet (scripts/dev.sh has already started it), start it in another terminal:");
     println!(
         "  runfeed serve --database-url '{}' --redis-url '{}'",
-        args.db.database_url, args.redis.redis_url
+        args.database_url, args.redis_url
     );
     println!();
     println!("Then watch the feeds:");
@@ -235,7 +241,7 @@ fn lifecycle_record(
 async fn publish(publisher: &Publisher, record: ChangeRecord) {
     if let Err(e) = publisher.publish(&record).await {
         eprintln!(
-            "runfeed demo: publish for run {} failed: {e}",
+            "runfeed-demo: publish for run {} failed: {e}",
             record.run_id
         );
     }
@@ -621,7 +627,7 @@ async fn workload(
             }
         }
     }
-    eprintln!("runfeed demo: stopped after {steps} steps");
+    eprintln!("runfeed-demo: stopped after {steps} steps");
     Ok(())
 }
 
@@ -659,19 +665,19 @@ impl Workload<'_> {
         for _ in 0..2 {
             if let Some(run) = self.executing.pop_front() {
                 if let Err(e) = self.advance(run).await {
-                    eprintln!("runfeed demo: {e:#}");
+                    eprintln!("runfeed-demo: {e:#}");
                 }
             }
         }
         if let Some(run) = self.pending.pop_front() {
             if let Err(e) = self.start(run).await {
-                eprintln!("runfeed demo: {e:#}");
+                eprintln!("runfeed-demo: {e:#}");
             }
         }
         let in_flight = self.pending.len() + self.executing.len();
         if in_flight < 3 || (in_flight < 8 && rand::random_bool(0.5)) {
             if let Err(e) = self.create().await {
-                eprintln!("runfeed demo: {e:#}");
+                eprintln!("runfeed-demo: {e:#}");
             }
         }
     }
@@ -710,7 +716,7 @@ impl Workload<'_> {
         )
         .await;
         eprintln!(
-            "runfeed demo: {} created (PENDING, tags {:?}{})",
+            "runfeed-demo: {} created (PENDING, tags {:?}{})",
             run.friendly_id,
             tags.clone().unwrap_or_default(),
             if batch_id.is_some() {
@@ -743,7 +749,7 @@ impl Workload<'_> {
                     lifecycle_record(&self.env.env_id, &run.id, &run.tags, &run.batch_id, None),
                 )
                 .await;
-                eprintln!("runfeed demo: {} PENDING -> EXECUTING", run.friendly_id);
+                eprintln!("runfeed-demo: {} PENDING -> EXECUTING", run.friendly_id);
                 self.executing.push_back(run);
                 Ok(())
             }
@@ -810,7 +816,7 @@ impl Workload<'_> {
                 )
                 .await;
                 eprintln!(
-                    "runfeed demo: {} {what} (updatedAtMs {updated_at_ms})",
+                    "runfeed-demo: {} {what} (updatedAtMs {updated_at_ms})",
                     run.friendly_id
                 );
                 if !done {

@@ -1,6 +1,6 @@
 //! Reusable database fixtures: throwaway databases, environments, runs and batches written the
-//! way trigger.dev writes them (trigger-facts §1). Used by `runfeed demo` and by integration
-//! tests.
+//! way trigger.dev writes them (trigger-facts §1). Used by `runfeed-demo`, `runfeed-bench`
+//! and the integration tests.
 //!
 //! Conventions:
 //! - Ids are cuid-like (`c` + 24 lowercase alphanumerics); run friendly ids are engine-V2 style
@@ -13,12 +13,11 @@
 //!   new `"updatedAt"` is strictly greater than the previous one (at least +1 ms), so every update
 //!   is visible to a feed that compares millisecond watermarks.
 
-use std::str::FromStr;
-
 use anyhow::Context;
 use rand::distr::Alphanumeric;
 use rand::Rng;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use runfeed::store::setup;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 
 /// SQL for "now" as a UTC `timestamp(3)` value (truncated, never rounded up into the future).
@@ -564,14 +563,6 @@ pub async fn update_run_if_exists(
     }
 }
 
-/// Connection options for database `name` on the server of `admin_url_base` (any Postgres URL,
-/// with or without a database path; its database part is replaced).
-pub fn options_for(admin_url_base: &str, name: &str) -> anyhow::Result<PgConnectOptions> {
-    let options = PgConnectOptions::from_str(admin_url_base)
-        .with_context(|| format!("invalid Postgres URL {admin_url_base:?}"))?;
-    Ok(options.database(name))
-}
-
 /// The URL of database `name` on the server of `admin_url_base`
 /// (e.g. `postgres://postgres@127.0.0.1:5432` + `x` → `postgres://postgres@127.0.0.1:5432/x`).
 /// Query parameters of the base are kept.
@@ -597,64 +588,6 @@ pub fn database_url(admin_url_base: &str, name: &str) -> String {
     }
 }
 
-fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-async fn maintenance_pool(admin_url_base: &str) -> anyhow::Result<PgPool> {
-    let options = options_for(admin_url_base, "postgres")?;
-    PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .with_context(|| {
-            format!("connect to the `postgres` maintenance database of {admin_url_base}")
-        })
-}
-
-/// Creates database `name` on the server of `admin_url_base` (connecting to its `postgres`
-/// maintenance database) unless it exists. Returns `true` if it was created. Safe to race.
-pub async fn create_database(admin_url_base: &str, name: &str) -> anyhow::Result<bool> {
-    let pool = maintenance_pool(admin_url_base).await?;
-    let result = create_database_on(&pool, name).await;
-    pool.close().await;
-    result
-}
-
-async fn create_database_on(pool: &PgPool, name: &str) -> anyhow::Result<bool> {
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(name)
-            .fetch_one(pool)
-            .await
-            .context("look up pg_database")?;
-    if exists {
-        return Ok(false);
-    }
-    let sql = format!("CREATE DATABASE {}", quote_ident(name));
-    match sqlx::query(sqlx::AssertSqlSafe(sql)).execute(pool).await {
-        Ok(_) => Ok(true),
-        Err(sqlx::Error::Database(e))
-            // duplicate_database, or the unique index on pg_database under a concurrent create.
-            if matches!(e.code().as_deref(), Some("42P04") | Some("23505")) =>
-        {
-            Ok(false)
-        }
-        Err(e) => Err(e).with_context(|| format!("CREATE DATABASE {name}")),
-    }
-}
-
-/// Drops database `name` on the server of `admin_url_base` if it exists, terminating its
-/// connections (`WITH (FORCE)`).
-pub async fn drop_database(admin_url_base: &str, name: &str) -> anyhow::Result<()> {
-    let pool = maintenance_pool(admin_url_base).await?;
-    let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name));
-    let result = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
-    pool.close().await;
-    result.with_context(|| format!("DROP DATABASE {name}"))?;
-    Ok(())
-}
-
 /// A throwaway database with the runfeed tables, for tests: `runfeed_t_<random>` on the server
 /// of `admin_url_base`, created and migrated by [`TestDb::create`], removed by [`TestDb::cleanup`].
 pub struct TestDb {
@@ -671,14 +604,14 @@ impl TestDb {
     /// Creates and migrates a fresh `runfeed_t_<random>` database.
     pub async fn create(admin_url_base: &str) -> anyhow::Result<TestDb> {
         let name = format!("runfeed_t_{}", random_alnum_lower(12));
-        create_database(admin_url_base, &name).await?;
+        setup::create_database(admin_url_base, &name).await?;
         let url = database_url(admin_url_base, &name);
         let pool = PgPoolOptions::new()
             .max_connections(4)
-            .connect_with(options_for(admin_url_base, &name)?)
+            .connect_with(setup::options_for(admin_url_base, &name)?)
             .await
             .with_context(|| format!("connect to {name}"))?;
-        crate::store::migrate(&pool)
+        setup::migrate(&pool)
             .await
             .with_context(|| format!("migrate {name}"))?;
         Ok(TestDb {
@@ -692,7 +625,7 @@ impl TestDb {
     /// Closes the pool and drops the database.
     pub async fn cleanup(self) -> anyhow::Result<()> {
         self.pool.close().await;
-        drop_database(&self.admin_url_base, &self.name).await
+        Ok(setup::drop_database(&self.admin_url_base, &self.name).await?)
     }
 }
 

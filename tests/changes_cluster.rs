@@ -22,9 +22,9 @@ use common::{modern, within, TestServer, Url};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use fred::util::redis_keyslot;
-use runfeed::changes::{
-    channel_name, publish_once_with, ChangeRecord, ChangeSource, Publisher, RedisChangeSource,
-    RedisOptions, SourceEvent,
+use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
+use runfeed::redis::{
+    publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
 use runfeed_dev::fixtures::RunSpec;
 use tokio::sync::mpsc;
@@ -149,7 +149,7 @@ async fn source(
 ) -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
     init_logs();
     let (tx, rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect_with(options, tx)
+    let source = RedisChangeSource::connect(options, tx, SubscriberSettings::default())
         .await
         .expect("connect subscriber");
     assert!(
@@ -160,7 +160,7 @@ async fn source(
 }
 
 async fn publisher(options: &RedisOptions) -> Publisher {
-    Publisher::connect_with(options)
+    Publisher::connect(options)
         .await
         .expect("connect publisher")
 }
@@ -341,10 +341,10 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
         3
     );
 
-    // publish_once_with speaks sharded too.
+    // publish_once speaks sharded too.
     let once = record(&envs[0], "once");
     assert_eq!(
-        publish_once_with(&sharded(&url), &once)
+        publish_once(&sharded(&url), &once)
             .await
             .expect("publish once"),
         1
@@ -600,13 +600,13 @@ async fn sharded_subscription_follows_a_slot_migration() {
 
     init_logs();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect_with_check_interval(
-        &sharded(&url),
-        tx,
-        Duration::from_millis(500),
-    )
-    .await
-    .expect("connect subscriber");
+    let settings = SubscriberSettings {
+        shard_check_interval: Duration::from_millis(500),
+        ..SubscriberSettings::default()
+    };
+    let source = RedisChangeSource::connect(&sharded(&url), tx, settings)
+        .await
+        .expect("connect subscriber");
     let publisher = publisher(&sharded(&url)).await;
     source.subscribe(&env_id);
     source.subscribe(&other);
@@ -710,7 +710,7 @@ async fn classic_pubsub_over_the_cluster() {
     )
     .await;
 
-    let sharded_publisher = Publisher::connect_with(&sharded(&url))
+    let sharded_publisher = Publisher::connect(&sharded(&url))
         .await
         .expect("sharded publisher");
     assert_eq!(

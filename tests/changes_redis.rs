@@ -8,10 +8,14 @@ use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::CustomCommand;
-use runfeed::changes::{
-    channel_name, publish_once, ChangeRecord, ChangeSource, Publisher, RedisChangeSource,
-    SourceEvent,
+use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
+use runfeed::redis::{
+    publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
+
+fn standalone(url: &str) -> RedisOptions {
+    RedisOptions::standalone(url)
+}
 use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
@@ -35,15 +39,16 @@ fn full_record(env_id: &str, run_id: &str) -> ChangeRecord {
 
 async fn source() -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect(REDIS_URL, tx)
-        .await
-        .expect("connect subscriber");
+    let source =
+        RedisChangeSource::connect(&standalone(REDIS_URL), tx, SubscriberSettings::default())
+            .await
+            .expect("connect subscriber");
     assert!(source.is_connected());
     (source, rx)
 }
 
 async fn publisher() -> Publisher {
-    Publisher::connect(REDIS_URL)
+    Publisher::connect(&standalone(REDIS_URL))
         .await
         .expect("connect publisher")
 }
@@ -139,10 +144,20 @@ async fn publish_returns_receiver_count() {
     let (source, _rx) = source().await;
     let env_id = env();
     let record = full_record(&env_id, "run_1");
-    assert_eq!(publish_once(REDIS_URL, &record).await.expect("publish"), 0);
+    assert_eq!(
+        publish_once(&standalone(REDIS_URL), &record)
+            .await
+            .expect("publish"),
+        0
+    );
     source.subscribe(&env_id);
     wait_confirmed(&source, &env_id, true).await;
-    assert_eq!(publish_once(REDIS_URL, &record).await.expect("publish"), 1);
+    assert_eq!(
+        publish_once(&standalone(REDIS_URL), &record)
+            .await
+            .expect("publish"),
+        1
+    );
 }
 
 /// NTF-14/15 on the wire: a bare string (and invalid JSON) published raw decodes as a partial
@@ -338,12 +353,13 @@ async fn unreachable_redis_does_not_hang() {
     let url = format!("redis://127.0.0.1:{}", free_port());
     let (tx, _rx) = mpsc::unbounded_channel();
     let started = Instant::now();
+    let options = standalone(&url);
     let (source, publisher) = tokio::join!(
         timeout(
             Duration::from_secs(15),
-            RedisChangeSource::connect(&url, tx)
+            RedisChangeSource::connect(&options, tx, SubscriberSettings::default())
         ),
-        timeout(Duration::from_secs(15), Publisher::connect(&url)),
+        timeout(Duration::from_secs(15), Publisher::connect(&options)),
     );
     let source = source
         .expect("connect returned")
@@ -374,9 +390,16 @@ async fn late_redis_is_connected_in_background() {
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}");
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let source = RedisChangeSource::connect_with_wait(&url, tx, Duration::from_millis(100))
-        .await
-        .expect("connect is Ok while Redis is down");
+    let source = RedisChangeSource::connect(
+        &standalone(&url),
+        tx,
+        SubscriberSettings {
+            initial_wait: Duration::from_millis(100),
+            ..SubscriberSettings::default()
+        },
+    )
+    .await
+    .expect("connect is Ok while Redis is down");
     let env_id = env();
     source.subscribe(&env_id);
 
@@ -398,7 +421,9 @@ async fn late_redis_is_connected_in_background() {
     );
     assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
     assert!(source.confirmed().contains(&env_id));
-    let publisher = Publisher::connect(&url).await.expect("publisher");
+    let publisher = Publisher::connect(&standalone(&url))
+        .await
+        .expect("publisher");
     let record = full_record(&env_id, "late");
     assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
     assert_eq!(

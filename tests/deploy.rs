@@ -1469,7 +1469,7 @@ fn dockerfile_checks_catch_a_bad_dockerfile() {
 #[test]
 fn readme_config_reference_is_current() {
     let readme = read("README.md");
-    if let Err(e) = check_reference_block(&readme, &runfeed::config::reference_markdown()) {
+    if let Err(e) = check_reference_block(&readme, &runfeed::cli::reference::reference_markdown()) {
         panic!("{e}");
     }
     let deploy = readme

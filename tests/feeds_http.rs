@@ -172,7 +172,7 @@ async fn snapshot_headers_for_each_feed_kind() {
     let srv = TestServer::start(1_500).await;
     let env = srv.env().await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
-    let now = runfeed::feeds::now_ms();
+    let now = runfeed::clock::now_ms();
     let older = srv
         .run(
             &env,
@@ -617,7 +617,7 @@ async fn tag_03_contains_all_requested_tags() {
 async fn tag_01_created_at_floor_excludes_older_runs() {
     let srv = TestServer::start(1_500).await;
     let env = srv.env().await;
-    let now = runfeed::feeds::now_ms();
+    let now = runfeed::clock::now_ms();
     let spec = |age_ms: i64| RunSpec {
         tags: Some(vec!["f".into()]),
         created_at_ms: Some(now - age_ms),
@@ -2175,7 +2175,7 @@ async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
 async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
     let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
     let env = srv.env().await;
-    let now = runfeed::feeds::now_ms();
+    let now = runfeed::clock::now_ms();
     let old = srv
         .run(
             &env,
@@ -2234,7 +2234,7 @@ async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
 async fn tag_08_list_feed_is_capped_newest_first() {
     let srv = TestServer::start_with(1_500, |c| c.feeds.max_list_results = 2).await;
     let env = srv.env().await;
-    let now = runfeed::feeds::now_ms();
+    let now = runfeed::clock::now_ms();
     let mut runs = Vec::new();
     for age in [30_000, 20_000, 10_000] {
         runs.push(

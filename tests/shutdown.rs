@@ -14,8 +14,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use runfeed::changes::publish::Publisher;
-use runfeed::changes::{ChangeRecord, RedisOptions};
+use runfeed::changes::ChangeRecord;
+use runfeed::redis::{Publisher, RedisOptions};
 use runfeed_dev::fixtures::{self, TestDb};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -290,7 +290,7 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
             cluster: false,
             sharded: false,
         };
-        let publisher = Publisher::connect_with(&options).await?;
+        let publisher = Publisher::connect(&options).await?;
         publisher
             .publish(&ChangeRecord {
                 v: 1,

@@ -1,13 +1,17 @@
-//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `config-reference`.
-//! (The demo workload is `runfeed-demo`, in the development crate `crates/runfeed-dev`.)
-//! `serve` is in [`crate::app`]; the others live here.
+//! The command line (clap): `serve`, `migrate`, `publish`, `token`, `config-reference`, and
+//! [`run`], which carries one out. `serve` loads the configuration here and hands it to
+//! [`crate::app::serve`]. (The demo workload is `runfeed-demo`, in the development crate
+//! `crates/runfeed-dev`.)
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::config::{Config, ConfigError};
+
 pub mod migrate;
 pub mod publish;
+pub mod reference;
 pub mod token;
 
 /// runfeed: trigger.dev realtime run feeds (Electric shape protocol) from Postgres + Redis.
@@ -75,4 +79,60 @@ pub struct ServeArgs {
     /// Hydrate from the primary and disable the replica-lag gate (reference `RUN_READS_FROM_PRIMARY`).
     #[arg(long)]
     pub run_reads_from_primary: bool,
+}
+
+impl ServeArgs {
+    /// The configuration `serve` runs with: built-in defaults ← `--config` file ← `RUNFEED_*`
+    /// environment ← these flags, validated.
+    ///
+    /// Errors: [`ConfigError`] (unreadable file, unknown key, invalid value).
+    pub fn load_config(self) -> Result<Config, ConfigError> {
+        let mut config = Config::load(self.config.as_deref())?;
+        if let Some(listen) = self.listen {
+            config.server.listen = listen;
+        }
+        if let Some(url) = self.database_url {
+            config.database.url = url;
+        }
+        if let Some(url) = self.replica_url {
+            config.database.replica_url = Some(url);
+        }
+        if let Some(url) = self.redis_url {
+            config.redis.url = url;
+        }
+        if self.run_reads_from_primary {
+            config.database.run_reads_from_primary = true;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// Carries out one command. `serve` returns after SIGINT/SIGTERM and a graceful drain.
+///
+/// Errors: whatever the command failed on, with context (printed by `main`).
+pub async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Serve(args) => {
+            let config = args.load_config()?;
+            crate::telemetry::init_logging_with(&config.telemetry.log_format);
+            crate::app::serve(config).await
+        }
+        Command::Migrate(args) => {
+            crate::telemetry::init_logging();
+            migrate::run(args).await
+        }
+        Command::Publish(args) => {
+            crate::telemetry::init_logging();
+            publish::run(args).await
+        }
+        Command::Token(args) => {
+            crate::telemetry::init_logging();
+            token::run(args).await
+        }
+        Command::ConfigReference => {
+            print!("{}", reference::reference_markdown());
+            Ok(())
+        }
+    }
 }

@@ -1,12 +1,13 @@
 //! `runfeed publish`: publishes one change record exactly as trigger.dev's webapp does
 //! (`PUBLISH realtime:env:{<envId>} <json>`, `SPUBLISH` on a cluster with sharded pub/sub,
-//! trigger-facts §5).
+//! docs/trigger-dev.md §5).
 
 use anyhow::Context;
 use clap::Args;
 
-use crate::changes::publish::Publisher;
-use crate::changes::{ChangeRecord, RedisOptions};
+use crate::changes::record::channel_name;
+use crate::changes::ChangeRecord;
+use crate::redis::{Publisher, RedisOptions};
 
 /// `runfeed publish --env ENV_ID --run RUN_ID [--tags a,b] [--batch BATCH_ID] [--updated-at-ms N]`.
 #[derive(Debug, Args, Clone)]
@@ -68,18 +69,16 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
         cluster: args.cluster,
         sharded: args.sharded,
     };
-    let publisher = Publisher::connect_with(&options)
+    let publisher = Publisher::connect(&options)
         .await
         .with_context(|| format!("connect to Redis at {}", args.redis.redis_url))?;
-    let receivers = publisher.publish(&record).await.with_context(|| {
-        format!(
-            "publish to {}",
-            crate::changes::record::channel_name(&record.env_id)
-        )
-    })?;
+    let receivers = publisher
+        .publish(&record)
+        .await
+        .with_context(|| format!("publish to {}", channel_name(&record.env_id)))?;
     eprintln!(
         "runfeed publish: {} <- {} ({receivers} receiver{})",
-        crate::changes::record::channel_name(&record.env_id),
+        channel_name(&record.env_id),
         record.encode(),
         if receivers == 1 { "" } else { "s" }
     );

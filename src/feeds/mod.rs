@@ -8,7 +8,6 @@
 
 pub mod cursors;
 pub mod diff;
-pub mod limit;
 pub mod sets;
 
 use std::sync::Arc;
@@ -17,7 +16,9 @@ use std::time::Duration;
 use moka::sync::Cache;
 use rand::Rng;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
+use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::body::{FragmentBody, Operation};
 use crate::protocol::cursor::{next_cursor, next_seq};
@@ -26,6 +27,7 @@ use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
 use crate::protocol::{ColumnSet, SerializedRow};
+use crate::redis::{CursorStats, CursorStore};
 use crate::router::{FeedFilter, Registration, ReplayCursor, Router};
 use crate::store::RunStore;
 use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
@@ -100,13 +102,13 @@ pub struct Feeds {
     handles: HandleKey,
     sets: Sets,
     conns: Cache<ConnKey, Arc<ConnState>>,
-    /// Set when the server drains: held polls answer at once (woken through `drained`).
-    draining: std::sync::atomic::AtomicBool,
-    drained: tokio::sync::Notify,
+    /// Cancelled when the server shuts down: held polls answer at once, new live polls are not
+    /// held.
+    shutdown: CancellationToken,
     /// Instruments (no-op unless [`Feeds::with_metrics`]).
     metrics: Arc<Metrics>,
     /// Fleet-shared replay cursors (None: per-instance only).
-    cursors: Option<cursors::CursorStore>,
+    cursors: Option<CursorStore>,
 }
 
 /// What a poll knows about the offset its client echoed.
@@ -138,8 +140,7 @@ impl Feeds {
             router,
             handles,
             conns,
-            draining: std::sync::atomic::AtomicBool::new(false),
-            drained: tokio::sync::Notify::new(),
+            shutdown: CancellationToken::new(),
             metrics: Metrics::noop(),
             cursors: None,
         }
@@ -147,7 +148,7 @@ impl Feeds {
 
     /// Shares replay cursors through `store`, so a poll landing on another instance replays its
     /// gap instead of re-reading the whole feed.
-    pub fn with_cursor_store(mut self, store: cursors::CursorStore) -> Feeds {
+    pub fn with_cursor_store(mut self, store: CursorStore) -> Feeds {
         self.cursors = Some(store);
         self
     }
@@ -167,7 +168,7 @@ impl Feeds {
     }
 
     /// The shared cursor store's counters (`None` when cursors are per-instance only).
-    pub fn cursor_store_stats(&self) -> Option<Arc<cursors::CursorStats>> {
+    pub fn cursor_store_stats(&self) -> Option<Arc<CursorStats>> {
         self.cursors.as_ref().map(|c| c.stats().clone())
     }
 
@@ -184,12 +185,12 @@ impl Feeds {
         reply
     }
 
-    /// Starts draining (graceful shutdown): every held live poll answers `up-to-date` now, and
-    /// live polls arriving from now on are answered at once (clients re-poll elsewhere).
-    pub fn drain(&self) {
-        self.draining
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        self.drained.notify_waiters();
+    /// Drains on `shutdown` (graceful shutdown): once it is cancelled every held live poll
+    /// answers `up-to-date` at once, and live polls arriving from then on are not held (clients
+    /// re-poll elsewhere).
+    pub fn with_shutdown(mut self, shutdown: CancellationToken) -> Feeds {
+        self.shutdown = shutdown;
+        self
     }
 
     /// The readers (resource lookups for the HTTP layer).
@@ -323,7 +324,8 @@ impl Feeds {
 
     fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
         if let Some(store) = &self.cursors {
-            store.set(&req.env_id, handle, offset, &state.cursor, &state.recent);
+            let value = cursors::encode(&state.cursor, &state.recent);
+            store.set(&req.env_id, handle, &offset.to_string(), value);
         }
         self.conns.insert(
             (req.env_id.clone(), handle.to_string(), offset),
@@ -345,7 +347,10 @@ impl Feeds {
         let (cursor, recent) = match (&state, &self.cursors) {
             (Some(state), _) => (Some(state.cursor), None),
             // Another instance answered the previous poll (or this one forgot it).
-            (None, Some(store)) => match store.get(&req.env_id, handle, offset).await {
+            (None, Some(store)) => match store
+                .get(&req.env_id, handle, &offset.to_string(), cursors::decode)
+                .await
+            {
                 Some((cursor, recent)) => (
                     Some(cursor),
                     Some(recent.into_iter().collect::<WorkingSet>()),
@@ -550,10 +555,9 @@ impl Feeds {
         target: &Target,
         offset: Offset,
     ) -> Result<FeedReply, FeedError> {
-        let drained = self.drained.notified();
+        let drained = self.shutdown.cancelled();
         tokio::pin!(drained);
-        drained.as_mut().enable();
-        let deadline = if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        let deadline = if self.shutdown.is_cancelled() {
             Instant::now()
         } else {
             Instant::now() + self.hold()
@@ -704,14 +708,6 @@ pub fn bucket(ms: i64, bucket_ms: u64) -> i64 {
         Ok(b) if b > 0 => ms - ms.rem_euclid(b),
         _ => ms,
     }
-}
-
-/// Wall-clock epoch milliseconds.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! (authentication, lookups, the limiter) is boxed: its state is freed when it completes
 //! instead of sizing the held future (issue 6; `future_sizes` below prints the sizes).
 
+pub mod admit;
 pub mod serve;
 
 use std::sync::Arc;
@@ -25,14 +26,15 @@ use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 use crate::auth::{
     batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
 };
-use crate::feeds::limit::Limiter;
-use crate::feeds::{now_ms, FeedError, FeedReply, FeedRequest, Feeds, Target};
+use crate::clock::now_ms;
+use crate::feeds::{FeedError, FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::body::FragmentBody;
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::ColumnSet;
 use crate::store::RunResource;
+use admit::Limiter;
 
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
 /// legacy `DEQUEUED → EXECUTING` rewrite (trigger-facts §3).

@@ -1,5 +1,5 @@
 //! The HTTP/1.1 accept loop: one tokio task per connection, with the per-connection bounds
-//! axum's own `serve` does not expose (issue 7, "Request limits").
+//! axum's own `serve` does not expose (README "Request limits").
 //!
 //! - **Slow clients (slowloris):** a request head must arrive complete within
 //!   `header_read_timeout` (hyper's `header_read_timeout`, measured from the first poll of an
@@ -11,12 +11,12 @@
 //! - **Memory per held feed:** HTTP/1 only (no HTTP/2 state per connection; runfeed sits
 //!   behind a load balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection
 //!   clone of the make-service machinery.
-//! - **Graceful shutdown:** when `shutdown` resolves the listener is closed at once, every
-//!   connection is told to finish its in-flight response and close (no reset), and the
-//!   returned future completes when all connections are gone — callers bound it with their
-//!   grace period.
+//! - **Graceful shutdown:** when the shutdown token is cancelled the listener is closed at once,
+//!   every connection is told to finish its in-flight response and close (no reset), and the
+//!   returned future completes when all connections are gone, or after the grace period, when
+//!   the remaining connections are cut off (a client that does not read its response cannot
+//!   hold the process).
 
-use std::future::Future;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -26,6 +26,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_io_timeout::TimeoutStream;
+use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
 /// Per-connection bounds of [`serve`] (`[server]` in the configuration).
@@ -39,6 +40,8 @@ pub struct ConnLimits {
     pub write_stall_timeout_ms: u64,
     /// Cap of hyper's read and write buffers per connection, bytes (hyper's minimum is 8 192).
     pub max_buf_bytes: usize,
+    /// After shutdown starts, connections still open this long are cut off, ms.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for ConnLimits {
@@ -47,17 +50,20 @@ impl Default for ConnLimits {
             header_read_timeout_ms: 10_000,
             write_stall_timeout_ms: 30_000,
             max_buf_bytes: 160 * 1024,
+            shutdown_grace_ms: 2_000,
         }
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then drains: see the module docs.
+/// Serves `app` on `listener` until `shutdown` is cancelled, then drains: see the module docs.
 /// Accept errors (e.g. `EMFILE` when out of file descriptors) are logged and retried after a
 /// short pause instead of ending the server.
-pub async fn serve<F>(listener: TcpListener, app: axum::Router, limits: ConnLimits, shutdown: F)
-where
-    F: Future<Output = ()> + Send,
-{
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ConnLimits,
+    shutdown: CancellationToken,
+) {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -74,11 +80,10 @@ where
         app.map_request(|req: http::Request<Incoming>| req.map(Body::new)),
     );
     let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            _ = &mut shutdown => break,
+            () = shutdown.cancelled() => break,
         };
         let stream = match accepted {
             Ok((stream, _peer)) => stream,
@@ -102,7 +107,14 @@ where
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    let grace = Duration::from_millis(limits.shutdown_grace_ms);
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        // The connection tasks end with the runtime, or when their clients close.
+        tracing::info!("shutdown grace period over; closing the remaining connections");
+    }
 }
 
 impl ConnLimits {
@@ -115,6 +127,7 @@ impl ConnLimits {
             header_read_timeout_ms: config.server.header_read_timeout_ms,
             write_stall_timeout_ms: config.server.write_stall_timeout_ms,
             max_buf_bytes: 4 * (config.server.max_url_bytes + config.server.max_header_bytes),
+            shutdown_grace_ms: config.server.shutdown_grace_ms,
         }
     }
 }

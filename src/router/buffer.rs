@@ -54,7 +54,7 @@ impl ReplayBuffer {
         cap: usize,
     ) -> Vec<Eviction> {
         let wall_ms =
-            crate::feeds::now_ms() - i64::try_from(now.elapsed().as_millis()).unwrap_or(0);
+            crate::clock::now_ms() - i64::try_from(now.elapsed().as_millis()).unwrap_or(0);
         let merged = match self.by_run.remove(&record.run_id) {
             Some(mut earlier) => {
                 self.by_seq.remove(&earlier.seq);

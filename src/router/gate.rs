@@ -136,7 +136,7 @@ impl Gate {
                 }
             }
         }
-        let now_ms = crate::feeds::now_ms();
+        let now_ms = crate::clock::now_ms();
         let lag = i64::try_from(self.estimate_ms() + self.cfg.margin_ms).unwrap_or(i64::MAX / 4);
         let elapsed = i64::try_from(arrived.elapsed().as_millis()).unwrap_or(0);
         let arrival_ms = now_ms - elapsed;
@@ -377,7 +377,7 @@ mod tests {
         );
         let record = ChangeRecord {
             run_id: "r".into(),
-            updated_at_ms: Some(crate::feeds::now_ms()),
+            updated_at_ms: Some(crate::clock::now_ms()),
             ..ChangeRecord::default()
         };
         let t0 = Instant::now();
@@ -388,7 +388,7 @@ mod tests {
         );
         // GATE-03: an old watermark does not wait.
         let old = ChangeRecord {
-            updated_at_ms: Some(crate::feeds::now_ms() - 5_000),
+            updated_at_ms: Some(crate::clock::now_ms() - 5_000),
             ..record
         };
         let t1 = Instant::now();

@@ -17,6 +17,7 @@
 //! - partial records are classified for batch feeds too (item 10).
 
 mod buffer;
+mod coalesce;
 mod filter;
 pub mod gate;
 
@@ -31,12 +32,12 @@ pub use buffer::{Buffered, Eviction, ReplayBuffer};
 pub use filter::FeedFilter;
 pub use gate::{Gate, GateOutcome};
 
-use crate::changes::coalesce::Coalescer;
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
 use crate::config::RouterConfig;
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, SerializedRow};
 use crate::store::RunStore;
+use coalesce::Coalescer;
 
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
@@ -166,7 +167,7 @@ impl EnvState {
             epoch: if self.active { self.epoch } else { 0 },
             seq: self.routed_through(),
             instance,
-            wall_ms: crate::feeds::now_ms(),
+            wall_ms: crate::clock::now_ms(),
         }
     }
 
@@ -364,7 +365,7 @@ impl Router {
                             // must not vouch for this one.
                             if state.generation == generation && !state.active {
                                 state.active = true;
-                                state.active_since_wall_ms = crate::feeds::now_ms();
+                                state.active_since_wall_ms = crate::clock::now_ms();
                             }
                         }
                     }
@@ -532,7 +533,7 @@ impl Inner {
             let slots: Vec<Arc<Slot>> = {
                 let mut state = lock(&env.state);
                 state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
-                state.active_since_wall_ms = crate::feeds::now_ms();
+                state.active_since_wall_ms = crate::clock::now_ms();
                 state.feeds.values().cloned().collect()
             };
             for slot in slots {
@@ -791,7 +792,7 @@ impl Inner {
         };
         let unsure =
             matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
-        let now_ms = crate::feeds::now_ms();
+        let now_ms = crate::clock::now_ms();
         let mut stale: HashMap<String, ChangeRecord> = HashMap::new();
         for record in records {
             let rows: Vec<Option<&SerializedRow>> = hydrated

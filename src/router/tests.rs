@@ -1833,7 +1833,7 @@ async fn better_3_missing_row_without_watermark_is_retried_when_the_gate_gave_up
 async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
     let (h, _replica) = gated(1_000, 0);
     let f = h.reg(run_feed("r1"), None).await;
-    let now = crate::feeds::now_ms();
+    let now = crate::clock::now_ms();
     h.store.put(RunRow {
         updated_at_ms: now - 10,
         ..row("r1", &[], None)

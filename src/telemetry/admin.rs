@@ -16,6 +16,8 @@ use axum::routing::get;
 use axum::Json;
 use serde_json::json;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 /// A readiness check: `Ok` when the dependency answers, `Err(reason)` otherwise.
 pub type Check =
@@ -34,8 +36,6 @@ struct AdminState {
 pub struct Admin {
     /// The bound address.
     pub addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -48,13 +48,15 @@ impl std::fmt::Debug for Admin {
 
 impl Admin {
     /// Binds `listen` and serves `registry` and the readiness `checks` (named, e.g.
-    /// `"postgres"`).
+    /// `"postgres"`) on a task of `tasks` until `shutdown` is cancelled.
     ///
     /// Errors: the address does not parse or is in use.
     pub async fn start(
         listen: &str,
         registry: prometheus::Registry,
         checks: Vec<(&'static str, Check)>,
+        shutdown: CancellationToken,
+        tasks: &TaskTracker,
     ) -> anyhow::Result<Admin> {
         let listener = TcpListener::bind(listen)
             .await
@@ -64,29 +66,14 @@ impl Admin {
             registry,
             checks: Arc::new(checks),
         });
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let served = axum::serve(listener, router).with_graceful_shutdown(async move {
-                let _ = rx.await;
-            });
+        tasks.spawn(async move {
+            let served = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { shutdown.cancelled().await });
             if let Err(err) = served.await {
                 tracing::error!(error = %err, "admin listener stopped with an error");
             }
         });
-        Ok(Admin {
-            addr,
-            shutdown: Some(tx),
-            task,
-        })
-    }
-
-    /// Stops serving and waits for the task.
-    pub async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.task).await;
-        self.task.abort();
+        Ok(Admin { addr })
     }
 }
 
@@ -163,10 +150,13 @@ mod tests {
 
     #[tokio::test]
     async fn readyz_reports_each_check() {
+        let (shutdown, tasks) = (CancellationToken::new(), TaskTracker::new());
         let admin = Admin::start(
             "127.0.0.1:0",
             prometheus::Registry::new(),
             vec![("postgres", check(true)), ("redis", check(false))],
+            shutdown.clone(),
+            &tasks,
         )
         .await
         .expect("admin");
@@ -194,6 +184,10 @@ mod tests {
             metrics.starts_with("HTTP/1.0 200") && metrics.contains("text/plain"),
             "{metrics}"
         );
-        admin.stop().await;
+        shutdown.cancel();
+        tasks.close();
+        tokio::time::timeout(std::time::Duration::from_secs(5), tasks.wait())
+            .await
+            .expect("the admin listener stops when the token is cancelled");
     }
 }

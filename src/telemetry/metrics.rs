@@ -9,25 +9,19 @@
 //! Two kinds of instruments:
 //! - **synchronous** ones, recorded through the methods of [`Metrics`] from small hooks in the
 //!   feeds, the run-set readers and the HTTP middleware;
-//! - **observable** ones, registered by [`Metrics::observe`]: callbacks that read counters the
-//!   code keeps anyway ([`crate::router::RouterStats`], [`crate::router::Gate`],
-//!   [`crate::store::PgStore`], the Redis source's [`crate::changes::source::SourceStats`]) at
-//!   collection time, so nothing is counted twice.
+//! - **observable** ones, declared in [`observed`] and registered through [`Metrics::observe`]
+//!   by the wiring (`app::observe`), whose callbacks read counters the code keeps anyway (router
+//!   stats, the gate, the Postgres store, the Redis source) at collection time, so nothing is
+//!   counted twice. This module imports nothing above it.
 //!
 //! Counters with a fixed label set are created with every label combination at zero, so their
 //! series exist (and `rate()` works) from the first scrape.
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider};
+use opentelemetry::metrics::{AsyncInstrument, Counter, Histogram, Meter, MeterProvider};
 use opentelemetry::KeyValue;
-
-use crate::changes::source::RedisChangeSource;
-use crate::feeds::limit::Limiter;
-use crate::feeds::Feeds;
-use crate::router::Router;
-use crate::store::PgStore;
 
 /// Meter (instrumentation scope) name: the `otel_scope_name` label of every series.
 pub const METER_NAME: &str = "runfeed";
@@ -345,7 +339,7 @@ impl Metrics {
         self.emitted_rows
             .record(u64::try_from(rows).unwrap_or(u64::MAX), &attrs);
         if let Some(newest) = newest_ms {
-            let lag = (crate::feeds::now_ms() - newest).max(0);
+            let lag = (crate::clock::now_ms() - newest).max(0);
             self.delivery_lag.record(lag as f64, &attrs);
         }
     }
@@ -428,341 +422,280 @@ impl Metrics {
             .add(bytes, &[KeyValue::new("route", route.to_string())]);
     }
 
-    /// Registers the observable instruments over `sources` (weak references: the callbacks
-    /// never keep the server alive). Call once per meter.
-    ///
-    /// | Instrument | Prometheus | Source |
-    /// |---|---|---|
-    /// | `runfeed.router.held_feeds` {feed}, `kind` | `runfeed_router_held_feeds` | [`Router::held_feeds`] |
-    /// | `runfeed.router.active_envs` | `runfeed_router_active_envs` | [`Router::active_envs`] (incl. lingering) |
-    /// | `runfeed.router.hydrates`, `result` = ok \| error | `runfeed_router_hydrates_total` | `RouterStats::hydrates`, `hydrate_errors` |
-    /// | `runfeed.router.hydrated_runs` | `runfeed_router_hydrated_runs_total` | `RouterStats::hydrated_rows` |
-    /// | `runfeed.router.deliveries` | `runfeed_router_deliveries_total` | `RouterStats::deliveries` (Σ feed × row) |
-    /// | `runfeed.router.distinct_runs` | `runfeed_router_distinct_runs_total` | `RouterStats::distinct_runs` (Σ column set × run) |
-    /// | `runfeed.router.replays`, `result` | `runfeed_router_replays_total` | `RouterStats::replays_*` |
-    /// | `runfeed.router.replay_evictions`, `reason` = window \| cap | `runfeed_router_replay_evictions_total` | `RouterStats::evictions_*` |
-    /// | `runfeed.router.stale_hydrates` {run}, `outcome` = recovered \| gave_up | `runfeed_router_stale_hydrates_total` | `RouterStats::stale_*` |
-    /// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` |
-    /// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
-    /// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
-    /// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's [`crate::changes::Publisher`]s |
-    /// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | [`crate::router::Gate::estimate_ms`] (only with a gate) |
-    /// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
-    /// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | [`crate::feeds::cursors::CursorStats`] (only with shared cursors) |
-    /// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | [`crate::feeds::limit::LimiterStats`] (429s) |
-    /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | [`Feeds::working_set_size`] |
-    /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | [`Feeds::admission_in_use`] |
-    /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | [`PgStore::query_count`] |
-    /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | [`PgStore::error_counts`] (process-wide) |
-    /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
-    /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
-    /// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
-    pub fn observe(&self, sources: Sources) {
-        let meter = &self.meter;
-        let Sources {
-            router,
-            feeds,
-            store,
-            source,
-            limiter,
-        } = sources;
-
-        let r = router.clone();
-        meter
-            .u64_observable_gauge("runfeed.router.held_feeds")
-            .with_unit("{feed}")
-            .with_description("Feeds held by a live poll now, by kind: the capacity unit")
-            .with_callback(move |o| {
-                let (run, tag, batch) = r.held_feeds();
-                for (kind, n) in [("run", run), ("tag", tag), ("batch", batch)] {
-                    o.observe(n as u64, &[kv("kind", kind)]);
-                }
-            })
-            .build();
-        let r = router.clone();
-        meter
-            .u64_observable_gauge("runfeed.router.active_envs")
-            .with_unit("{environment}")
-            .with_description("Environments routed now (including lingering ones)")
-            .with_callback(move |o| o.observe(r.active_envs() as u64, &[]))
-            .build();
-
-        let stat =
-            |name: &'static str, unit: &'static str, description: &'static str, read: ReadStats| {
-                let r = router.clone();
-                meter
-                    .u64_observable_counter(name)
-                    .with_unit(unit)
-                    .with_description(description)
-                    .with_callback(move |o| {
-                        for (value, attrs) in read(&r) {
-                            o.observe(value, &attrs);
-                        }
-                    })
+    /// Registers the observable instrument `spec`; `callback` reports its current value(s) at
+    /// every collection (`o.observe(value, &labels)`). The wiring attaches one callback per
+    /// instrument of [`observed`] (`app::observe`).
+    pub fn observe(
+        &self,
+        spec: &'static Observed,
+        callback: impl Fn(&dyn AsyncInstrument<u64>) + Send + Sync + 'static,
+    ) {
+        match spec.kind {
+            ObservedKind::Counter => {
+                self.meter
+                    .u64_observable_counter(spec.name)
+                    .with_unit(spec.unit)
+                    .with_description(spec.description)
+                    .with_callback(callback)
                     .build();
-            };
-        use std::sync::atomic::Ordering::Relaxed;
-        stat(
-            "runfeed.router.hydrates",
-            "{query}",
-            "Router hydrate queries (live and replay) by result",
-            |r| {
-                let s = r.stats();
-                let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
-                vec![
-                    (all.saturating_sub(errors), vec![kv("result", "ok")]),
-                    (errors, vec![kv("result", "error")]),
-                ]
-            },
-        );
-        stat(
-            "runfeed.router.hydrated_runs",
-            "{run}",
-            "Rows returned by router hydrates (live and replay)",
-            |r| vec![(r.stats().hydrated_rows.load(Relaxed), vec![])],
-        );
-        stat(
-            "runfeed.router.deliveries",
-            "{delivery}",
-            "Sum of (feed, row) deliveries per routed batch",
-            |r| vec![(r.stats().deliveries.load(Relaxed), vec![])],
-        );
-        stat("runfeed.router.distinct_runs", "{run}", "Sum of distinct (column set, run) per routed batch; deliveries / distinct_runs = fan-out", |r| {
-            vec![(r.stats().distinct_runs.load(Relaxed), vec![])]
-        });
-        stat(
-            "runfeed.router.replays",
-            "{replay}",
-            "Replays that hydrated: delivered rows or found nothing for the feed",
-            |r| {
-                let s = r.stats();
-                vec![
-                    (
-                        s.replays_delivered.load(Relaxed),
-                        vec![kv("result", "delivered")],
-                    ),
-                    (s.replays_empty.load(Relaxed), vec![kv("result", "empty")]),
-                ]
-            },
-        );
-        stat("runfeed.router.replay_evictions", "{record}", "Replay-buffer evictions: window (aged out) or cap (an env churns more runs than the buffer holds)", |r| {
-            let s = r.stats();
-            vec![
-                (s.evictions_window.load(Relaxed), vec![kv("reason", "window")]),
-                (s.evictions_cap.load(Relaxed), vec![kv("reason", "cap")]),
-            ]
-        });
-        stat("runfeed.router.stale_hydrates", "{run}", "Runs the stale tripwire withheld: recovered by a retry, or delivered stale after the retries (gave_up)", |r| {
-            let s = r.stats();
-            vec![
-                (s.stale_recovered.load(Relaxed), vec![kv("outcome", "recovered")]),
-                (s.stale_gave_up.load(Relaxed), vec![kv("outcome", "gave_up")]),
-            ]
-        });
-        stat("runfeed.notifier.batches_delivered", "{batch}", "Coalesced change-record batches handed to the router; messages_received / batches_delivered = coalesce ratio", |r| {
-            vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]
-        });
-
-        if let Some(gate) = router.gate() {
-            let g = Arc::downgrade(gate);
-            meter
-                .u64_observable_gauge("runfeed.replica.lag_estimate")
-                .with_unit("ms")
-                .with_description(
-                    "Current replica-lag estimate of the read-your-writes gate (clock rule)",
-                )
-                .with_callback(move |o| {
-                    if let Some(g) = g.upgrade() {
-                        o.observe(g.estimate_ms(), &[]);
-                    }
-                })
-                .build();
-            let g = Arc::downgrade(gate);
-            meter
-                .u64_observable_counter("runfeed.replica.gate_waits")
-                .with_unit("{wait}")
-                .with_description("Read-your-writes gate waits that actually waited for the replica, or gave up at max_delay_ms")
-                .with_callback(move |o| {
-                    if let Some(g) = g.upgrade() {
-                        o.observe(g.waited.load(Relaxed), &[kv("outcome", "waited")]);
-                        o.observe(g.gave_up.load(Relaxed), &[kv("outcome", "gave_up")]);
-                    }
-                })
-                .build();
+            }
+            ObservedKind::Gauge => {
+                self.meter
+                    .u64_observable_gauge(spec.name)
+                    .with_unit(spec.unit)
+                    .with_description(spec.description)
+                    .with_callback(callback)
+                    .build();
+            }
         }
-
-        let f = feeds.clone();
-        meter
-            .u64_observable_gauge("runfeed.feeds.working_set_size")
-            .with_unit("{entry}")
-            .with_description("Per-connection feed states kept (working sets and replay cursors), including expired but unswept")
-            .with_callback(move |o| {
-                if let Some(f) = f.upgrade() {
-                    o.observe(f.working_set_size(), &[]);
-                }
-            })
-            .build();
-        let f = feeds.clone();
-        meter
-            .u64_observable_counter("runfeed.feeds.cursor_store_ops")
-            .with_unit("{operation}")
-            .with_description("Fleet-shared replay cursor store (Redis) operations: get hit/miss/error, set ok/error; errors degrade instance hops into cold resolves")
-            .with_callback(move |o| {
-                let Some(stats) = f.upgrade().and_then(|f| f.cursor_store_stats()) else {
-                    return;
-                };
-                for (op, result, counter) in [
-                    ("get", "hit", &stats.get_hit),
-                    ("get", "miss", &stats.get_miss),
-                    ("get", "error", &stats.get_error),
-                    ("set", "ok", &stats.set_ok),
-                    ("set", "error", &stats.set_error),
-                ] {
-                    o.observe(counter.load(Relaxed), &[kv("op", op), kv("result", result)]);
-                }
-            })
-            .build();
-        let l = limiter.clone();
-        meter
-            .u64_observable_counter("runfeed.feeds.concurrency_rejections")
-            .with_unit("{request}")
-            .with_description(
-                "Live polls rejected with 429 by the per-environment concurrency limit",
-            )
-            .with_callback(move |o| {
-                if let Some(l) = l.upgrade() {
-                    o.observe(l.stats.rejections.load(Relaxed), &[]);
-                }
-            })
-            .build();
-        let f = feeds;
-        meter
-            .u64_observable_gauge("runfeed.runset.admission_in_use")
-            .with_unit("{permit}")
-            .with_description("Resolve admission permits held now")
-            .with_callback(move |o| {
-                if let Some(f) = f.upgrade() {
-                    o.observe(f.admission_in_use() as u64, &[]);
-                }
-            })
-            .build();
-
-        let s = store;
-        meter
-            .u64_observable_counter("runfeed.pg.queries")
-            .with_unit("{query}")
-            .with_description("Postgres queries issued")
-            .with_callback(move |o| {
-                if let Some(s) = s.upgrade() {
-                    o.observe(s.query_count(), &[]);
-                }
-            })
-            .build();
-        meter
-            .u64_observable_counter("runfeed.pg.errors")
-            .with_unit("{error}")
-            .with_description("Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide")
-            .with_callback(|o| {
-                for (kind, n) in PgStore::error_counts() {
-                    o.observe(n, &[kv("kind", kind)]);
-                }
-            })
-            .build();
-
-        let src = source.clone();
-        meter
-            .u64_observable_counter("runfeed.notifier.messages_received")
-            .with_unit("{message}")
-            .with_description("Raw change-record messages received from Redis, before coalescing")
-            .with_callback(move |o| {
-                if let Some(src) = src.upgrade() {
-                    o.observe(src.stats().received.load(Relaxed), &[]);
-                }
-            })
-            .build();
-        let src = source.clone();
-        meter
-            .u64_observable_gauge("runfeed.notifier.active_subscriptions")
-            .with_unit("{channel}")
-            .with_description(
-                "Environment channels Redis confirmed on the current subscriber connection",
-            )
-            .with_callback(move |o| {
-                if let Some(src) = src.upgrade() {
-                    o.observe(src.confirmed().len() as u64, &[]);
-                }
-            })
-            .build();
-        meter
-            .u64_observable_counter("runfeed.notifier.publishes")
-            .with_unit("{publish}")
-            .with_description("Change-record publishes by this process (tooling, demo) by result; errors make feeds fall back to backstops")
-            .with_callback(|o| {
-                let (ok, errors) = crate::changes::publish::publish_counts();
-                o.observe(ok, &[kv("result", "ok")]);
-                o.observe(errors, &[kv("result", "error")]);
-            })
-            .build();
-        let src = source.clone();
-        let l = limiter;
-        meter
-            .u64_observable_counter("runfeed.redis.errors")
-            .with_unit("{error}")
-            .with_description("Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone), limiter_fallback (concurrency admissions decided locally because Redis failed or was slow)")
-            .with_callback(move |o| {
-                if let Some(src) = src.upgrade() {
-                    let st = src.stats();
-                    o.observe(st.connection_errors.load(Relaxed), &[kv("kind", "connection")]);
-                    o.observe(st.command_errors.load(Relaxed), &[kv("kind", "command")]);
-                    o.observe(st.lagged.load(Relaxed), &[kv("kind", "lagged")]);
-                    o.observe(st.lost_subscriptions.load(Relaxed), &[kv("kind", "lost_subscription")]);
-                }
-                if let Some(l) = l.upgrade() {
-                    o.observe(l.stats.degraded.load(Relaxed), &[kv("kind", "limiter_fallback")]);
-                }
-            })
-            .build();
-        let src = source;
-        meter
-            .u64_observable_gauge("runfeed.redis.connected")
-            .with_unit("{connection}")
-            .with_description("Whether the Redis subscriber connection is up (1) or not (0)")
-            .with_callback(move |o| {
-                if let Some(src) = src.upgrade() {
-                    o.observe(u64::from(src.is_connected()), &[]);
-                }
-            })
-            .build();
-
-        meter
-            .u64_observable_gauge("runfeed.process.resident_memory")
-            .with_unit("By")
-            .with_description("Resident set size of this process (VmRSS)")
-            .with_callback(|o| {
-                if let Some(bytes) = resident_memory_bytes() {
-                    o.observe(bytes, &[]);
-                }
-            })
-            .build();
     }
 }
 
-/// Reads router counters as `(value, labels)` observations.
-type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
+/// Whether an observable instrument is a monotonic counter or a gauge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObservedKind {
+    /// Monotonic sum (Prometheus `_total`).
+    Counter,
+    /// Current value.
+    Gauge,
+}
 
-/// What the observable instruments read. Weak references: a stopped server's callbacks observe
-/// nothing.
-pub struct Sources {
-    /// The router (held feeds, active envs, `RouterStats`, the gate).
-    pub router: Router,
-    /// The feeds service (working-set size, admission, shared cursor store).
-    pub feeds: Weak<Feeds>,
-    /// The Postgres store (query count).
-    pub store: Weak<PgStore>,
-    /// The Redis change source (messages, subscriptions, errors, connection state).
-    pub source: Weak<RedisChangeSource>,
-    /// The live-poll concurrency limiter.
-    pub limiter: Weak<Limiter>,
+/// An instrument whose value is read at collection time, declared here once; the wiring
+/// (`app::observe`) attaches the callback that reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct Observed {
+    /// Instrument name (`runfeed.<area>.<name>`).
+    pub name: &'static str,
+    /// Counter or gauge.
+    pub kind: ObservedKind,
+    /// UCUM unit.
+    pub unit: &'static str,
+    /// Description (the Prometheus HELP text).
+    pub description: &'static str,
+}
+
+/// Every observable instrument, and what the wiring reads into it (`app::observe`).
+///
+/// | Instrument | Prometheus | Source |
+/// |---|---|---|
+/// | `runfeed.router.held_feeds` {feed}, `kind` | `runfeed_router_held_feeds` | `Router::held_feeds` |
+/// | `runfeed.router.active_envs` | `runfeed_router_active_envs` | `Router::active_envs` (incl. lingering) |
+/// | `runfeed.router.hydrates`, `result` = ok \| error | `runfeed_router_hydrates_total` | `RouterStats::hydrates`, `hydrate_errors` |
+/// | `runfeed.router.hydrated_runs` | `runfeed_router_hydrated_runs_total` | `RouterStats::hydrated_rows` |
+/// | `runfeed.router.deliveries` | `runfeed_router_deliveries_total` | `RouterStats::deliveries` (Σ feed × row) |
+/// | `runfeed.router.distinct_runs` | `runfeed_router_distinct_runs_total` | `RouterStats::distinct_runs` (Σ column set × run) |
+/// | `runfeed.router.replays`, `result` | `runfeed_router_replays_total` | `RouterStats::replays_*` |
+/// | `runfeed.router.replay_evictions`, `reason` = window \| cap | `runfeed_router_replay_evictions_total` | `RouterStats::evictions_*` |
+/// | `runfeed.router.stale_hydrates` {run}, `outcome` = recovered \| gave_up | `runfeed_router_stale_hydrates_total` | `RouterStats::stale_*` |
+/// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` |
+/// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
+/// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
+/// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's `crate::changes::Publisher`s |
+/// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | `crate::router::Gate::estimate_ms` (only with a gate) |
+/// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
+/// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | `crate::feeds::cursors::CursorStats` (only with shared cursors) |
+/// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `crate::feeds::limit::LimiterStats` (429s) |
+/// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
+/// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
+/// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |
+/// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
+/// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
+/// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
+/// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
+pub mod observed {
+    use super::{Observed, ObservedKind};
+
+    /// `runfeed.router.held_feeds` (gauge).
+    pub const ROUTER_HELD_FEEDS: Observed = Observed {
+        name: "runfeed.router.held_feeds",
+        kind: ObservedKind::Gauge,
+        unit: "{feed}",
+        description: "Feeds held by a live poll now, by kind: the capacity unit",
+    };
+
+    /// `runfeed.router.active_envs` (gauge).
+    pub const ROUTER_ACTIVE_ENVS: Observed = Observed {
+        name: "runfeed.router.active_envs",
+        kind: ObservedKind::Gauge,
+        unit: "{environment}",
+        description: "Environments routed now (including lingering ones)",
+    };
+
+    /// `runfeed.replica.lag_estimate` (gauge).
+    pub const REPLICA_LAG_ESTIMATE: Observed = Observed {
+        name: "runfeed.replica.lag_estimate",
+        kind: ObservedKind::Gauge,
+        unit: "ms",
+        description: "Current replica-lag estimate of the read-your-writes gate (clock rule)",
+    };
+
+    /// `runfeed.replica.gate_waits` (counter).
+    pub const REPLICA_GATE_WAITS: Observed = Observed {
+        name: "runfeed.replica.gate_waits",
+        kind: ObservedKind::Counter,
+        unit: "{wait}",
+        description: "Read-your-writes gate waits that actually waited for the replica, or gave up at max_delay_ms",
+    };
+
+    /// `runfeed.feeds.working_set_size` (gauge).
+    pub const FEEDS_WORKING_SET_SIZE: Observed = Observed {
+        name: "runfeed.feeds.working_set_size",
+        kind: ObservedKind::Gauge,
+        unit: "{entry}",
+        description: "Per-connection feed states kept (working sets and replay cursors), including expired but unswept",
+    };
+
+    /// `runfeed.feeds.cursor_store_ops` (counter).
+    pub const FEEDS_CURSOR_STORE_OPS: Observed = Observed {
+        name: "runfeed.feeds.cursor_store_ops",
+        kind: ObservedKind::Counter,
+        unit: "{operation}",
+        description: "Fleet-shared replay cursor store (Redis) operations: get hit/miss/error, set ok/error; errors degrade instance hops into cold resolves",
+    };
+
+    /// `runfeed.feeds.concurrency_rejections` (counter).
+    pub const FEEDS_CONCURRENCY_REJECTIONS: Observed = Observed {
+        name: "runfeed.feeds.concurrency_rejections",
+        kind: ObservedKind::Counter,
+        unit: "{request}",
+        description: "Live polls rejected with 429 by the per-environment concurrency limit",
+    };
+
+    /// `runfeed.runset.admission_in_use` (gauge).
+    pub const RUNSET_ADMISSION_IN_USE: Observed = Observed {
+        name: "runfeed.runset.admission_in_use",
+        kind: ObservedKind::Gauge,
+        unit: "{permit}",
+        description: "Resolve admission permits held now",
+    };
+
+    /// `runfeed.pg.queries` (counter).
+    pub const PG_QUERIES: Observed = Observed {
+        name: "runfeed.pg.queries",
+        kind: ObservedKind::Counter,
+        unit: "{query}",
+        description: "Postgres queries issued",
+    };
+
+    /// `runfeed.pg.errors` (counter).
+    pub const PG_ERRORS: Observed = Observed {
+        name: "runfeed.pg.errors",
+        kind: ObservedKind::Counter,
+        unit: "{error}",
+        description: "Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
+    };
+
+    /// `runfeed.notifier.messages_received` (counter).
+    pub const NOTIFIER_MESSAGES_RECEIVED: Observed = Observed {
+        name: "runfeed.notifier.messages_received",
+        kind: ObservedKind::Counter,
+        unit: "{message}",
+        description: "Raw change-record messages received from Redis, before coalescing",
+    };
+
+    /// `runfeed.notifier.active_subscriptions` (gauge).
+    pub const NOTIFIER_ACTIVE_SUBSCRIPTIONS: Observed = Observed {
+        name: "runfeed.notifier.active_subscriptions",
+        kind: ObservedKind::Gauge,
+        unit: "{channel}",
+        description: "Environment channels Redis confirmed on the current subscriber connection",
+    };
+
+    /// `runfeed.notifier.publishes` (counter).
+    pub const NOTIFIER_PUBLISHES: Observed = Observed {
+        name: "runfeed.notifier.publishes",
+        kind: ObservedKind::Counter,
+        unit: "{publish}",
+        description: "Change-record publishes by this process (tooling, demo) by result; errors make feeds fall back to backstops",
+    };
+
+    /// `runfeed.redis.errors` (counter).
+    pub const REDIS_ERRORS: Observed = Observed {
+        name: "runfeed.redis.errors",
+        kind: ObservedKind::Counter,
+        unit: "{error}",
+        description: "Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone), limiter_fallback (concurrency admissions decided locally because Redis failed or was slow)",
+    };
+
+    /// `runfeed.redis.connected` (gauge).
+    pub const REDIS_CONNECTED: Observed = Observed {
+        name: "runfeed.redis.connected",
+        kind: ObservedKind::Gauge,
+        unit: "{connection}",
+        description: "Whether the Redis subscriber connection is up (1) or not (0)",
+    };
+
+    /// `runfeed.process.resident_memory` (gauge).
+    pub const PROCESS_RESIDENT_MEMORY: Observed = Observed {
+        name: "runfeed.process.resident_memory",
+        kind: ObservedKind::Gauge,
+        unit: "By",
+        description: "Resident set size of this process (VmRSS)",
+    };
+
+    /// `runfeed.router.hydrates` (counter).
+    pub const ROUTER_HYDRATES: Observed = Observed {
+        name: "runfeed.router.hydrates",
+        kind: ObservedKind::Counter,
+        unit: "{query}",
+        description: "Router hydrate queries (live and replay) by result",
+    };
+
+    /// `runfeed.router.hydrated_runs` (counter).
+    pub const ROUTER_HYDRATED_RUNS: Observed = Observed {
+        name: "runfeed.router.hydrated_runs",
+        kind: ObservedKind::Counter,
+        unit: "{run}",
+        description: "Rows returned by router hydrates (live and replay)",
+    };
+
+    /// `runfeed.router.deliveries` (counter).
+    pub const ROUTER_DELIVERIES: Observed = Observed {
+        name: "runfeed.router.deliveries",
+        kind: ObservedKind::Counter,
+        unit: "{delivery}",
+        description: "Sum of (feed, row) deliveries per routed batch",
+    };
+
+    /// `runfeed.router.distinct_runs` (counter).
+    pub const ROUTER_DISTINCT_RUNS: Observed = Observed {
+        name: "runfeed.router.distinct_runs",
+        kind: ObservedKind::Counter,
+        unit: "{run}",
+        description: "Sum of distinct (column set, run) per routed batch; deliveries / distinct_runs = fan-out",
+    };
+
+    /// `runfeed.router.replays` (counter).
+    pub const ROUTER_REPLAYS: Observed = Observed {
+        name: "runfeed.router.replays",
+        kind: ObservedKind::Counter,
+        unit: "{replay}",
+        description: "Replays that hydrated: delivered rows or found nothing for the feed",
+    };
+
+    /// `runfeed.router.replay_evictions` (counter).
+    pub const ROUTER_REPLAY_EVICTIONS: Observed = Observed {
+        name: "runfeed.router.replay_evictions",
+        kind: ObservedKind::Counter,
+        unit: "{record}",
+        description: "Replay-buffer evictions: window (aged out) or cap (an env churns more runs than the buffer holds)",
+    };
+
+    /// `runfeed.router.stale_hydrates` (counter).
+    pub const ROUTER_STALE_HYDRATES: Observed = Observed {
+        name: "runfeed.router.stale_hydrates",
+        kind: ObservedKind::Counter,
+        unit: "{run}",
+        description: "Runs the stale tripwire withheld: recovered by a retry, or delivered stale after the retries (gave_up)",
+    };
+
+    /// `runfeed.notifier.batches_delivered` (counter).
+    pub const NOTIFIER_BATCHES_DELIVERED: Observed = Observed {
+        name: "runfeed.notifier.batches_delivered",
+        kind: ObservedKind::Counter,
+        unit: "{batch}",
+        description: "Coalesced change-record batches handed to the router; messages_received / batches_delivered = coalesce ratio",
+    };
 }
 
 /// Counts an `abort` wakeup when dropped unfinished (see [`Metrics::live_guard`]).

@@ -197,7 +197,7 @@ mod tests {
         m.emitted(
             metrics::DeliveryPath::Notify,
             2,
-            Some(crate::feeds::now_ms()),
+            Some(crate::clock::now_ms()),
         );
         m.http_bytes("/x", 10);
         let text = encode_prometheus(t.registry()).expect("encode");

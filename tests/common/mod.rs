@@ -16,8 +16,9 @@ use fred::interfaces::{ClientLike, PubsubInterface};
 use reqwest::header::HeaderMap;
 use runfeed::app::{self, Running};
 use runfeed::auth::mint_public_token;
-use runfeed::changes::{channel_name, ChangeRecord, Publisher};
+use runfeed::changes::{channel_name, ChangeRecord};
 use runfeed::config::Config;
+use runfeed::redis::{Publisher, RedisOptions};
 use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate, TestDb};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -296,9 +297,13 @@ impl TestServer {
             .no_proxy()
             .build()
             .expect("reqwest client");
-        let publisher = within(WAIT, "connect publisher", Publisher::connect(REDIS_URL))
-            .await
-            .expect("connect publisher");
+        let publisher = within(
+            WAIT,
+            "connect publisher",
+            Publisher::connect(&RedisOptions::standalone(REDIS_URL)),
+        )
+        .await
+        .expect("connect publisher");
         let redis = fred::types::Builder::from_config(
             fred::types::config::Config::from_url(REDIS_URL).expect("redis url"),
         )

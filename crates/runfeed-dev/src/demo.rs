@@ -22,8 +22,9 @@ use serde_json::json;
 use sqlx::{PgPool, Row};
 
 use crate::fixtures::{self, DemoEnv, RunSpec, RunUpdate, Stamp};
-use runfeed::changes::publish::Publisher;
 use runfeed::changes::ChangeRecord;
+use runfeed::clock::now_ms;
+use runfeed::redis::{Publisher, RedisOptions};
 
 /// Project slug that identifies the demo environment's project.
 pub const DEMO_PROJECT_SLUG: &str = "runfeed-demo";
@@ -140,11 +141,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn connect_publisher(redis_url: &str) -> anyhow::Result<Publisher> {
-    tokio::time::timeout(Duration::from_secs(5), Publisher::connect(redis_url))
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out"))
-        .and_then(|r| r.map_err(anyhow::Error::from))
-        .with_context(|| format!("connect to Redis at {redis_url}"))
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        Publisher::connect(&RedisOptions::standalone(redis_url)),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("timed out"))
+    .and_then(|r| r.map_err(anyhow::Error::from))
+    .with_context(|| format!("connect to Redis at {redis_url}"))
 }
 
 fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
@@ -311,10 +315,6 @@ async fn free_slug(pool: &PgPool, table: &'static str, base: &str) -> anyhow::Re
     } else {
         Ok(base.to_string())
     }
-}
-
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
 }
 
 fn tags(list: &[&str]) -> Option<Vec<String>> {

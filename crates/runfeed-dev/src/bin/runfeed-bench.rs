@@ -21,7 +21,8 @@ use clap::{Args, Parser, Subcommand};
 use futures::stream::{self, StreamExt};
 use rand::Rng;
 use runfeed::auth::mint_public_token;
-use runfeed::changes::{ChangeRecord, Publisher};
+use runfeed::changes::ChangeRecord;
+use runfeed::redis::{Publisher, RedisOptions};
 use runfeed_dev::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
 use serde_json::{json, Value};
 use sqlx::postgres::PgPoolOptions;
@@ -256,7 +257,7 @@ impl Bench {
             .connect(&c.database_url)
             .await
             .context("connect to --database-url")?;
-        let publisher = Publisher::connect(&c.redis_url)
+        let publisher = Publisher::connect(&RedisOptions::standalone(&c.redis_url))
             .await
             .map_err(|e| anyhow::anyhow!("connect to --redis-url: {e}"))?;
         let clients = (0..c.source_addrs.max(1))

@@ -1,4 +1,11 @@
-//! Wiring: configuration → store, change source, router, feeds → HTTP server.
+//! Wiring: configuration → Postgres store, Redis, router, feeds, HTTP server, admin listener,
+//! metrics. The one place that knows every part; nothing below imports it.
+//!
+//! Shutdown is one [`CancellationToken`] passed down to whatever must react (the accept loop, the
+//! held polls, the admin listener) and one [`TaskTracker`] holding the tasks it stops;
+//! [`Running::stop`] cancels and awaits them in one place.
+
+pub mod observe;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -7,21 +14,20 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::auth::Authenticator;
-use crate::changes::source::RedisChangeSource;
 use crate::changes::ChangeSource;
-use crate::cli::ServeArgs;
 use crate::config::Config;
-use crate::feeds::cursors::CursorStore;
-use crate::feeds::limit::Limiter;
 use crate::feeds::Feeds;
+use crate::http::admit::Limiter;
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
+use crate::redis::{Redis, RedisChangeSource, RedisOptions, SubscriberSettings};
 use crate::router::{Gate, Router};
 use crate::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
 use crate::telemetry::admin::{Admin, Check};
-use crate::telemetry::metrics::Sources;
 use crate::telemetry::Telemetry;
 
 /// A running server (tests start it in-process on port 0).
@@ -35,21 +41,17 @@ pub struct Running {
     pub admin_addr: Option<SocketAddr>,
     /// The metrics pipeline (instruments and the Prometheus registry).
     pub telemetry: Arc<Telemetry>,
-    admin: Option<Admin>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
 }
 
 impl Running {
-    /// Stops accepting, gives in-flight polls the grace period, and waits for the server task.
-    pub async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        let _ = (&mut self.task).await;
-        if let Some(admin) = self.admin.take() {
-            admin.stop().await;
-        }
+    /// Stops accepting, answers held polls at once, gives in-flight responses the grace period
+    /// (`server.shutdown_grace_ms`), and waits for the server and admin tasks.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
         // Final OTLP export, if this was the last handle on the pipeline.
         if let Ok(telemetry) = Arc::try_unwrap(self.telemetry) {
             telemetry.shutdown().await;
@@ -58,7 +60,8 @@ impl Running {
 }
 
 /// Builds everything from `config` and starts serving on `config.server.listen`.
-/// Errors: an unparsable database URL, Redis unreachable at start, the address in use.
+///
+/// Errors: an unparsable database URL, a Redis configuration fred refuses, the address in use.
 pub async fn start(config: Config) -> anyhow::Result<Running> {
     let db = &config.database;
     let store = Arc::new(
@@ -72,9 +75,11 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         .context("database configuration")?,
     );
     let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
+    let redis = Redis::connect(RedisOptions::from(&config.redis)).context("redis")?;
     let (tx, rx) = mpsc::unbounded_channel();
     let redis_source = Arc::new(
-        RedisChangeSource::connect_with(&(&config.redis).into(), tx)
+        redis
+            .change_source(tx, SubscriberSettings::default())
             .await
             .context("connecting the Redis change source")?,
     );
@@ -104,7 +109,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             HandleKey::random()
         }
     };
-    let kv = kv_client(&(&config.redis).into()).context("building the key/value Redis client")?;
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
     let mut feeds = Feeds::new(
         config.feeds.clone(),
         &config.caches,
@@ -112,12 +118,10 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         router.clone(),
         handles,
     )
-    .with_metrics(telemetry.metrics().clone());
+    .with_metrics(telemetry.metrics().clone())
+    .with_shutdown(shutdown.clone());
     if config.router.shared_replay_cursors {
-        feeds = feeds.with_cursor_store(CursorStore::new(
-            kv.clone(),
-            config.caches.working_set_ttl_ms,
-        ));
+        feeds = feeds.with_cursor_store(redis.cursor_store(config.caches.working_set_ttl_ms));
     }
     let feeds = Arc::new(feeds);
     let auth = Arc::new(Authenticator::with_found_env_ttl(
@@ -126,7 +130,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         Duration::from_millis(config.caches.public_token_env_ttl_ms),
     ));
     let limiter = Arc::new(Limiter::new(
-        Some(kv),
+        Some(redis.concurrency()),
         config.feeds.default_concurrency_limit,
         config
             .feeds
@@ -142,62 +146,50 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms,
         limits: crate::http::RequestLimits::of(&config),
     };
-    telemetry.metrics().observe(Sources {
-        router: router.clone(),
-        feeds: Arc::downgrade(&feeds),
-        store: Arc::downgrade(&store),
-        source: Arc::downgrade(&redis_source),
-        limiter: Arc::downgrade(&state.limiter),
-    });
-    let admin = match config.telemetry.admin_listen.as_str() {
+    observe::register(
+        telemetry.metrics(),
+        observe::Sources {
+            router: router.clone(),
+            feeds: Arc::downgrade(&feeds),
+            store: Arc::downgrade(&store),
+            source: Arc::downgrade(&redis_source),
+            limiter: Arc::downgrade(&state.limiter),
+        },
+    );
+    let admin_addr = match config.telemetry.admin_listen.as_str() {
         "" => None,
         listen => Some(
             Admin::start(
                 listen,
                 telemetry.registry().clone(),
                 readiness_checks(&store, &redis_source),
+                shutdown.clone(),
+                &tasks,
             )
-            .await?,
+            .await?
+            .addr,
         ),
     };
-    let admin_addr = admin.as_ref().map(|a| a.addr);
     let listener = TcpListener::bind(&config.server.listen)
         .await
         .with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
-    let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone());
     let limits = crate::http::serve::ConnLimits::of(&config);
-    let task = tokio::spawn(async move {
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let server = crate::http::serve::serve(listener, service, limits, async move {
-            let _ = shutdown_rx.await;
-            // Held polls answer up-to-date at once; connections then finish their in-flight
-            // responses and close.
-            feeds.drain();
-            let _ = stop_tx.send(true);
-        });
-        let mut stop_rx = stop_rx;
-        tokio::select! {
-            () = server => {}
-            _ = async {
-                // A response a client does not read would keep the drain waiting: cut the
-                // remaining connections off after the grace period (clients retry).
-                let _ = stop_rx.wait_for(|stopped| *stopped).await;
-                tokio::time::sleep(grace).await;
-            } => tracing::info!("shutdown grace period over; closing the remaining connections"),
-        }
-    });
+    tasks.spawn(crate::http::serve::serve(
+        listener,
+        service,
+        limits,
+        shutdown.clone(),
+    ));
     Ok(Running {
         addr,
         router,
         store,
         admin_addr,
         telemetry,
-        admin,
-        shutdown: Some(shutdown_tx),
-        task,
+        shutdown,
+        tasks,
     })
 }
 
@@ -230,42 +222,10 @@ fn readiness_checks(
     vec![("postgres", postgres), ("redis", redis)]
 }
 
-/// A Redis client for small key/value work (limiter, shared cursors): connects in the
-/// background and keeps reconnecting; callers bound every command with their own deadline.
-fn kv_client(options: &crate::changes::RedisOptions) -> anyhow::Result<fred::clients::Client> {
-    use fred::interfaces::ClientLike;
-    let mut config = options.fred_config().map_err(|e| anyhow::anyhow!(e))?;
-    config.fail_fast = false;
-    let client = fred::types::Builder::from_config(config)
-        .set_policy(fred::prelude::ReconnectPolicy::new_exponential(
-            0, 100, 2_000, 2,
-        ))
-        .with_connection_config(|conn| conn.max_command_attempts = 1)
-        .build()?;
-    let _connection = client.connect();
-    Ok(client)
-}
-
-/// `runfeed serve`: loads the configuration (file ← env ← flags), serves until SIGINT/SIGTERM.
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut config = Config::load(args.config.as_deref())?;
-    if let Some(listen) = args.listen {
-        config.server.listen = listen;
-    }
-    if let Some(url) = args.database_url {
-        config.database.url = url;
-    }
-    if let Some(url) = args.replica_url {
-        config.database.replica_url = Some(url);
-    }
-    if let Some(url) = args.redis_url {
-        config.redis.url = url;
-    }
-    if args.run_reads_from_primary {
-        config.database.run_reads_from_primary = true;
-    }
-    config.validate()?;
-    crate::telemetry::init_logging_with(&config.telemetry.log_format);
+/// `runfeed serve`: serves `config` until SIGINT/SIGTERM, then drains gracefully.
+///
+/// Errors: as [`start`].
+pub async fn serve(config: Config) -> anyhow::Result<()> {
     let running = start(config).await?;
     if let Some(admin) = running.admin_addr {
         tracing::info!("admin listening on http://{admin} (/metrics, /healthz, /readyz)");
@@ -279,6 +239,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Resolves on SIGINT or SIGTERM.
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -8,9 +8,9 @@ use std::time::Duration;
 use fred::prelude::*;
 use fred::types::ConnectHandle;
 
-use super::conn::{self, RedisOptions};
-use super::record::channel_name;
-use super::ChangeRecord;
+use super::{close, close_in_background, redact, RedisError, RedisOptions};
+use crate::changes::record::channel_name;
+use crate::changes::ChangeRecord;
 
 /// How long [`Publisher::connect`] waits for the connection.
 pub const CONNECT_WAIT: Duration = Duration::from_secs(5);
@@ -31,17 +31,6 @@ pub fn publish_counts() -> (u64, u64) {
     )
 }
 
-/// Publishing failed.
-#[derive(Debug, thiserror::Error)]
-#[error("publish: {0}")]
-pub struct PublishError(pub String);
-
-impl From<Error> for PublishError {
-    fn from(e: Error) -> Self {
-        PublishError(e.to_string())
-    }
-}
-
 /// A publisher connection (fred client; a cluster client in cluster mode).
 ///
 /// Reconnects forever in the background once connected; a command in flight when the
@@ -59,22 +48,14 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    /// Connects to `redis_url`, waiting at most [`CONNECT_WAIT`].
-    ///
-    /// # Errors
-    /// [`PublishError`] for an invalid URL, a refused configuration, or no connection within
-    /// [`CONNECT_WAIT`].
-    pub async fn connect(redis_url: &str) -> Result<Publisher, PublishError> {
-        Publisher::connect_with(&RedisOptions::standalone(redis_url)).await
-    }
-
     /// Connects as `options` say (a single server, or a cluster; `SPUBLISH` when sharded, see
     /// [`RedisOptions`]), waiting at most [`CONNECT_WAIT`] (in a cluster: for every primary).
     ///
     /// # Errors
-    /// As [`Publisher::connect`], and a URL that does not fit `options.cluster`.
-    pub async fn connect_with(options: &RedisOptions) -> Result<Publisher, PublishError> {
-        let mut config = options.fred_config().map_err(PublishError)?;
+    /// [`RedisError`] for an invalid URL or one that does not fit `options.cluster`, a refused
+    /// configuration, or no connection within [`CONNECT_WAIT`].
+    pub async fn connect(options: &RedisOptions) -> Result<Publisher, RedisError> {
+        let mut config = options.fred_config().map_err(RedisError::Config)?;
         config.fail_fast = false;
         let client = Builder::from_config(config)
             .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
@@ -82,7 +63,8 @@ impl Publisher {
                 conn.max_command_attempts = if options.cluster { 2 } else { 1 };
             })
             .with_performance_config(|perf| perf.default_command_timeout = PUBLISH_TIMEOUT)
-            .build()?;
+            .build()
+            .map_err(|e| RedisError::Config(e.to_string()))?;
         let connection = client.connect();
         let error = match tokio::time::timeout(CONNECT_WAIT, client.wait_for_connect()).await {
             Ok(Ok(())) => {
@@ -92,10 +74,14 @@ impl Publisher {
                     connection: Some(connection),
                 });
             }
-            Ok(Err(e)) => e.into(),
-            Err(_) => PublishError(format!("not connected after {CONNECT_WAIT:?}")),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("not connected after {CONNECT_WAIT:?}"),
         };
-        conn::close(&client, connection).await;
+        close(&client, connection).await;
+        let error = RedisError::Connect {
+            url: redact(&options.url),
+            reason: error,
+        };
         Err(error)
     }
 
@@ -107,9 +93,9 @@ impl Publisher {
     /// (so `v` is stamped `1`).
     ///
     /// # Errors
-    /// [`PublishError`] when Redis rejects the command, the connection is down, or no reply
+    /// [`RedisError`] when Redis rejects the command, the connection is down, or no reply
     /// arrives within [`PUBLISH_TIMEOUT`].
-    pub async fn publish(&self, record: &ChangeRecord) -> Result<u64, PublishError> {
+    pub async fn publish(&self, record: &ChangeRecord) -> Result<u64, RedisError> {
         self.publish_raw(&record.env_id, record.encode()).await
     }
 
@@ -122,7 +108,7 @@ impl Publisher {
         &self,
         env_id: &str,
         payload: impl Into<String>,
-    ) -> Result<u64, PublishError> {
+    ) -> Result<u64, RedisError> {
         let channel = channel_name(env_id);
         let result: Result<i64, Error> = if self.sharded {
             self.client.spublish(channel, payload.into()).await
@@ -135,7 +121,11 @@ impl Publisher {
             &PUBLISH_ERRORS
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        Ok(u64::try_from(result?).unwrap_or(0))
+        let receivers = result.map_err(|source| RedisError::Command {
+            op: "publish",
+            source,
+        })?;
+        Ok(u64::try_from(receivers).unwrap_or(0))
     }
 
     /// Whether this publisher sends `SPUBLISH` (cluster + sharded).
@@ -146,7 +136,7 @@ impl Publisher {
     /// Closes the connection (bounded `QUIT`, errors ignored).
     pub async fn close(mut self) {
         if let Some(connection) = self.connection.take() {
-            conn::close(&self.client, connection).await;
+            close(&self.client, connection).await;
         }
     }
 }
@@ -154,7 +144,7 @@ impl Publisher {
 impl Drop for Publisher {
     fn drop(&mut self) {
         if let Some(connection) = self.connection.take() {
-            conn::close_in_background(self.client.clone(), connection);
+            close_in_background(self.client.clone(), connection);
         }
     }
 }
@@ -164,19 +154,11 @@ impl Drop for Publisher {
 ///
 /// # Errors
 /// As [`Publisher::connect`] and [`Publisher::publish`].
-pub async fn publish_once(redis_url: &str, record: &ChangeRecord) -> Result<u64, PublishError> {
-    publish_once_with(&RedisOptions::standalone(redis_url), record).await
-}
-
-/// [`publish_once`] as `options` say (see [`Publisher::connect_with`]).
-///
-/// # Errors
-/// As [`Publisher::connect_with`] and [`Publisher::publish`].
-pub async fn publish_once_with(
+pub async fn publish_once(
     options: &RedisOptions,
     record: &ChangeRecord,
-) -> Result<u64, PublishError> {
-    let publisher = Publisher::connect_with(options).await?;
+) -> Result<u64, RedisError> {
+    let publisher = Publisher::connect(options).await?;
     let result = publisher.publish(record).await;
     publisher.close().await;
     result

@@ -1,9 +1,103 @@
-//! fred connection plumbing shared by the subscriber source and the publisher.
+//! All of runfeed's Redis I/O, behind one type that hides the topology.
+//!
+//! [`Redis`] is one Redis deployment as [`RedisOptions`] (the `[redis]` section) describe it: a
+//! single server, or a Cluster with classic or sharded pub/sub. [`Redis::connect`] builds the
+//! key/value client; everything else is made from it:
+//!
+//! - [`subscribe`]: the change source (one subscriber connection per node, `SUBSCRIBE` or
+//!   `SSUBSCRIBE` to `realtime:env:{<envId>}`, reconcile after reconnects), with [`slots`]
+//!   tracking which Cluster node owns each channel;
+//! - [`publish`]: publishing change records the way trigger.dev's webapp does;
+//! - [`limit`]: the per-environment live-poll concurrency script (trigger.dev-compatible keys);
+//! - [`cursors`]: fleet-shared replay cursors (pipelined writes, reads with a deadline).
+//!
+//! Nothing outside this module speaks to Redis.
+
+pub mod cursors;
+pub mod limit;
+pub mod publish;
+mod slots;
+pub mod subscribe;
 
 use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::ConnectHandle;
+
+pub use cursors::{CursorStats, CursorStore};
+pub use limit::ConcurrencyScript;
+pub use publish::{publish_counts, publish_once, Publisher};
+pub use subscribe::{RedisChangeSource, SourceStats, SubscriberSettings};
+
+/// A Redis failure, with what it was doing.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisError {
+    /// The URL or options do not describe a supported deployment.
+    #[error("redis configuration: {0}")]
+    Config(String),
+    /// Connecting failed (or did not succeed in time).
+    #[error("redis connect to {url}: {reason}")]
+    Connect { url: String, reason: String },
+    /// A command failed.
+    #[error("redis {op}: {source}")]
+    Command {
+        op: &'static str,
+        #[source]
+        source: fred::error::Error,
+    },
+}
+
+/// One Redis deployment: the key/value client (limiter, shared cursors) plus what it takes to
+/// open subscriber and publisher connections of the same topology. Cheap to clone.
+#[derive(Clone)]
+pub struct Redis {
+    options: RedisOptions,
+    kv: Client,
+}
+
+impl Redis {
+    /// Builds the key/value client as `options` say. It connects in the background and keeps
+    /// reconnecting; callers bound every command with their own deadline.
+    ///
+    /// Errors: [`RedisError::Config`] for a URL that does not fit `options.cluster`.
+    pub fn connect(options: RedisOptions) -> Result<Redis, RedisError> {
+        let mut config = options.fred_config().map_err(RedisError::Config)?;
+        config.fail_fast = false;
+        let kv = Builder::from_config(config)
+            .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
+            .with_connection_config(|conn| conn.max_command_attempts = 1)
+            .build()
+            .map_err(|e| RedisError::Config(e.to_string()))?;
+        let _connection = kv.connect();
+        Ok(Redis { options, kv })
+    }
+
+    /// How this deployment is reached.
+    pub fn options(&self) -> &RedisOptions {
+        &self.options
+    }
+
+    /// The change source on this deployment (see [`RedisChangeSource`]).
+    ///
+    /// Errors: as [`RedisChangeSource::connect`].
+    pub async fn change_source(
+        &self,
+        tx: tokio::sync::mpsc::UnboundedSender<crate::changes::SourceEvent>,
+        settings: SubscriberSettings,
+    ) -> Result<RedisChangeSource, RedisError> {
+        RedisChangeSource::connect(&self.options, tx, settings).await
+    }
+
+    /// The fleet-shared replay cursor store; entries live `ttl_ms`.
+    pub fn cursor_store(&self, ttl_ms: u64) -> CursorStore {
+        CursorStore::new(self.kv.clone(), ttl_ms)
+    }
+
+    /// The live-poll concurrency script on the key/value client.
+    pub fn concurrency(&self) -> ConcurrencyScript {
+        ConcurrencyScript::new(self.kv.clone())
+    }
+}
 
 /// How long a `QUIT` may take when closing a connected client.
 const QUIT_WAIT: Duration = Duration::from_secs(1);
@@ -11,7 +105,7 @@ const QUIT_WAIT: Duration = Duration::from_secs(1);
 /// Closes `client` for good: a bounded `QUIT` when connected, then aborts the connection task
 /// (which otherwise keeps reconnecting forever, and whose `QUIT` never answers while it is
 /// disconnected).
-pub(super) async fn close<C: ClientLike>(client: &C, connection: ConnectHandle) {
+pub(crate) async fn close<C: ClientLike>(client: &C, connection: ConnectHandle) {
     if client.is_connected() {
         let _ = tokio::time::timeout(QUIT_WAIT, client.quit()).await;
     }
@@ -20,7 +114,7 @@ pub(super) async fn close<C: ClientLike>(client: &C, connection: ConnectHandle) 
 
 /// Closes `client` from a `Drop`: spawns [`close`] if a tokio runtime is around, else just
 /// aborts the connection task.
-pub(super) fn close_in_background<C: ClientLike + Send + 'static>(
+pub(crate) fn close_in_background<C: ClientLike + Send + 'static>(
     client: C,
     connection: ConnectHandle,
 ) {
@@ -111,7 +205,7 @@ impl RedisOptions {
     }
 
     /// The first seed host (used for `CLUSTER SLOTS` entries that leave the host out).
-    pub(super) fn seed_host(config: &Config) -> String {
+    pub(crate) fn seed_host(config: &Config) -> String {
         match &config.server {
             ServerConfig::Clustered { hosts, .. } => hosts
                 .first()
@@ -173,7 +267,7 @@ fn cluster_url(url: &str) -> Result<String, String> {
 }
 
 /// The URL without credentials, for logs and errors.
-pub(super) fn redact(url: &str) -> String {
+pub(crate) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             format!("{}://***@{}", &url[..scheme], &url[at + 1..])

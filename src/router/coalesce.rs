@@ -84,11 +84,6 @@ impl Coalescer {
         }
     }
 
-    /// The coalescing window (`0` = none).
-    pub fn window(&self) -> Duration {
-        self.window
-    }
-
     /// Adds one record of `env_id`: delivered at once if the env is idle (or the window is 0),
     /// otherwise merged into the env's pending batch.
     pub fn push(&self, env_id: &str, record: ChangeRecord) {
@@ -119,8 +114,9 @@ impl Coalescer {
         );
     }
 
-    /// Environments with an open window (sorted); for tests and metrics.
-    pub fn open_windows(&self) -> Vec<String> {
+    /// Environments with an open window (sorted).
+    #[cfg(test)]
+    fn open_windows(&self) -> Vec<String> {
         let mut envs: Vec<String> = lock(&self.state).keys().cloned().collect();
         envs.sort();
         envs

@@ -1,12 +1,9 @@
-//! Per-environment concurrency limit for live polls, compatible with trigger.dev's
-//! (trigger-facts §4; behaviours REQ-02..05, LIM-01..03).
+//! Admission of live polls: the per-environment concurrency limit, compatible with trigger.dev's
+//! (docs/trigger-dev.md §4; docs/behaviours.md REQ-02..05, LIM-01..03).
 //!
-//! Fleet-wide count: a Redis sorted set per environment, key
-//! `tr:realtime:native:concurrency:<envId>`, members = poll ids scored by start time (ms); one
-//! atomic script drops members older than 300 s, adds this poll, refreshes the key TTL, and
-//! rejects (removing the member again) when the cardinality exceeds the limit. A slot is
-//! released the moment the poll ends — including when the client disconnects, since the
-//! [`Slot`] guard is dropped with the request future.
+//! Fleet-wide count: the Redis script of [`crate::redis::limit`]. A slot is released the moment
+//! the poll ends — including when the client disconnects, since the [`Slot`] guard is dropped
+//! with the request future.
 //!
 //! When the limiter's Redis is unreachable or slow (250 ms deadline), the reference fails
 //! closed (HTTP 500 for every live poll). runfeed degrades instead: it counts locally, per
@@ -18,31 +15,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fred::clients::Client;
-use fred::interfaces::{LuaInterface, SortedSetsInterface};
+use crate::redis::ConcurrencyScript;
 
-/// Key prefix of the per-environment sorted sets (trigger.dev's native backend uses the same).
-pub const KEY_PREFIX: &str = "tr:realtime:native:concurrency:";
-/// Members older than this are swept (a crashed instance's slots free themselves), seconds.
-pub const ENTRY_TTL_S: i64 = 300;
 /// How long admission waits for Redis before counting locally.
 pub const REDIS_DEADLINE: Duration = Duration::from_millis(250);
-
-const ADMIT: &str = r#"
-local key = KEYS[1]
-local now = tonumber(ARGV[1])
-local id = ARGV[2]
-local limit = tonumber(ARGV[3])
-local ttl = tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - ttl * 1000)
-redis.call('ZADD', key, now, id)
-redis.call('EXPIRE', key, ttl)
-if redis.call('ZCARD', key) > limit then
-  redis.call('ZREM', key, id)
-  return 0
-end
-return 1
-"#;
 
 /// Counters of the limiter (metrics read them).
 #[derive(Debug, Default)]
@@ -53,9 +29,9 @@ pub struct LimiterStats {
     pub degraded: AtomicU64,
 }
 
-/// The limiter. `client == None`: local counting only (tests, single instance without Redis).
+/// The limiter. `script == None`: local counting only (tests, single instance without Redis).
 pub struct Limiter {
-    client: Option<Client>,
+    script: Option<ConcurrencyScript>,
     default_limit: u64,
     overrides: HashMap<String, u64>,
     local: Arc<Mutex<HashMap<String, u64>>>,
@@ -72,8 +48,8 @@ pub struct Slot {
 
 enum Release {
     Redis {
-        client: Client,
-        key: String,
+        script: ConcurrencyScript,
+        env_id: String,
         member: String,
     },
     Local {
@@ -86,16 +62,10 @@ impl Drop for Slot {
     fn drop(&mut self) {
         match self.release.take() {
             Some(Release::Redis {
-                client,
-                key,
+                script,
+                env_id,
                 member,
-            }) => {
-                if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                    handle.spawn(async move {
-                        let _: Result<i64, _> = client.zrem(key, member).await;
-                    });
-                }
-            }
+            }) => script.release(&env_id, member),
             Some(Release::Local { local, env_id }) => {
                 let mut counts = local.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(n) = counts.get_mut(&env_id) {
@@ -114,12 +84,12 @@ impl Limiter {
     /// A limiter with `default_limit` live polls per environment and per-organization
     /// `overrides` (org id → limit; 0 is a real limit that refuses every live poll).
     pub fn new(
-        client: Option<Client>,
+        script: Option<ConcurrencyScript>,
         default_limit: u64,
         overrides: HashMap<String, u64>,
     ) -> Limiter {
         Limiter {
-            client,
+            script,
             default_limit,
             overrides,
             local: Arc::default(),
@@ -141,32 +111,24 @@ impl Limiter {
     /// (answer 429 `{"error":"Too many concurrent requests"}`).
     pub async fn acquire(&self, env_id: &str, organization_id: &str) -> Option<Slot> {
         let limit = self.limit_for(organization_id);
-        if let Some(client) = &self.client {
-            let key = format!("{KEY_PREFIX}{env_id}");
+        if let Some(script) = &self.script {
             let member = format!(
                 "{:x}-{}",
                 self.instance,
                 self.next_id.fetch_add(1, Ordering::Relaxed)
             );
-            let now = crate::feeds::now_ms();
-            let args = vec![
-                now.to_string(),
-                member.clone(),
-                limit.to_string(),
-                ENTRY_TTL_S.to_string(),
-            ];
-            let admit = client.eval::<i64, _, _, _>(ADMIT, vec![key.clone()], args);
+            let admit = script.admit(env_id, &member, limit, crate::clock::now_ms());
             match tokio::time::timeout(REDIS_DEADLINE, admit).await {
-                Ok(Ok(1)) => {
+                Ok(Ok(true)) => {
                     return Some(Slot {
                         release: Some(Release::Redis {
-                            client: client.clone(),
-                            key,
+                            script: script.clone(),
+                            env_id: env_id.to_string(),
                             member,
                         }),
                     });
                 }
-                Ok(Ok(_)) => {
+                Ok(Ok(false)) => {
                     self.stats.rejections.fetch_add(1, Ordering::Relaxed);
                     return None;
                 }

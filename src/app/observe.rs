@@ -1,0 +1,239 @@
+//! Reads the server's state into the observable instruments that [`crate::telemetry::metrics`]
+//! declares ([`observed`]): held feeds and router counters, the gate, the feeds' working sets,
+//! the Postgres store, the Redis change source and the concurrency limiter. This is wiring, so it
+//! lives here and not in `telemetry`, which depends on nothing above it.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+
+use opentelemetry::KeyValue;
+
+use crate::feeds::Feeds;
+use crate::http::admit::Limiter;
+use crate::redis::RedisChangeSource;
+use crate::router::Router;
+use crate::store::PgStore;
+use crate::telemetry::metrics::{observed, resident_memory_bytes, Metrics, Observed};
+
+fn kv(key: &'static str, value: &'static str) -> KeyValue {
+    KeyValue::new(key, value)
+}
+
+/// Reads router counters as `(value, labels)` observations.
+type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
+
+/// What the observable instruments read. Weak references: a stopped server's callbacks observe
+/// nothing.
+pub struct Sources {
+    /// The router (held feeds, active envs, `RouterStats`, the gate).
+    pub router: Router,
+    /// The feeds service (working-set size, admission, shared cursor store).
+    pub feeds: Weak<Feeds>,
+    /// The Postgres store (query count).
+    pub store: Weak<PgStore>,
+    /// The Redis change source (messages, subscriptions, errors, connection state).
+    pub source: Weak<RedisChangeSource>,
+    /// The live-poll concurrency limiter.
+    pub limiter: Weak<Limiter>,
+}
+
+/// Registers a callback for every instrument of [`observed`] over `sources` (weak references:
+/// the callbacks never keep the server alive). Call once per meter.
+pub fn register(metrics: &Metrics, sources: Sources) {
+    let Sources {
+        router,
+        feeds,
+        store,
+        source,
+        limiter,
+    } = sources;
+
+    let r = router.clone();
+    metrics.observe(&observed::ROUTER_HELD_FEEDS, move |o| {
+        let (run, tag, batch) = r.held_feeds();
+        for (kind, n) in [("run", run), ("tag", tag), ("batch", batch)] {
+            o.observe(n as u64, &[kv("kind", kind)]);
+        }
+    });
+    let r = router.clone();
+    metrics.observe(&observed::ROUTER_ACTIVE_ENVS, move |o| {
+        o.observe(r.active_envs() as u64, &[])
+    });
+
+    let stat = |spec: &'static Observed, read: ReadStats| {
+        let r = router.clone();
+        metrics.observe(spec, move |o| {
+            for (value, attrs) in read(&r) {
+                o.observe(value, &attrs);
+            }
+        });
+    };
+    stat(&observed::ROUTER_HYDRATES, |r| {
+        let s = r.stats();
+        let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
+        vec![
+            (all.saturating_sub(errors), vec![kv("result", "ok")]),
+            (errors, vec![kv("result", "error")]),
+        ]
+    });
+    stat(&observed::ROUTER_HYDRATED_RUNS, |r| {
+        vec![(r.stats().hydrated_rows.load(Relaxed), vec![])]
+    });
+    stat(&observed::ROUTER_DELIVERIES, |r| {
+        vec![(r.stats().deliveries.load(Relaxed), vec![])]
+    });
+    stat(&observed::ROUTER_DISTINCT_RUNS, |r| {
+        vec![(r.stats().distinct_runs.load(Relaxed), vec![])]
+    });
+    stat(&observed::ROUTER_REPLAYS, |r| {
+        let s = r.stats();
+        vec![
+            (
+                s.replays_delivered.load(Relaxed),
+                vec![kv("result", "delivered")],
+            ),
+            (s.replays_empty.load(Relaxed), vec![kv("result", "empty")]),
+        ]
+    });
+    stat(&observed::ROUTER_REPLAY_EVICTIONS, |r| {
+        let s = r.stats();
+        vec![
+            (
+                s.evictions_window.load(Relaxed),
+                vec![kv("reason", "window")],
+            ),
+            (s.evictions_cap.load(Relaxed), vec![kv("reason", "cap")]),
+        ]
+    });
+    stat(&observed::ROUTER_STALE_HYDRATES, |r| {
+        let s = r.stats();
+        vec![
+            (
+                s.stale_recovered.load(Relaxed),
+                vec![kv("outcome", "recovered")],
+            ),
+            (
+                s.stale_gave_up.load(Relaxed),
+                vec![kv("outcome", "gave_up")],
+            ),
+        ]
+    });
+    stat(&observed::NOTIFIER_BATCHES_DELIVERED, |r| {
+        vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]
+    });
+
+    if let Some(gate) = router.gate() {
+        let g = Arc::downgrade(gate);
+        metrics.observe(&observed::REPLICA_LAG_ESTIMATE, move |o| {
+            if let Some(g) = g.upgrade() {
+                o.observe(g.estimate_ms(), &[]);
+            }
+        });
+        let g = Arc::downgrade(gate);
+        metrics.observe(&observed::REPLICA_GATE_WAITS, move |o| {
+            if let Some(g) = g.upgrade() {
+                o.observe(g.waited.load(Relaxed), &[kv("outcome", "waited")]);
+                o.observe(g.gave_up.load(Relaxed), &[kv("outcome", "gave_up")]);
+            }
+        });
+    }
+
+    let f = feeds.clone();
+    metrics.observe(&observed::FEEDS_WORKING_SET_SIZE, move |o| {
+        if let Some(f) = f.upgrade() {
+            o.observe(f.working_set_size(), &[]);
+        }
+    });
+    let f = feeds.clone();
+    metrics.observe(&observed::FEEDS_CURSOR_STORE_OPS, move |o| {
+        let Some(stats) = f.upgrade().and_then(|f| f.cursor_store_stats()) else {
+            return;
+        };
+        for (op, result, counter) in [
+            ("get", "hit", &stats.get_hit),
+            ("get", "miss", &stats.get_miss),
+            ("get", "error", &stats.get_error),
+            ("set", "ok", &stats.set_ok),
+            ("set", "error", &stats.set_error),
+        ] {
+            o.observe(counter.load(Relaxed), &[kv("op", op), kv("result", result)]);
+        }
+    });
+    let l = limiter.clone();
+    metrics.observe(&observed::FEEDS_CONCURRENCY_REJECTIONS, move |o| {
+        if let Some(l) = l.upgrade() {
+            o.observe(l.stats.rejections.load(Relaxed), &[]);
+        }
+    });
+    let f = feeds;
+    metrics.observe(&observed::RUNSET_ADMISSION_IN_USE, move |o| {
+        if let Some(f) = f.upgrade() {
+            o.observe(f.admission_in_use() as u64, &[]);
+        }
+    });
+
+    let s = store;
+    metrics.observe(&observed::PG_QUERIES, move |o| {
+        if let Some(s) = s.upgrade() {
+            o.observe(s.query_count(), &[]);
+        }
+    });
+    metrics.observe(&observed::PG_ERRORS, |o| {
+        for (kind, n) in PgStore::error_counts() {
+            o.observe(n, &[kv("kind", kind)]);
+        }
+    });
+
+    let src = source.clone();
+    metrics.observe(&observed::NOTIFIER_MESSAGES_RECEIVED, move |o| {
+        if let Some(src) = src.upgrade() {
+            o.observe(src.stats().received.load(Relaxed), &[]);
+        }
+    });
+    let src = source.clone();
+    metrics.observe(&observed::NOTIFIER_ACTIVE_SUBSCRIPTIONS, move |o| {
+        if let Some(src) = src.upgrade() {
+            o.observe(src.confirmed().len() as u64, &[]);
+        }
+    });
+    metrics.observe(&observed::NOTIFIER_PUBLISHES, |o| {
+        let (ok, errors) = crate::redis::publish_counts();
+        o.observe(ok, &[kv("result", "ok")]);
+        o.observe(errors, &[kv("result", "error")]);
+    });
+    let src = source.clone();
+    let l = limiter;
+    metrics.observe(&observed::REDIS_ERRORS, move |o| {
+        if let Some(src) = src.upgrade() {
+            let st = src.stats();
+            o.observe(
+                st.connection_errors.load(Relaxed),
+                &[kv("kind", "connection")],
+            );
+            o.observe(st.command_errors.load(Relaxed), &[kv("kind", "command")]);
+            o.observe(st.lagged.load(Relaxed), &[kv("kind", "lagged")]);
+            o.observe(
+                st.lost_subscriptions.load(Relaxed),
+                &[kv("kind", "lost_subscription")],
+            );
+        }
+        if let Some(l) = l.upgrade() {
+            o.observe(
+                l.stats.degraded.load(Relaxed),
+                &[kv("kind", "limiter_fallback")],
+            );
+        }
+    });
+    let src = source;
+    metrics.observe(&observed::REDIS_CONNECTED, move |o| {
+        if let Some(src) = src.upgrade() {
+            o.observe(u64::from(src.is_connected()), &[]);
+        }
+    });
+
+    metrics.observe(&observed::PROCESS_RESIDENT_MEMORY, |o| {
+        if let Some(bytes) = resident_memory_bytes() {
+            o.observe(bytes, &[]);
+        }
+    });
+}

@@ -976,7 +976,7 @@ async fn deleted_project_rejects_secret_key_and_public_token() {
         .await
         .expect_err("deleted");
     assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
-    assert_eq!(err.status(), 401);
+    assert_eq!(runfeed::http::ApiError::from(err).status().as_u16(), 401);
     db.cleanup().await;
 }
 

@@ -94,7 +94,7 @@ pub struct Principal {
 
 /// Why authentication failed. Every variant except [`AuthError::Store`] is a 401 whose body is
 /// `{"error": <Display text>}` (the exact trigger.dev strings); `Store` is a database failure
-/// (500 `{"error":"Internal Server Error"}`).
+/// (503 `{"error":"Service Unavailable"}`, see `crate::http::ApiError`).
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     /// No `Authorization` header, or nothing left after stripping `Bearer ` and trimming.
@@ -123,16 +123,6 @@ pub enum AuthError {
     /// The environment lookup itself failed.
     #[error(transparent)]
     Store(#[from] StoreError),
-}
-
-impl AuthError {
-    /// The HTTP status: 500 for [`AuthError::Store`], 401 otherwise.
-    pub fn status(&self) -> u16 {
-        match self {
-            AuthError::Store(_) => 500,
-            _ => 401,
-        }
-    }
 }
 
 pub use jwt::mint_public_token;
@@ -686,7 +676,6 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
         assert_eq!(err.to_string(), "Invalid Public Access Token");
-        assert_eq!(err.status(), 401);
     }
 
     /// Environments found by id (public tokens) outlive the short lookup TTL; misses do not

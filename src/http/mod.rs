@@ -1,5 +1,5 @@
-//! HTTP: axum routes, request parsing, status mapping and CORS (trigger-facts §2.1, protocol
-//! §5–§6, §10).
+//! HTTP: axum routes, request parsing, admission, status mapping and CORS (docs/trigger-dev.md
+//! §2.1, docs/protocol.md §5–§6, §10). Every handler returns [`ApiError`] on failure.
 //!
 //! Check order per trigger.dev's `createLoaderApiRoute`: authenticate (401) → parse (400; 422
 //! for clients without `x-trigger-electric-version`, which loop on 400) → find the resource in
@@ -8,15 +8,17 @@
 //! Memory per held feed: an async fn's state is as large as its largest await, and a live poll
 //! keeps its handler's state for the whole hold (~20 s). So every await before the hold
 //! (authentication, lookups, the limiter) is boxed: its state is freed when it completes
-//! instead of sizing the held future (issue 6; `future_sizes` below prints the sizes).
+//! instead of sizing the held future (`future_sizes` below prints the sizes; BENCHMARKS.md "Held
+//! feeds").
 
 pub mod admit;
+pub mod error;
 pub mod serve;
 
 use std::sync::Arc;
 
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
@@ -27,14 +29,13 @@ use crate::auth::{
     batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
 };
 use crate::clock::now_ms;
-use crate::feeds::{FeedError, FeedReply, FeedRequest, Feeds, Target};
-use crate::protocol::body::FragmentBody;
-use crate::protocol::headers::ElectricHeaders;
+use crate::feeds::{FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::ColumnSet;
 use crate::store::RunResource;
 use admit::Limiter;
+pub use error::{ApiError, ClientGeneration};
 
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
 /// legacy `DEQUEUED → EXECUTING` rewrite (trigger-facts §3).
@@ -49,7 +50,7 @@ pub struct AppState {
     pub limiter: Arc<Limiter>,
     /// Tag feed lookback ceiling, ms.
     pub max_created_at_age_ms: u64,
-    /// Request size limits (issue 7).
+    /// Request size limits.
     pub limits: RequestLimits,
 }
 
@@ -100,7 +101,7 @@ async fn request_limits(
         .path_and_query()
         .map_or(0, |pq| pq.as_str().len());
     if target > limits.max_url_bytes {
-        return error(StatusCode::URI_TOO_LONG, "URI Too Long");
+        return ApiError::UriTooLong.into_response();
     }
     let header_bytes: usize = request
         .headers()
@@ -108,10 +109,7 @@ async fn request_limits(
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
     if header_bytes > limits.max_header_bytes {
-        return error(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "Request Header Fields Too Large",
-        );
+        return ApiError::HeadersTooLarge.into_response();
     }
     next.run(request).await
 }
@@ -131,10 +129,12 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/realtime/v1/runs/{run_id}", get(run_feed))
         .route("/realtime/v1/runs", get(tag_feed))
         .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
-        .fallback(|| async { error(StatusCode::NOT_FOUND, "Not found") })
-        .method_not_allowed_fallback(|| async {
-            error(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
+        .fallback(|| async {
+            ApiError::NotFound {
+                should_retry: false,
+            }
         })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(limits, request_limits))
         // One span per request: method, route, path, env id, status (never headers or query).
@@ -144,8 +144,9 @@ pub fn app(state: AppState) -> axum::Router {
 
 /// What every feed request carries besides its path.
 struct Ctx {
-    /// No `x-trigger-electric-version`: legacy header names, and 422 instead of 400.
-    legacy_client: bool,
+    /// Legacy header names and 422 instead of 400, or not.
+    client: ClientGeneration,
+    /// `x-trigger-api-version` is not the current one: `DEQUEUED` is rewritten to `EXECUTING`.
     legacy_api_version: bool,
     params: Params,
 }
@@ -191,8 +192,12 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principal, Ctx), Response> {
-    let legacy_client = header(headers, "x-trigger-electric-version").is_none_or(str::is_empty);
+async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principal, Ctx), ApiError> {
+    let client = if header(headers, "x-trigger-electric-version").is_none_or(str::is_empty) {
+        ClientGeneration::Legacy
+    } else {
+        ClientGeneration::Modern
+    };
     let legacy_api_version = header(headers, "x-trigger-api-version") != Some(CURRENT_API_VERSION);
     let principal = state
         .auth
@@ -200,69 +205,28 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principa
             header(headers, "authorization"),
             header(headers, "x-trigger-branch"),
         )
-        .await
-        .map_err(|err| {
-            let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::UNAUTHORIZED);
-            if status.is_server_error() {
-                tracing::error!(error = %err, "authentication lookup failed");
-                error(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable")
-            } else {
-                error(status, &err.to_string())
-            }
-        })?;
+        .await?;
     crate::telemetry::http::record_env_id(&principal.env.id);
     Ok((
         principal,
         Ctx {
-            legacy_client,
+            client,
             legacy_api_version,
             params: Params::default(),
         },
     ))
 }
 
-fn bad_request(ctx: &Ctx, message: &str) -> Response {
-    let status = if ctx.legacy_client {
-        StatusCode::UNPROCESSABLE_ENTITY
-    } else {
-        StatusCode::BAD_REQUEST
-    };
-    error(status, message)
-}
-
-/// `{"error": message}` with JSON content type.
-fn error(status: StatusCode, message: &str) -> Response {
-    let mut response = (status, Json(json!({ "error": message }))).into_response();
-    response
-        .headers_mut()
-        .insert("cache-control", HeaderValue::from_static("no-store"));
-    response
-}
-
-fn forbidden() -> Response {
-    let mut response = (
-        StatusCode::FORBIDDEN,
-        Json(json!({"error": "Unauthorized", "code": "unauthorized", "param": "access_token", "type": "authorization"})),
-    )
-        .into_response();
-    response
-        .headers_mut()
-        .insert("cache-control", HeaderValue::from_static("no-store"));
-    response
-}
-
-fn unavailable(err: &dyn std::fmt::Display) -> Response {
-    tracing::error!(error = %err, "store unavailable");
-    error(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable")
-}
-
 /// Offset/handle validity shared by the three routes.
-fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, Response> {
+fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, ApiError> {
     let offset = OffsetParam::parse(ctx.params.offset.as_deref())
-        .map_err(|e| bad_request(ctx, &e.to_string()))?;
+        .map_err(|e| ApiError::bad_request(ctx.client, e.to_string()))?;
     if let OffsetParam::At(o) = offset {
         if ctx.params.handle.is_none() {
-            return Err(bad_request(ctx, &format!("offset {o} requires a handle")));
+            return Err(ApiError::bad_request(
+                ctx.client,
+                format!("offset {o} requires a handle"),
+            ));
         }
     }
     Ok(offset)
@@ -282,12 +246,12 @@ fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
 /// The common start of the three feed routes: authenticate (401), then parse the query and the
 /// offset (400/422), in trigger.dev's order. Boxed, and it takes the headers by value: the
 /// header values share hyper's 8 KiB read buffer, and consuming them here frees that buffer
-/// before a live poll's hold instead of pinning it for ~20 s (issue 6, memory per held feed).
+/// before a live poll's hold instead of pinning it for ~20 s (memory per held feed).
 async fn begin(
     state: &AppState,
     headers: HeaderMap,
     query: Option<String>,
-) -> Result<(Principal, Ctx, OffsetParam), Response> {
+) -> Result<(Principal, Ctx, OffsetParam), ApiError> {
     Box::pin(async move {
         let (principal, mut ctx) = authenticate(state, &headers).await?;
         ctx.params = Params::parse(query.as_deref());
@@ -302,19 +266,18 @@ async fn run_feed(
     Path(run_id): Path<String>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
-) -> Response {
-    let (principal, ctx, offset) = match begin(&state, headers, query).await {
-        Ok(begun) => begun,
-        Err(response) => return response,
+) -> Result<Response, ApiError> {
+    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+    let not_found = ApiError::NotFound {
+        should_retry: false,
     };
     if !plausible_id(&run_id) {
-        return not_found(false);
+        return Err(not_found);
     }
-    let run = match Box::pin(state.feeds.sets().find_run(&principal.env.id, &run_id)).await {
-        Ok(Some(run)) => run,
-        Ok(None) => return not_found(false),
-        Err(err) => return unavailable(&err),
-    };
+    let run = Box::pin(state.feeds.sets().find_run(&principal.env.id, &run_id))
+        .await
+        .map_err(|err| ApiError::unavailable(&err))?
+        .ok_or(not_found)?;
     // The cached lookup's ids, task and batch are immutable; its tags may be stale, so a
     // grant that only the tags could give is decided on a fresh read.
     let untagged = RunResource {
@@ -331,14 +294,13 @@ async fn run_feed(
                 .sets()
                 .find_run_fresh(&principal.env.id, &run_id),
         )
-        .await;
-        let run = match fresh {
-            Ok(Some(run)) => run,
-            Ok(None) => return not_found(false),
-            Err(err) => return unavailable(&err),
-        };
-        if !principal.ability.can_read_any(&run_route_resources(&run)) {
-            return forbidden();
+        .await
+        .map_err(|err| ApiError::unavailable(&err))?
+        .ok_or(ApiError::NotFound {
+            should_retry: false,
+        })?;
+        if !principal.ability.can_read_any(&run_route_resources(&fresh)) {
+            return Err(ApiError::Forbidden);
         }
     }
     let target = Target::Run {
@@ -351,26 +313,21 @@ async fn tag_feed(
     State(state): State<AppState>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
-) -> Response {
-    let (principal, ctx, offset) = match begin(&state, headers, query).await {
-        Ok(begun) => begun,
-        Err(response) => return response,
-    };
-    let tags = match parse_tags(ctx.params.tags.as_deref()) {
-        Ok(tags) => tags,
-        Err(err) => return bad_request(&ctx, &err.to_string()),
-    };
+) -> Result<Response, ApiError> {
+    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+    let bad = |message: String| ApiError::bad_request(ctx.client, message);
+    let tags = parse_tags(ctx.params.tags.as_deref()).map_err(|err| bad(err.to_string()))?;
     if tags.len() > state.limits.max_tags {
-        return bad_request(
-            &ctx,
-            &format!("Too many tags: at most {} allowed", state.limits.max_tags),
-        );
+        return Err(bad(format!(
+            "Too many tags: at most {} allowed",
+            state.limits.max_tags
+        )));
     }
     if tags.iter().any(|t| t.len() > state.limits.max_tag_bytes) {
-        return bad_request(
-            &ctx,
-            &format!("Tag too long: at most {} bytes", state.limits.max_tag_bytes),
-        );
+        return Err(bad(format!(
+            "Tag too long: at most {} bytes",
+            state.limits.max_tag_bytes
+        )));
     }
     let max_age = state.max_created_at_age_ms;
     let lookback = match ctx.params.created_at.as_deref() {
@@ -378,28 +335,19 @@ async fn tag_feed(
         Some(raw) => match parse_duration_ms(raw) {
             Some(ms) => ms.min(max_age),
             None => {
-                return bad_request(
-                    &ctx,
-                    &format!(
-                        "Invalid createdAt {:?}: expected a duration like 1h, 30m, 2d",
-                        raw.chars().take(64).collect::<String>()
-                    ),
-                )
+                return Err(bad(format!(
+                    "Invalid createdAt {:?}: expected a duration like 1h, 30m, 2d",
+                    raw.chars().take(64).collect::<String>()
+                )))
             }
         },
     };
     let floor_ms = now_ms() - i64::try_from(lookback).unwrap_or(i64::MAX / 2);
     if !principal.ability.can_read_any(&runs_list_resources(&tags)) {
-        return forbidden();
+        return Err(ApiError::Forbidden);
     }
-    serve(
-        &state,
-        &principal,
-        &ctx,
-        Target::Tag { tags, floor_ms },
-        offset,
-    )
-    .await
+    let target = Target::Tag { tags, floor_ms };
+    serve(&state, &principal, &ctx, target, offset).await
 }
 
 async fn batch_feed(
@@ -407,45 +355,26 @@ async fn batch_feed(
     Path(batch_id): Path<String>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
-) -> Response {
-    let (principal, ctx, offset) = match begin(&state, headers, query).await {
-        Ok(begun) => begun,
-        Err(response) => return response,
-    };
+) -> Result<Response, ApiError> {
+    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+    let not_found = ApiError::NotFound { should_retry: true };
     if !plausible_id(&batch_id) {
-        return not_found(true);
+        return Err(not_found);
     }
-    let batch = match Box::pin(state.feeds.sets().find_batch(&principal.env.id, &batch_id)).await {
-        Ok(Some(batch)) => batch,
-        Ok(None) => return not_found(true),
-        Err(err) => return unavailable(&err),
-    };
+    let batch = Box::pin(state.feeds.sets().find_batch(&principal.env.id, &batch_id))
+        .await
+        .map_err(|err| ApiError::unavailable(&err))?
+        .ok_or(not_found)?;
     if !principal
         .ability
         .can_read_any(&batch_route_resources(&batch.friendly_id))
     {
-        return forbidden();
+        return Err(ApiError::Forbidden);
     }
-    serve(
-        &state,
-        &principal,
-        &ctx,
-        Target::Batch {
-            batch_id: batch.id.clone(),
-        },
-        offset,
-    )
-    .await
-}
-
-fn not_found(should_retry: bool) -> Response {
-    let mut response = error(StatusCode::NOT_FOUND, "Not found");
-    let value = if should_retry { "true" } else { "false" };
-    response.headers_mut().insert(
-        HeaderName::from_static("x-should-retry"),
-        HeaderValue::from_static(value),
-    );
-    response
+    let target = Target::Batch {
+        batch_id: batch.id.clone(),
+    };
+    serve(&state, &principal, &ctx, target, offset).await
 }
 
 async fn serve(
@@ -454,7 +383,7 @@ async fn serve(
     ctx: &Ctx,
     target: Target,
     offset: OffsetParam,
-) -> Response {
+) -> Result<Response, ApiError> {
     let req = FeedRequest {
         env_id: principal.env.id.clone(),
         target,
@@ -471,48 +400,26 @@ async fn serve(
         let acquire = state
             .limiter
             .acquire(&principal.env.id, &principal.env.organization_id);
-        match Box::pin(acquire).await {
-            Some(slot) => Some(slot),
-            None => {
-                return error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "Too many concurrent requests",
-                )
-            }
-        }
+        Some(Box::pin(acquire).await.ok_or(ApiError::TooManyRequests)?)
     } else {
         None
     };
-    match state.feeds.serve(req).await {
-        Ok(reply) => ok(reply, ctx.legacy_client),
-        Err(FeedError::MustRefetch { handle }) => must_refetch(&handle, ctx.legacy_client),
-        Err(FeedError::HandleRequired(offset)) => {
-            bad_request(ctx, &format!("offset {offset} requires a handle"))
-        }
-        Err(FeedError::Unavailable(err)) => unavailable(&err),
-    }
+    let reply = state
+        .feeds
+        .serve(req)
+        .await
+        .map_err(|err| ApiError::from_feed(err, ctx.client))?;
+    Ok(ok(reply, ctx.client))
 }
 
-fn ok(reply: FeedReply, legacy_client: bool) -> Response {
+fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
     let mut response = Response::new(axum::body::Body::from(reply.body));
     let headers = response.headers_mut();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     headers.insert("cache-control", HeaderValue::from_static("no-store"));
-    reply.headers.apply(headers, legacy_client);
-    response
-}
-
-fn must_refetch(handle: &str, legacy_client: bool) -> Response {
-    let mut response = Response::new(axum::body::Body::from(FragmentBody::must_refetch()));
-    *response.status_mut() = StatusCode::CONFLICT;
-    let headers = response.headers_mut();
-    headers.insert("content-type", HeaderValue::from_static("application/json"));
-    headers.insert("cache-control", HeaderValue::from_static("no-store"));
-    ElectricHeaders {
-        handle: handle.to_string(),
-        ..ElectricHeaders::default()
-    }
-    .apply(headers, legacy_client);
+    reply
+        .headers
+        .apply(headers, client == ClientGeneration::Legacy);
     response
 }
 
@@ -537,7 +444,7 @@ mod tests {
 
 #[cfg(test)]
 mod future_sizes {
-    //! Sizes of the futures a held live poll keeps alive (issue 6, memory per held feed).
+    //! Sizes of the futures a held live poll keeps alive (memory per held feed).
     use super::*;
 
     fn size4<A, B, C, D, F: std::future::Future>(_: fn(A, B, C, D) -> F) -> usize {

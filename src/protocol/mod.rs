@@ -15,9 +15,11 @@ pub mod cursor;
 pub mod encode;
 pub mod handle;
 pub mod headers;
+pub mod ids;
 pub mod offset;
 pub mod params;
 pub mod row;
 
 pub use columns::{Column, ColumnSet};
+pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, RunId};
 pub use row::{RunMeta, RunRow, SerializedRow};

@@ -16,7 +16,9 @@
 pub mod cursors;
 pub mod limit;
 pub mod publish;
+mod shard_check;
 mod slots;
+mod state;
 pub mod subscribe;
 
 use std::time::Duration;

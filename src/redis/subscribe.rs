@@ -7,9 +7,9 @@
 //! NTF-04). This source does the same with a fred [`SubscriberClient`]; [`super::slots`] tracks
 //! which node owns each sharded channel.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
@@ -20,14 +20,12 @@ use fred::util::redis_keyslot;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio::task::JoinHandle;
 
-use super::slots::{check_shards, SlotMap};
+use super::shard_check::check_shards;
+pub use super::state::SourceStats;
+use super::state::{lock, Confirmed, Resync, Shared, SHARD_CHECK_TIMEOUT};
 use super::{close, close_in_background, redact, RedisError, RedisOptions};
 use crate::changes::record::{channel_name, env_of_channel};
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// How long [`RedisChangeSource::connect`] waits for the first connection before returning and
 /// letting fred keep connecting in the background.
@@ -51,12 +49,6 @@ const MESSAGE_BUFFER: usize = 16_384;
 /// Backoff after a failed SUBSCRIBE/UNSUBSCRIBE before the reconciler retries.
 const RETRY_MIN: Duration = Duration::from_millis(250);
 const RETRY_MAX: Duration = Duration::from_secs(5);
-
-/// Bound on each command of the shard check (`CLUSTER SLOTS`, `PUBSUB SHARDNUMSUB`).
-pub(super) const SHARD_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Channels per `PUBSUB SHARDNUMSUB` call of the shard check.
-pub(super) const SHARDNUMSUB_BATCH: usize = 256;
 
 /// Which pub/sub flavour the subscriber speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,70 +120,6 @@ impl Mode {
             }
         }
     }
-}
-
-/// Counters of a [`RedisChangeSource`] (exported as metrics, see [`crate::telemetry::metrics`]).
-#[derive(Debug, Default)]
-pub struct SourceStats {
-    /// Change-record messages received on `realtime:env:*` channels (before coalescing).
-    pub received: AtomicU64,
-    /// Connection errors fred reported (drops, failed (re)connects).
-    pub connection_errors: AtomicU64,
-    /// SUBSCRIBE / UNSUBSCRIBE commands that failed (retried).
-    pub command_errors: AtomicU64,
-    /// Messages lost because the reader fell behind fred's buffer.
-    pub lagged: AtomicU64,
-    /// Sharded subscriptions the periodic shard check found gone (slot migrated, or dropped by
-    /// the server) and had re-subscribed.
-    pub lost_subscriptions: AtomicU64,
-}
-
-/// A subscription Redis confirmed.
-#[derive(Clone, Debug)]
-pub(super) struct Confirmed {
-    /// The generation last announced for the env.
-    pub(super) generation: u64,
-    /// Unique per confirmation (the shard check names the confirmation it found lost).
-    pub(super) epoch: u64,
-    /// Sharded mode: the node that owned the channel's slot when it was confirmed (`None` when
-    /// the slot map was unknown then; the shard check fills it in).
-    pub(super) server: Option<Server>,
-}
-
-/// State shared between the handle and its background tasks.
-pub(super) struct Shared {
-    /// Counters (metrics).
-    pub(super) stats: SourceStats,
-    /// Environments the consumer wants (what `subscribe`/`unsubscribe` edit).
-    pub(super) desired: Mutex<BTreeMap<String, u64>>,
-    /// Environments Redis confirmed on the current connection(s) (kept by the reconciler).
-    pub(super) confirmed: Mutex<BTreeMap<String, Confirmed>>,
-    /// Source of subscribe generations.
-    pub(super) generations: AtomicU64,
-    /// Wakes the reconciler.
-    pub(super) wake: Notify,
-    /// A (re)connect or lost subscriptions the reconciler has not handled yet.
-    pub(super) resync: Mutex<Resync>,
-    /// Set once `connect` returned: a connection established after that (including a first
-    /// connection that came up in the background) leaves a gap and is announced.
-    pub(super) connect_returned: AtomicBool,
-    /// Sharded mode: slot owners from the last `CLUSTER SLOTS` of the shard check.
-    pub(super) routing: Mutex<Option<SlotMap>>,
-    /// Runs the shard check now (after a reconnect) instead of at its next tick.
-    pub(super) check_now: Notify,
-}
-
-/// Work for the reconciler: subscriptions the server(s) forgot, and whether the consumer must be
-/// told about the gap once everything is subscribed again (`announce`).
-#[derive(Default)]
-pub(super) struct Resync {
-    /// Every subscription is gone (single server or classic mode reconnected; missed events).
-    pub(super) all: bool,
-    /// Sharded mode: nodes that (re)connected; the subscriptions placed on them are gone.
-    pub(super) servers: BTreeSet<Server>,
-    /// Sharded mode: subscriptions the shard check found gone, with the `epoch` it checked.
-    pub(super) lost: Vec<(String, u64)>,
-    pub(super) announce: bool,
 }
 
 /// Redis pub/sub source: classic pub/sub on a single server or a cluster, sharded pub/sub on a

@@ -190,7 +190,9 @@ async fn next_record(
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match timeout(left, rx.recv()).await {
-            Ok(Some(SourceEvent::Record { env_id, record })) => return (env_id, record),
+            Ok(Some(SourceEvent::Record { env_id, record })) => {
+                return (env_id.to_string(), record)
+            }
             Ok(Some(SourceEvent::Subscribed { .. })) => continue,
             Ok(Some(SourceEvent::Reconnected)) if skip_gaps => continue,
             Ok(Some(SourceEvent::Reconnected)) => panic!("unexpected Reconnected"),
@@ -297,7 +299,7 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
     let publisher = publisher(&sharded(&url)).await;
     assert!(publisher.is_sharded());
     for env in &envs {
-        source.subscribe(env);
+        source.subscribe(&runfeed::protocol::EnvId::from(env));
     }
     wait_confirmed(
         &source,
@@ -374,8 +376,8 @@ async fn sharded_record_reaches_only_its_subscribers() {
     let (source_a, mut rx_a) = source(&sharded(&url)).await;
     let (source_b, mut rx_b) = source(&sharded(&url)).await;
     let publisher = publisher(&sharded(&url)).await;
-    source_a.subscribe(&env_a);
-    source_b.subscribe(&env_b_other_shard);
+    source_a.subscribe(&runfeed::protocol::EnvId::from(&env_a));
+    source_b.subscribe(&runfeed::protocol::EnvId::from(&env_b_other_shard));
     wait_confirmed(&source_a, &[&env_a]).await;
     wait_confirmed(&source_b, &[&env_b_other_shard]).await;
 
@@ -412,9 +414,12 @@ async fn sharded_record_reaches_only_its_subscribers() {
     );
 
     // Unsubscribe (SUNSUBSCRIBE) stops delivery.
-    source_a.unsubscribe(&env_a);
+    source_a.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
     let deadline = Instant::now() + WAIT;
-    while source_a.confirmed().contains(&env_a) {
+    while source_a
+        .confirmed()
+        .contains(&runfeed::protocol::EnvId::from(&env_a))
+    {
         assert!(Instant::now() < deadline, "unsubscribe never confirmed");
         sleep(Duration::from_millis(5)).await;
     }
@@ -485,7 +490,7 @@ async fn sharded_subscriptions_come_back_after_node_restart() {
     let (source, mut rx) = source(&sharded(&url)).await;
     let publisher = publisher(&sharded(&url)).await;
     for env in &envs {
-        source.subscribe(env);
+        source.subscribe(&runfeed::protocol::EnvId::from(env));
     }
     wait_confirmed(
         &source,
@@ -608,8 +613,8 @@ async fn sharded_subscription_follows_a_slot_migration() {
         .await
         .expect("connect subscriber");
     let publisher = publisher(&sharded(&url)).await;
-    source.subscribe(&env_id);
-    source.subscribe(&other);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
+    source.subscribe(&runfeed::protocol::EnvId::from(&other));
     wait_confirmed(&source, &[&env_id, &other]).await;
 
     move_slot(&admin, &ports, slot, from, to).await;
@@ -702,7 +707,7 @@ async fn classic_pubsub_over_the_cluster() {
     let publisher = publisher(&classic(&url)).await;
     assert!(!publisher.is_sharded());
     for env in &envs {
-        source.subscribe(env);
+        source.subscribe(&runfeed::protocol::EnvId::from(env));
     }
     wait_confirmed(
         &source,

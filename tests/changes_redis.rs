@@ -84,7 +84,7 @@ async fn ntf05_record_with_tags_and_batch_delivered() {
     let (source, mut rx) = source().await;
     let publisher = publisher().await;
     let env_id = env();
-    source.subscribe(&env_id);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
     wait_confirmed(&source, &env_id, true).await;
 
     let record = full_record(&env_id, "run_1");
@@ -92,7 +92,7 @@ async fn ntf05_record_with_tags_and_batch_delivered() {
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_id.clone(),
+            env_id: env_id.clone().into(),
             record
         }
     );
@@ -107,7 +107,10 @@ async fn ntf05_record_with_tags_and_batch_delivered() {
     assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
     assert_eq!(
         next_event(&mut rx).await,
-        SourceEvent::Record { env_id, record }
+        SourceEvent::Record {
+            env_id: env_id.into(),
+            record
+        }
     );
 }
 
@@ -117,7 +120,7 @@ async fn ntf06_other_env_not_delivered() {
     let (source, mut rx) = source().await;
     let publisher = publisher().await;
     let (env_a, env_b) = (env(), env());
-    source.subscribe(&env_a);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
     wait_confirmed(&source, &env_a, true).await;
 
     assert_eq!(
@@ -132,7 +135,7 @@ async fn ntf06_other_env_not_delivered() {
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_a,
+            env_id: env_a.into(),
             record: fence
         }
     );
@@ -150,7 +153,7 @@ async fn publish_returns_receiver_count() {
             .expect("publish"),
         0
     );
-    source.subscribe(&env_id);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
     wait_confirmed(&source, &env_id, true).await;
     assert_eq!(
         publish_once(&standalone(REDIS_URL), &record)
@@ -166,7 +169,7 @@ async fn publish_returns_receiver_count() {
 async fn bare_string_message_decodes_as_partial() {
     let (source, mut rx) = source().await;
     let env_id = env();
-    source.subscribe(&env_id);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
     wait_confirmed(&source, &env_id, true).await;
 
     // A separate plain fred client issuing the raw PUBLISH, as any other producer would.
@@ -188,7 +191,7 @@ async fn bare_string_message_decodes_as_partial() {
         assert_eq!(
             next_event(&mut rx).await,
             SourceEvent::Record {
-                env_id: env_id.clone(),
+                env_id: env_id.clone().into(),
                 record: expected
             }
         );
@@ -203,9 +206,9 @@ async fn unsubscribe_stops_delivery() {
     let (source, mut rx) = source().await;
     let publisher = publisher().await;
     let (env_a, env_b) = (env(), env());
-    source.subscribe(&env_a);
-    source.subscribe(&env_a);
-    source.subscribe(&env_b);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_b));
     wait_confirmed(&source, &env_a, true).await;
     wait_confirmed(&source, &env_b, true).await;
     let before = full_record(&env_a, "before");
@@ -213,13 +216,13 @@ async fn unsubscribe_stops_delivery() {
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_a.clone(),
+            env_id: env_a.clone().into(),
             record: before
         }
     );
 
-    source.unsubscribe(&env_a);
-    source.unsubscribe(&env_a);
+    source.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
+    source.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
     assert_eq!(source.subscribed(), vec![env_b.clone()]);
     wait_confirmed(&source, &env_a, false).await;
     assert_eq!(
@@ -234,7 +237,7 @@ async fn unsubscribe_stops_delivery() {
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_b,
+            env_id: env_b.into(),
             record: fence
         }
     );
@@ -247,11 +250,11 @@ async fn subscribe_unsubscribe_burst_converges() {
     let publisher = publisher().await;
     let env_id = env();
     for _ in 0..10 {
-        source.subscribe(&env_id);
-        source.unsubscribe(&env_id);
+        source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
+        source.unsubscribe(&runfeed::protocol::EnvId::from(&env_id));
     }
     let other = env();
-    source.subscribe(&other);
+    source.subscribe(&runfeed::protocol::EnvId::from(&other));
     wait_confirmed(&source, &other, true).await;
     assert!(source.confirmed().iter().all(|e| e != &env_id));
     assert_eq!(
@@ -288,7 +291,7 @@ async fn reconnected_after_client_kill() {
     let (source, mut rx) = source().await;
     let publisher = publisher().await;
     let env_id = env();
-    source.subscribe(&env_id);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
     wait_confirmed(&source, &env_id, true).await;
     // No event for the initial connection.
     let first = full_record(&env_id, "first");
@@ -296,7 +299,7 @@ async fn reconnected_after_client_kill() {
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_id.clone(),
+            env_id: env_id.clone().into(),
             record: first
         }
     );
@@ -322,13 +325,15 @@ async fn reconnected_after_client_kill() {
     // The next event is the announcement: nothing else was published meanwhile.
     assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
     // Re-subscribed before the announcement: a publish right away is delivered.
-    assert!(source.confirmed().contains(&env_id));
+    assert!(source
+        .confirmed()
+        .contains(&runfeed::protocol::EnvId::from(&env_id)));
     let after = full_record(&env_id, "after");
     assert_eq!(publisher.publish(&after).await.expect("publish"), 1);
     assert_eq!(
         next_event(&mut rx).await,
         SourceEvent::Record {
-            env_id: env_id.clone(),
+            env_id: env_id.clone().into(),
             record: after
         }
     );
@@ -367,7 +372,7 @@ async fn unreachable_redis_does_not_hang() {
     assert!(publisher.expect("publisher returned").is_err());
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!source.is_connected());
-    source.subscribe("env_x");
+    source.subscribe(&runfeed::protocol::EnvId::from("env_x"));
     assert_eq!(source.subscribed(), vec!["env_x".to_string()]);
     assert!(source.confirmed().is_empty());
     source.shutdown().await;
@@ -401,7 +406,7 @@ async fn late_redis_is_connected_in_background() {
     .await
     .expect("connect is Ok while Redis is down");
     let env_id = env();
-    source.subscribe(&env_id);
+    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
 
     let _server = RedisServer(
         std::process::Command::new("redis-server")
@@ -420,7 +425,9 @@ async fn late_redis_is_connected_in_background() {
             .expect("spawn redis-server"),
     );
     assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
-    assert!(source.confirmed().contains(&env_id));
+    assert!(source
+        .confirmed()
+        .contains(&runfeed::protocol::EnvId::from(&env_id)));
     let publisher = Publisher::connect(&standalone(&url))
         .await
         .expect("publisher");
@@ -428,7 +435,10 @@ async fn late_redis_is_connected_in_background() {
     assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
     assert_eq!(
         next_event(&mut rx).await,
-        SourceEvent::Record { env_id, record }
+        SourceEvent::Record {
+            env_id: env_id.into(),
+            record
+        }
     );
     publisher.close().await;
     source.shutdown().await;

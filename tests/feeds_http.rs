@@ -2345,8 +2345,8 @@ async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
         srv.set_status(&run.id, "EXECUTING").await;
         let partial = runfeed::changes::ChangeRecord {
             v: 1,
-            run_id: run.id.clone(),
-            env_id: env.env_id.clone(),
+            run_id: run.id.clone().into(),
+            env_id: env.env_id.clone().into(),
             tags: None,
             batch_id: None,
             updated_at_ms: None,
@@ -2399,8 +2399,8 @@ async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
             .await;
         srv.publish(&runfeed::changes::ChangeRecord {
             v: 1,
-            run_id: other.id.clone(),
-            env_id: env.env_id.clone(),
+            run_id: other.id.clone().into(),
+            env_id: env.env_id.clone().into(),
             ..Default::default()
         })
         .await;
@@ -2538,7 +2538,9 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
     );
     let warm = srv.running().router.clone();
     wait_until(WAIT, "subscription confirmed", || {
-        warm.touch(&env.env_id).epoch != 0
+        warm.touch(&runfeed::protocol::EnvId::from(&env.env_id))
+            .epoch
+            != 0
     })
     .await;
     let slim = srv.fetch(&slim_url.snapshot(), &h).await;
@@ -2778,14 +2780,20 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     );
     let router = srv.running().router.clone();
     wait_until(WAIT, "subscription confirmed", || {
-        router.touch(&env.env_id).epoch != 0
+        router
+            .touch(&runfeed::protocol::EnvId::from(&env.env_id))
+            .epoch
+            != 0
     })
     .await;
     srv.wait_subscribed(&env.env_id).await;
     let peer_router = peer.running.router.clone();
     wait_until(WAIT, "peer subscription confirmed", || {
         // A touch returns a usable cursor once the subscription is confirmed.
-        peer_router.touch(&env.env_id).epoch != 0
+        peer_router
+            .touch(&runfeed::protocol::EnvId::from(&env.env_id))
+            .epoch
+            != 0
     })
     .await;
     tokio::time::sleep(Duration::from_millis(250)).await; // let the peer's stream age past the hop margin

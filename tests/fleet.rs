@@ -178,7 +178,10 @@ async fn hops_alternating_instances_miss_no_update() {
     ] {
         let router = router.clone();
         wait_until(WAIT, &format!("{name} subscription confirmed"), || {
-            router.touch(&env.env_id).epoch != 0
+            router
+                .touch(&runfeed::protocol::EnvId::from(&env.env_id))
+                .epoch
+                != 0
         })
         .await;
     }
@@ -798,7 +801,10 @@ async fn hop_right_after_a_change_holds_instead_of_redelivering() {
     for router in [&srv.running().router, &peer.running.router] {
         let router = router.clone();
         wait_until(WAIT, "subscription confirmed", || {
-            router.touch(&env.env_id).epoch != 0
+            router
+                .touch(&runfeed::protocol::EnvId::from(&env.env_id))
+                .epoch
+                != 0
         })
         .await;
     }

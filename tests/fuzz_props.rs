@@ -52,7 +52,7 @@ fn check_handle(s: &str) {
     let (a, b) = s.split_at(mid);
     let claims = HandleClaims {
         kind: [FeedKind::Run, FeedKind::Tag, FeedKind::Batch][s.len() % 3],
-        env_id: a.to_string(),
+        env_id: a.to_string().into(),
         target: b.to_string(),
         floor_ms: s.len().is_multiple_of(2).then_some(s.len() as i64),
         columns: s.len() as u32,

@@ -156,14 +156,16 @@ fn mint(key: &str, env_id: &str, scopes: &[&str], ttl: Duration) -> String {
 }
 
 fn forged_handle(secret: &str, kind: FeedKind, env_id: &str, target: &str) -> String {
-    HandleKey::new(secret.as_bytes()).mint(&HandleClaims {
-        kind,
-        env_id: env_id.to_string(),
-        target: target.to_string(),
-        floor_ms: None,
-        columns: 0,
-        nonce: 7,
-    })
+    HandleKey::new(secret.as_bytes())
+        .mint(&HandleClaims {
+            kind,
+            env_id: env_id.to_string().into(),
+            target: target.to_string(),
+            floor_ms: None,
+            columns: 0,
+            nonce: 7,
+        })
+        .to_string()
 }
 
 fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {

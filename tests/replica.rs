@@ -931,10 +931,10 @@ async fn update_workload(
         crowd.mark_published(&run.id, ms);
         let record = ChangeRecord {
             v: 1,
-            run_id: run.id.clone(),
-            env_id: fx.env.env_id.clone(),
+            run_id: run.id.clone().into(),
+            env_id: fx.env.env_id.clone().into(),
             tags: Some(vec![TAG.to_string()]),
-            batch_id: Some(fx.batch_id.clone()),
+            batch_id: Some(fx.batch_id.clone().into()),
             updated_at_ms: Some(ms),
         };
         let published_at = Instant::now();
@@ -1138,10 +1138,10 @@ async fn created_run_appears_in_tag_and_batch_feeds_without_backstop_body(base: 
             .await;
         let record = ChangeRecord {
             v: 1,
-            run_id: run.id.clone(),
-            env_id: fx.env.env_id.clone(),
+            run_id: run.id.clone().into(),
+            env_id: fx.env.env_id.clone().into(),
             tags: Some(vec![tag.to_string()]),
-            batch_id: Some(fx.batch_id.clone()),
+            batch_id: Some(fx.batch_id.clone().into()),
             updated_at_ms: None,
         };
         let published_at = Instant::now();
@@ -1306,10 +1306,10 @@ async fn paused_replica_degrades_freshness_not_liveness_body(base: String) {
         crowd.commit(&run.id, ms, Some(metadata));
         let record = ChangeRecord {
             v: 1,
-            run_id: run.id.clone(),
-            env_id: fx.env.env_id.clone(),
+            run_id: run.id.clone().into(),
+            env_id: fx.env.env_id.clone().into(),
             tags: Some(vec![TAG.to_string()]),
-            batch_id: Some(fx.batch_id.clone()),
+            batch_id: Some(fx.batch_id.clone().into()),
             updated_at_ms: Some(ms),
         };
         rig.srv.publish(&record).await;
@@ -1327,10 +1327,10 @@ async fn paused_replica_degrades_freshness_not_liveness_body(base: String) {
                 .await;
             let record = ChangeRecord {
                 v: 1,
-                run_id: new_run.id.clone(),
-                env_id: fx.env.env_id.clone(),
+                run_id: new_run.id.clone().into(),
+                env_id: fx.env.env_id.clone().into(),
                 tags: Some(vec![TAG.to_string()]),
-                batch_id: Some(fx.batch_id.clone()),
+                batch_id: Some(fx.batch_id.clone().into()),
                 updated_at_ms: None,
             };
             rig.srv.publish(&record).await;

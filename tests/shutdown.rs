@@ -294,8 +294,8 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
         publisher
             .publish(&ChangeRecord {
                 v: 1,
-                run_id: run.id.clone(),
-                env_id: env.env_id.clone(),
+                run_id: run.id.clone().into(),
+                env_id: env.env_id.clone().into(),
                 tags: None,
                 batch_id: None,
                 updated_at_ms: None,

@@ -246,7 +246,7 @@ async fn run_at(pool: &PgPool, id: &str, env: &str, created_at: &str, tags: Opti
 }
 
 fn ids(rows: &[runfeed::protocol::RunRow]) -> Vec<String> {
-    rows.iter().map(|r| r.id.clone()).collect()
+    rows.iter().map(|r| r.id.to_string()).collect()
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -401,7 +401,14 @@ async fn hydrate_is_one_query_for_many_ids_and_scoped_to_the_env() {
     let store = db.store();
     let before = store.query_count();
     let rows = store
-        .hydrate("env_a", &wanted, ColumnSet::ALL)
+        .hydrate(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &wanted
+                .iter()
+                .map(|w| runfeed::protocol::RunId::from(w.as_str()))
+                .collect::<Vec<_>>(),
+            ColumnSet::ALL,
+        )
         .await
         .expect("hydrate");
     assert_eq!(
@@ -416,14 +423,22 @@ async fn hydrate_is_one_query_for_many_ids_and_scoped_to_the_env() {
 
     let before = store.query_count();
     assert!(store
-        .hydrate("env_a", &[], ColumnSet::ALL)
+        .hydrate(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &[],
+            ColumnSet::ALL
+        )
         .await
         .expect("empty")
         .is_empty());
     assert_eq!(store.query_count(), before, "no ids → no query");
 
     let rows = store
-        .hydrate("env_b", &["a00".to_string()], ColumnSet::ALL)
+        .hydrate(
+            &runfeed::protocol::EnvId::from("env_b"),
+            &["a00".to_string().into()],
+            ColumnSet::ALL,
+        )
         .await
         .expect("hydrate b");
     assert!(rows.is_empty());
@@ -453,7 +468,11 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
 
     let cols = ColumnSet::from_skip_list(&["payload", "output", "runTags", "updatedAt"]);
     let row = store
-        .hydrate("env_a", &["r1".to_string()], cols)
+        .hydrate(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &["r1".to_string().into()],
+            cols,
+        )
         .await
         .expect("hydrate")
         .pop()
@@ -471,7 +490,11 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
     assert_eq!(row.status, "PENDING");
 
     let full = store
-        .read_run("env_a", "r1", ColumnSet::ALL)
+        .read_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::RunId::from("r1"),
+            ColumnSet::ALL,
+        )
         .await
         .expect("read")
         .expect("found");
@@ -479,12 +502,20 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
     assert_eq!(full.output.as_deref(), Some("out"));
     assert_eq!(full.realtime_streams, Some(vec![]));
     assert!(store
-        .read_run("env_b", "r1", ColumnSet::ALL)
+        .read_run(
+            &runfeed::protocol::EnvId::from("env_b"),
+            &runfeed::protocol::RunId::from("r1"),
+            ColumnSet::ALL
+        )
         .await
         .expect("read")
         .is_none());
     assert!(store
-        .read_run("env_a", "nope", ColumnSet::ALL)
+        .read_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::RunId::from("nope"),
+            ColumnSet::ALL
+        )
         .await
         .expect("read")
         .is_none());
@@ -558,7 +589,13 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
 
     let before = store.query_count();
     let rows = store
-        .resolve_tag_set("env_a", &tags, floor, 1000, ColumnSet::ALL)
+        .resolve_tag_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &tags,
+            floor,
+            1000,
+            ColumnSet::ALL,
+        )
         .await
         .expect("resolve");
     assert_eq!(store.query_count() - before, 1);
@@ -569,14 +606,26 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
     );
 
     let rows = store
-        .resolve_tag_set("env_a", &tags, floor, 2, ColumnSet::ALL)
+        .resolve_tag_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &tags,
+            floor,
+            2,
+            ColumnSet::ALL,
+        )
         .await
         .expect("cap");
     assert_eq!(ids(&rows), vec!["ab_tie_y", "ab_tie_x"]);
 
     // No tags: every run of the env (including NULL runTags) above the floor.
     let rows = store
-        .resolve_tag_set("env_a", &[], floor, 1000, ColumnSet::ALL)
+        .resolve_tag_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &[],
+            floor,
+            1000,
+            ColumnSet::ALL,
+        )
         .await
         .expect("all");
     assert_eq!(
@@ -585,7 +634,13 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
     );
 
     let rows = store
-        .resolve_tag_set("env_a", &["zzz".to_string()], 0, 1000, ColumnSet::ALL)
+        .resolve_tag_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &["zzz".to_string()],
+            0,
+            1000,
+            ColumnSet::ALL,
+        )
         .await
         .expect("none");
     assert!(rows.is_empty());
@@ -628,17 +683,32 @@ async fn resolve_batch_set_uses_internal_batch_id_env_scoped_newest_first() {
     run_at(p, "loose", "env_a", "2024-01-01 00:00:00.000", None).await;
     let store = db.store();
     let rows = store
-        .resolve_batch_set("env_a", "bi_1", 1000, ColumnSet::ALL)
+        .resolve_batch_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::BatchId::from("bi_1"),
+            1000,
+            ColumnSet::ALL,
+        )
         .await
         .expect("batch");
     assert_eq!(ids(&rows), vec!["r2", "r3", "r1"]);
     let rows = store
-        .resolve_batch_set("env_a", "bi_1", 1, ColumnSet::ALL)
+        .resolve_batch_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::BatchId::from("bi_1"),
+            1,
+            ColumnSet::ALL,
+        )
         .await
         .expect("cap");
     assert_eq!(ids(&rows), vec!["r2"]);
     assert!(store
-        .resolve_batch_set("env_a", "batch_one", 10, ColumnSet::ALL)
+        .resolve_batch_set(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::BatchId::from("batch_one"),
+            10,
+            ColumnSet::ALL
+        )
         .await
         .expect("friendly")
         .is_empty());
@@ -665,7 +735,10 @@ async fn find_run_returns_batch_friendly_id_and_find_batch_is_env_scoped() {
     let store = db.store();
 
     let run = store
-        .find_run("env_a", "run_r1")
+        .find_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::FriendlyRunId::from("run_r1"),
+        )
         .await
         .expect("find")
         .expect("found");
@@ -676,7 +749,10 @@ async fn find_run_returns_batch_friendly_id_and_find_batch_is_env_scoped() {
     assert_eq!(run.batch_friendly_id.as_deref(), Some("batch_one"));
 
     let run = store
-        .find_run("env_a", "run_r2")
+        .find_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::FriendlyRunId::from("run_r2"),
+        )
         .await
         .expect("find")
         .expect("found");
@@ -685,26 +761,42 @@ async fn find_run_returns_batch_friendly_id_and_find_batch_is_env_scoped() {
 
     assert!(
         store
-            .find_run("env_b", "run_r1")
+            .find_run(
+                &runfeed::protocol::EnvId::from("env_b"),
+                &runfeed::protocol::FriendlyRunId::from("run_r1")
+            )
             .await
             .expect("find")
             .is_none(),
         "other env → not found"
     );
     assert!(
-        store.find_run("env_a", "r1").await.expect("find").is_none(),
+        store
+            .find_run(
+                &runfeed::protocol::EnvId::from("env_a"),
+                &runfeed::protocol::FriendlyRunId::from("r1")
+            )
+            .await
+            .expect("find")
+            .is_none(),
         "internal id is not a friendly id"
     );
 
     let batch = store
-        .find_batch("env_a", "batch_one")
+        .find_batch(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::FriendlyBatchId::from("batch_one"),
+        )
         .await
         .expect("batch")
         .expect("found");
     assert_eq!(batch.id, "bi_1");
     assert_eq!(batch.friendly_id, "batch_one");
     assert!(store
-        .find_batch("env_b", "batch_one")
+        .find_batch(
+            &runfeed::protocol::EnvId::from("env_b"),
+            &runfeed::protocol::FriendlyBatchId::from("batch_one")
+        )
         .await
         .expect("batch")
         .is_none());
@@ -728,7 +820,10 @@ async fn find_run_and_batch_fall_back_to_primary_on_replica_miss() {
 
     let before = store.query_count();
     assert!(store
-        .find_run("env_a", "run_r1")
+        .find_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::FriendlyRunId::from("run_r1")
+        )
         .await
         .expect("find")
         .is_some());
@@ -738,18 +833,29 @@ async fn find_run_and_batch_fall_back_to_primary_on_replica_miss() {
         "replica miss, then primary"
     );
     assert!(store
-        .find_batch("env_a", "batch_one")
+        .find_batch(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::FriendlyBatchId::from("batch_one")
+        )
         .await
         .expect("find")
         .is_some());
     assert!(store
-        .read_run("env_a", "r1", ColumnSet::ALL)
+        .read_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::RunId::from("r1"),
+            ColumnSet::ALL
+        )
         .await
         .expect("read")
         .is_some());
     // Set reads are replica-only: nothing there yet.
     assert!(store
-        .hydrate("env_a", &["r1".to_string()], ColumnSet::ALL)
+        .hydrate(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &["r1".to_string().into()],
+            ColumnSet::ALL
+        )
         .await
         .expect("hydrate")
         .is_empty());
@@ -770,7 +876,11 @@ async fn timestamps_round_trip_to_the_exact_millisecond() {
     .expect("update");
     let store = db.store();
     let row = store
-        .read_run("env_a", "r1", ColumnSet::ALL)
+        .read_run(
+            &runfeed::protocol::EnvId::from("env_a"),
+            &runfeed::protocol::RunId::from("r1"),
+            ColumnSet::ALL,
+        )
         .await
         .expect("read")
         .expect("row");
@@ -813,8 +923,12 @@ async fn error_jsonb_keeps_jsonb_key_order_and_serializes_compactly() {
     let store = db.store();
     let rows = store
         .hydrate(
-            "env_a",
-            &["r1".to_string(), "r2".to_string(), "r3".to_string()],
+            &runfeed::protocol::EnvId::from("env_a"),
+            &[
+                "r1".to_string().into(),
+                "r2".to_string().into(),
+                "r3".to_string().into(),
+            ],
             ColumnSet::ALL,
         )
         .await
@@ -943,7 +1057,10 @@ async fn revoked_key_works_within_grace_and_not_after_expiry() {
         .expect("lookup")
         .is_none());
     assert_eq!(
-        store.revoked_keys("env_p").await.expect("keys"),
+        store
+            .revoked_keys(&runfeed::protocol::EnvId::from("env_p"))
+            .await
+            .expect("keys"),
         vec![OLD_KEY.to_string()]
     );
 
@@ -1107,7 +1224,7 @@ async fn branch_env_public_token_verifies_with_the_parent_key() {
     .await;
     let store = db.store();
     let child = store
-        .env_by_id("env_child")
+        .env_by_id(&runfeed::protocol::EnvId::from("env_child"))
         .await
         .expect("lookup")
         .expect("child");

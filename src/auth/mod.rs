@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use moka::future::Cache;
 
+use crate::protocol::EnvId;
 use crate::store::{EnvRecord, EnvStore, StoreError};
 
 pub mod jwt;
@@ -25,7 +26,7 @@ pub use scope::{batch_route_resources, parse_scope, run_route_resources, runs_li
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AuthedEnv {
     /// Internal `"RuntimeEnvironment".id`; every run/batch lookup is scoped to it.
-    pub id: String,
+    pub id: EnvId,
     pub organization_id: String,
     pub project_id: String,
     /// `PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`.
@@ -135,9 +136,9 @@ const CACHE_MAX_ENTRIES: u64 = 10_000;
 struct Caches {
     by_api_key: Cache<String, Option<EnvRecord>>,
     by_revoked_key: Cache<String, Option<EnvRecord>>,
-    by_id: Cache<String, Option<EnvRecord>>,
-    branch: Cache<(String, String), Option<EnvRecord>>,
-    revoked_keys: Cache<String, Vec<String>>,
+    by_id: Cache<EnvId, Option<EnvRecord>>,
+    branch: Cache<(EnvId, String), Option<EnvRecord>>,
+    revoked_keys: Cache<EnvId, Vec<String>>,
 }
 
 /// Found environments by id (the public-token path) live `found`, misses `missing`.
@@ -146,10 +147,10 @@ struct FoundLongerExpiry {
     missing: Duration,
 }
 
-impl moka::Expiry<String, Option<EnvRecord>> for FoundLongerExpiry {
+impl moka::Expiry<EnvId, Option<EnvRecord>> for FoundLongerExpiry {
     fn expire_after_create(
         &self,
-        _key: &String,
+        _key: &EnvId,
         value: &Option<EnvRecord>,
         _created_at: std::time::Instant,
     ) -> Option<Duration> {
@@ -321,7 +322,8 @@ impl Authenticator {
         if sub.is_empty() {
             return Err(AuthError::PublicTokenEnvNotFound);
         }
-        let env = match self.env_by_id(sub).await? {
+        // The token's `sub` names the environment: parsed here, once.
+        let env = match self.env_by_id(&EnvId::new(sub)).await? {
             Some(env) if !env.project_deleted => env,
             _ => return Err(AuthError::PublicTokenEnvNotFound),
         };
@@ -332,8 +334,8 @@ impl Authenticator {
             Err(VerifyFailure::Invalid) => return Err(AuthError::InvalidPublicToken),
             Err(VerifyFailure::Signature) => {
                 let signing_env_id = match (&env.parent_api_key, &env.parent_environment_id) {
-                    (Some(_), Some(parent_id)) => parent_id.as_str(),
-                    _ => env.id.as_str(),
+                    (Some(_), Some(parent_id)) => parent_id,
+                    _ => &env.id,
                 };
                 let mut verified = None;
                 for key in self.revoked_keys(signing_env_id).await? {
@@ -402,24 +404,24 @@ impl Authenticator {
         cached(cache, key.to_string(), self.store.env_by_revoked_key(key)).await
     }
 
-    async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_id);
-        cached(cache, id.to_string(), self.store.env_by_id(id)).await
+        cached(cache, id.clone(), self.store.env_by_id(id)).await
     }
 
     async fn branch_env(
         &self,
-        parent_id: &str,
+        parent_id: &EnvId,
         branch: &str,
     ) -> Result<Option<EnvRecord>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.branch);
-        let key = (parent_id.to_string(), branch.to_string());
+        let key = (parent_id.clone(), branch.to_string());
         cached(cache, key, self.store.branch_env(parent_id, branch)).await
     }
 
-    async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+    async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.revoked_keys);
-        cached(cache, env_id.to_string(), self.store.revoked_keys(env_id)).await
+        cached(cache, env_id.clone(), self.store.revoked_keys(env_id)).await
     }
 }
 
@@ -507,19 +509,19 @@ mod tests {
                     .cloned()
             }))
         }
-        async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+        async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
             Ok(self
                 .envs
                 .lock()
                 .unwrap()
                 .iter()
-                .find(|e| e.id == id)
+                .find(|e| &e.id == id)
                 .cloned())
         }
         async fn branch_env(
             &self,
-            parent_id: &str,
+            parent_id: &EnvId,
             branch: &str,
         ) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
@@ -535,14 +537,14 @@ mod tests {
                 })
                 .cloned())
         }
-        async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+        async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
             Ok(self
                 .revoked
                 .lock()
                 .unwrap()
                 .iter()
-                .filter(|(e, _)| e == env_id)
+                .filter(|(e, _)| e == env_id.as_str())
                 .map(|(_, k)| k.clone())
                 .collect())
         }

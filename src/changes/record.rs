@@ -11,6 +11,8 @@
 
 use serde_json::{Map, Value};
 
+use crate::protocol::{BatchId, EnvId, RunId};
+
 /// One change record. Ids are INTERNAL ids (`"TaskRun".id`, `"RuntimeEnvironment".id`,
 /// `"BatchTaskRun".id`).
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -18,14 +20,14 @@ pub struct ChangeRecord {
     /// Record version; 1 for everything trigger publishes, 0 for degraded decodes.
     pub v: u32,
     /// Internal `"TaskRun".id`; for a degraded decode the whole raw message.
-    pub run_id: String,
+    pub run_id: RunId,
     /// May be `""` (degraded decode); the channel name is authoritative.
-    pub env_id: String,
+    pub env_id: EnvId,
     /// `Some` (even empty) = a "full" record whose membership can be classified locally;
     /// `None` = "partial": tag feeds must hydrate to classify.
     pub tags: Option<Vec<String>>,
     /// Internal batch id; `null` and absent both decode to `None`.
-    pub batch_id: Option<String>,
+    pub batch_id: Option<BatchId>,
     /// Epoch ms of the committed `updatedAt` (read-your-writes watermark), when the publish site
     /// supplied it.
     pub updated_at_ms: Option<i64>,
@@ -48,7 +50,7 @@ impl ChangeRecord {
     fn degraded(payload: &[u8]) -> ChangeRecord {
         ChangeRecord {
             v: 0,
-            run_id: String::from_utf8_lossy(payload).into_owned(),
+            run_id: RunId::from(String::from_utf8_lossy(payload).into_owned()),
             ..ChangeRecord::default()
         }
     }
@@ -75,17 +77,10 @@ impl ChangeRecord {
         };
         ChangeRecord {
             v: obj.get("v").and_then(number_as_u32).unwrap_or(0),
-            run_id: run_id.to_owned(),
-            env_id: obj
-                .get("envId")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned(),
+            run_id: RunId::new(run_id),
+            env_id: EnvId::new(obj.get("envId").and_then(Value::as_str).unwrap_or("")),
             tags: obj.get("tags").and_then(string_array),
-            batch_id: obj
-                .get("batchId")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            batch_id: obj.get("batchId").and_then(Value::as_str).map(BatchId::new),
             updated_at_ms: obj.get("updatedAtMs").and_then(number_as_i64),
         }
     }
@@ -302,7 +297,7 @@ mod tests {
                 r,
                 ChangeRecord {
                     v: 0,
-                    run_id: text,
+                    run_id: text.into(),
                     ..Default::default()
                 },
                 "{raw:?}"
@@ -413,10 +408,10 @@ mod tests {
             .prop_map(
                 |(run_id, env_id, tags, batch_id, updated_at_ms)| ChangeRecord {
                     v: 1,
-                    run_id,
-                    env_id,
+                    run_id: run_id.into(),
+                    env_id: env_id.into(),
                     tags,
-                    batch_id,
+                    batch_id: batch_id.map(Into::into),
                     updated_at_ms,
                 },
             )

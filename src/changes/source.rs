@@ -9,21 +9,19 @@ use std::sync::{Mutex, MutexGuard};
 use tokio::sync::mpsc;
 
 use super::ChangeRecord;
+use crate::protocol::EnvId;
 
 /// What a change source reports to its consumer (the router).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SourceEvent {
     /// A record arrived on `realtime:env:{env_id}` (`env_id` taken from the channel name).
-    Record {
-        env_id: String,
-        record: ChangeRecord,
-    },
+    Record { env_id: EnvId, record: ChangeRecord },
     /// The subscription of `env_id` requested by the [`ChangeSource::subscribe`] call that
     /// returned `generation` is confirmed by Redis: records published from now on are delivered.
     /// Replay coverage starts here, not at the subscribe call (a record published between the
     /// two would otherwise be lost while a cursor claims it was covered). The generation lets a
     /// consumer ignore a late confirmation of an earlier subscription of the same env.
-    Subscribed { env_id: String, generation: u64 },
+    Subscribed { env_id: EnvId, generation: u64 },
     /// The subscriber connection was re-established: records published while it was down are
     /// lost, so every subscribed environment has a gap.
     Reconnected,
@@ -35,9 +33,9 @@ pub enum SourceEvent {
 pub trait ChangeSource: Send + Sync + 'static {
     /// Start receiving records of `env_id`. Returns this request's generation (unique per
     /// source, increasing); the matching [`SourceEvent::Subscribed`] carries it.
-    fn subscribe(&self, env_id: &str) -> u64;
+    fn subscribe(&self, env_id: &EnvId) -> u64;
     /// Stop receiving records of `env_id`.
-    fn unsubscribe(&self, env_id: &str);
+    fn unsubscribe(&self, env_id: &EnvId);
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -51,7 +49,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// In-memory source: [`MemoryChangeSource::push`] delivers a record iff its env is subscribed.
 pub struct MemoryChangeSource {
     tx: mpsc::UnboundedSender<SourceEvent>,
-    subscribed: Mutex<BTreeSet<String>>,
+    subscribed: Mutex<BTreeSet<EnvId>>,
     generations: AtomicU64,
 }
 
@@ -67,13 +65,13 @@ impl MemoryChangeSource {
 
     /// Delivers `record` on env `env_id` if subscribed; returns whether it was delivered
     /// (`false` also when the consumer is gone).
-    pub fn push(&self, env_id: &str, record: ChangeRecord) -> bool {
+    pub fn push(&self, env_id: &EnvId, record: ChangeRecord) -> bool {
         if !lock(&self.subscribed).contains(env_id) {
             return false;
         }
         self.tx
             .send(SourceEvent::Record {
-                env_id: env_id.to_owned(),
+                env_id: env_id.clone(),
                 record,
             })
             .is_ok()
@@ -85,23 +83,23 @@ impl MemoryChangeSource {
     }
 
     /// Currently subscribed environments (sorted).
-    pub fn subscribed(&self) -> Vec<String> {
+    pub fn subscribed(&self) -> Vec<EnvId> {
         lock(&self.subscribed).iter().cloned().collect()
     }
 }
 
 impl ChangeSource for MemoryChangeSource {
-    fn subscribe(&self, env_id: &str) -> u64 {
+    fn subscribe(&self, env_id: &EnvId) -> u64 {
         // In memory a subscription is active at once.
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        lock(&self.subscribed).insert(env_id.to_owned());
+        lock(&self.subscribed).insert(env_id.clone());
         let _ = self.tx.send(SourceEvent::Subscribed {
-            env_id: env_id.to_owned(),
+            env_id: env_id.clone(),
             generation,
         });
         generation
     }
-    fn unsubscribe(&self, env_id: &str) {
+    fn unsubscribe(&self, env_id: &EnvId) {
         lock(&self.subscribed).remove(env_id);
     }
 }
@@ -123,13 +121,13 @@ mod tests {
     fn memory_source_delivers_only_subscribed() {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let s = MemoryChangeSource::new(tx);
-        assert!(!s.push("e", rec("r0")));
-        s.subscribe("e");
-        s.subscribe("e"); // idempotent
-        s.subscribe("a");
+        assert!(!s.push(&crate::protocol::EnvId::from("e"), rec("r0")));
+        s.subscribe(&crate::protocol::EnvId::from("e"));
+        s.subscribe(&crate::protocol::EnvId::from("e")); // idempotent
+        s.subscribe(&crate::protocol::EnvId::from("a"));
         assert_eq!(s.subscribed(), vec!["a".to_string(), "e".to_string()]);
-        assert!(s.push("e", rec("r1")));
-        assert!(!s.push("b", rec("r2")));
+        assert!(s.push(&crate::protocol::EnvId::from("e"), rec("r1")));
+        assert!(!s.push(&crate::protocol::EnvId::from("b"), rec("r2")));
         for (generation, env) in ["e", "e", "a"].into_iter().enumerate() {
             let generation = generation as u64 + 1;
             assert_eq!(
@@ -148,9 +146,9 @@ mod tests {
             })
         );
         assert!(rx.try_recv().is_err());
-        s.unsubscribe("e");
-        s.unsubscribe("e");
-        assert!(!s.push("e", rec("r3")));
+        s.unsubscribe(&crate::protocol::EnvId::from("e"));
+        s.unsubscribe(&crate::protocol::EnvId::from("e"));
+        assert!(!s.push(&crate::protocol::EnvId::from("e"), rec("r3")));
         s.reconnect();
         assert_eq!(rx.try_recv().ok(), Some(SourceEvent::Reconnected));
         assert_eq!(s.subscribed(), vec!["a".to_string()]);

@@ -7,6 +7,7 @@ use clap::Args;
 
 use crate::changes::record::channel_name;
 use crate::changes::ChangeRecord;
+use crate::protocol::{BatchId, EnvId, RunId};
 use crate::redis::{Publisher, RedisOptions};
 
 /// `runfeed publish --env ENV_ID --run RUN_ID [--tags a,b] [--batch BATCH_ID] [--updated-at-ms N]`.
@@ -53,10 +54,10 @@ pub fn parse_tags(value: &str) -> Vec<String> {
 pub fn record_of(args: &PublishArgs) -> ChangeRecord {
     ChangeRecord {
         v: 1,
-        run_id: args.run.clone(),
-        env_id: args.env.clone(),
+        run_id: RunId::new(&args.run),
+        env_id: EnvId::new(&args.env),
         tags: args.tags.as_deref().map(parse_tags),
-        batch_id: args.batch.clone(),
+        batch_id: args.batch.as_deref().map(BatchId::new),
         updated_at_ms: args.updated_at_ms,
     }
 }

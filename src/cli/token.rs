@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 
+use crate::protocol::EnvId;
 use crate::store::{EnvStore, PgStore};
 
 /// `runfeed token --env ENV_ID --scope SCOPE… [--ttl 15m]`.
@@ -52,7 +53,7 @@ pub async fn run(args: TokenArgs) -> anyhow::Result<()> {
         PgStore::connect_lazy(&args.db.database_url, None).context("connect to Postgres")?,
     );
     let env = store
-        .env_by_id(&args.env)
+        .env_by_id(&EnvId::new(&args.env))
         .await
         .with_context(|| format!("look up environment {}", args.env))?
         .with_context(|| format!("no environment with id {:?} in the database", args.env))?;

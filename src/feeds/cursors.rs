@@ -3,6 +3,7 @@
 //! neither re-reads the whole feed nor re-sends what the client has.
 
 use crate::feeds::diff::Version;
+use crate::protocol::RunId;
 use crate::router::ReplayCursor;
 
 /// At most this many recent run versions travel with a cursor.
@@ -10,7 +11,7 @@ pub const RECENT_MAX: usize = 64;
 
 /// `instance:epoch:seq:wall_ms` (instance in hex), then `;run,ms,hash` per recent run version
 /// (runs whose id contains `;` or `,` are left out).
-pub fn encode(cursor: &ReplayCursor, recent: &[(String, Version)]) -> String {
+pub fn encode(cursor: &ReplayCursor, recent: &[(RunId, Version)]) -> String {
     let mut out = format!(
         "{:x}:{}:{}:{}",
         cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms
@@ -23,7 +24,7 @@ pub fn encode(cursor: &ReplayCursor, recent: &[(String, Version)]) -> String {
     out
 }
 
-pub fn decode(value: &str) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
+pub fn decode(value: &str) -> Option<(ReplayCursor, Vec<(RunId, Version)>)> {
     let mut sections = value.split(';');
     let cursor = decode_cursor(sections.next()?)?;
     let mut recent = Vec::new();
@@ -37,7 +38,7 @@ pub fn decode(value: &str) -> Option<(ReplayCursor, Vec<(String, Version)>)> {
             ms: ms.parse().ok()?,
             hash: u64::from_str_radix(hash, 16).ok()?,
         };
-        recent.push((id.to_string(), version));
+        recent.push((RunId::new(id), version));
     }
     Some((cursor, recent))
 }
@@ -73,8 +74,8 @@ mod tests {
         };
         assert_eq!(decode(&encode(&c, &[])), Some((c, vec![])));
         let recent = vec![
-            ("run1".to_string(), Version { ms: 5, hash: 0xabc }),
-            ("bad;id".to_string(), Version { ms: 1, hash: 1 }),
+            (RunId::from("run1"), Version { ms: 5, hash: 0xabc }),
+            (RunId::from("bad;id"), Version { ms: 1, hash: 1 }),
         ];
         assert_eq!(
             decode(&encode(&c, &recent)),

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use crate::protocol::body::Operation;
-use crate::protocol::SerializedRow;
+use crate::protocol::{RunId, SerializedRow};
 
 /// The version of a run a client has: `updatedAt` ms plus the serialized value's hash, so two
 /// different versions written in the same millisecond are still told apart.
@@ -35,7 +35,7 @@ impl Version {
 }
 
 /// Run id → version, shared structurally between a connection's successive responses.
-pub type WorkingSet = imbl::HashMap<String, Version>;
+pub type WorkingSet = imbl::HashMap<RunId, Version>;
 
 /// What the server knows the client has.
 #[derive(Clone, Debug)]
@@ -57,7 +57,7 @@ pub enum Known {
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
 #[derive(Debug, Default)]
 pub struct Pending {
-    rows: HashMap<String, SerializedRow>,
+    rows: HashMap<RunId, SerializedRow>,
 }
 
 impl Pending {
@@ -110,7 +110,7 @@ impl Pending {
     }
 
     /// The runs collected.
-    pub fn run_ids(&self) -> impl Iterator<Item = &String> {
+    pub fn run_ids(&self) -> impl Iterator<Item = &RunId> {
         self.rows.keys()
     }
 

@@ -26,7 +26,7 @@ use crate::protocol::encode::schema_header;
 use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
-use crate::protocol::{ColumnSet, SerializedRow};
+use crate::protocol::{ColumnSet, EnvId, Handle, RunId, SerializedRow};
 use crate::redis::{CursorStats, CursorStore};
 use crate::router::{FeedFilter, Registration, ReplayCursor, Router};
 use crate::store::RunStore;
@@ -39,12 +39,12 @@ pub use sets::{ReadError, RunSet, Sets, Target};
 #[derive(Clone, Debug)]
 pub struct FeedRequest {
     /// Internal environment id.
-    pub env_id: String,
+    pub env_id: EnvId,
     pub target: Target,
     pub cols: ColumnSet,
     pub offset: OffsetParam,
     /// `handle` (or legacy `shape_id`).
-    pub handle: Option<String>,
+    pub handle: Option<Handle>,
     /// `live=true`.
     pub live: bool,
     /// The client's `cursor` parameter.
@@ -70,7 +70,7 @@ pub enum FeedError {
     /// The handle was not issued by this server for this feed and environment (or the state
     /// it needs is gone): 409 must-refetch with a fresh handle.
     #[error("must refetch")]
-    MustRefetch { handle: String },
+    MustRefetch { handle: Handle },
     /// `offset` other than -1 without a handle.
     #[error("offset {0} requires a handle")]
     HandleRequired(String),
@@ -90,10 +90,10 @@ pub struct ConnState {
     pub prev: Option<Offset>,
     /// Versions of the runs the latest responses carried (shared with the cursor, so another
     /// instance does not re-send them on a hop).
-    pub recent: Vec<(String, Version)>,
+    pub recent: Vec<(RunId, Version)>,
 }
 
-type ConnKey = (String, String, Offset);
+type ConnKey = (EnvId, Handle, Offset);
 
 /// The feeds service.
 pub struct Feeds {
@@ -211,7 +211,7 @@ impl Feeds {
             OffsetParam::Initial => return Box::pin(self.snapshot(&req)).await,
             OffsetParam::At(offset) => offset,
         };
-        let Some(handle) = req.handle.as_deref() else {
+        let Some(handle) = req.handle.as_ref() else {
             return Err(FeedError::HandleRequired(offset.to_string()));
         };
         let claims = self.verify(&req, handle)?;
@@ -229,9 +229,9 @@ impl Feeds {
 
     fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {
         let (kind, target) = match &req.target {
-            Target::Run { run_id } => (FeedKind::Run, run_id.clone()),
+            Target::Run { run_id } => (FeedKind::Run, run_id.to_string()),
             Target::Tag { tags, .. } => (FeedKind::Tag, filter_digest(tags)),
-            Target::Batch { batch_id } => (FeedKind::Batch, batch_id.clone()),
+            Target::Batch { batch_id } => (FeedKind::Batch, batch_id.to_string()),
         };
         HandleClaims {
             kind,
@@ -243,7 +243,7 @@ impl Feeds {
         }
     }
 
-    fn verify(&self, req: &FeedRequest, handle: &str) -> Result<HandleClaims, FeedError> {
+    fn verify(&self, req: &FeedRequest, handle: &Handle) -> Result<HandleClaims, FeedError> {
         let expected = self.claims_for(req, None);
         match self.handles.verify(handle) {
             Ok(claims)
@@ -296,7 +296,7 @@ impl Feeds {
     fn reply(
         &self,
         req: &FeedRequest,
-        handle: String,
+        handle: Handle,
         offset: Offset,
         changes: &[(Operation, SerializedRow)],
         schema: bool,
@@ -322,26 +322,26 @@ impl Feeds {
         }
     }
 
-    fn record(&self, req: &FeedRequest, handle: &str, offset: Offset, state: ConnState) {
+    fn record(&self, req: &FeedRequest, handle: &Handle, offset: Offset, state: ConnState) {
         if let Some(store) = &self.cursors {
             let value = cursors::encode(&state.cursor, &state.recent);
             store.set(&req.env_id, handle, &offset.to_string(), value);
         }
         self.conns.insert(
-            (req.env_id.clone(), handle.to_string(), offset),
+            (req.env_id.clone(), handle.clone(), offset),
             Arc::new(state),
         );
     }
 
-    async fn lookup(&self, req: &FeedRequest, handle: &str, offset: Offset) -> Resume {
+    async fn lookup(&self, req: &FeedRequest, handle: &Handle, offset: Offset) -> Resume {
         let state = self
             .conns
-            .get(&(req.env_id.clone(), handle.to_string(), offset));
+            .get(&(req.env_id.clone(), handle.clone(), offset));
         if let Some(state) = &state {
             if let Some(prev) = state.prev {
                 // The client has moved past `prev`: its state can go.
                 self.conns
-                    .invalidate(&(req.env_id.clone(), handle.to_string(), prev));
+                    .invalidate(&(req.env_id.clone(), handle.clone(), prev));
             }
         }
         let (cursor, recent) = match (&state, &self.cursors) {
@@ -383,12 +383,12 @@ impl Feeds {
         known: &Known,
         pending: &Pending,
         ws: &WorkingSet,
-    ) -> Vec<(String, Version)> {
-        let mut out: Vec<(String, Version)> = pending
+    ) -> Vec<(RunId, Version)> {
+        let mut out: Vec<(RunId, Version)> = pending
             .run_ids()
             .filter_map(|id| ws.get(id).map(|v| (id.clone(), *v)))
             .collect();
-        let carried: Vec<(String, Version)> = match known {
+        let carried: Vec<(RunId, Version)> = match known {
             Known::Partial(map) => map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
             _ => presented.map(|s| s.recent.clone()).unwrap_or_default(),
         };
@@ -451,7 +451,7 @@ impl Feeds {
     async fn catch_up(
         &self,
         req: &FeedRequest,
-        handle: &str,
+        handle: &Handle,
         target: &Target,
         offset: Offset,
     ) -> Result<FeedReply, FeedError> {
@@ -488,7 +488,7 @@ impl Feeds {
     fn respond(
         &self,
         req: &FeedRequest,
-        handle: &str,
+        handle: &Handle,
         offset: Offset,
         known: &Known,
         mut pending: Pending,
@@ -509,7 +509,7 @@ impl Feeds {
         // The state recorded for the offset the client presented (read once).
         let presented = self
             .conns
-            .get(&(req.env_id.clone(), handle.to_string(), offset));
+            .get(&(req.env_id.clone(), handle.clone(), offset));
         let recent = Self::recent(presented.as_deref(), known, &pending, &ws);
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (protocol §10); its state
@@ -526,7 +526,7 @@ impl Feeds {
                     recent,
                 },
             );
-            return self.reply(req, handle.to_string(), offset, &changes, schema);
+            return self.reply(req, handle.clone(), offset, &changes, schema);
         }
         let next = Offset {
             ms: max_ms(offset.ms, &changes),
@@ -543,7 +543,7 @@ impl Feeds {
                 recent,
             },
         );
-        self.reply(req, handle.to_string(), next, &changes, schema)
+        self.reply(req, handle.clone(), next, &changes, schema)
     }
 
     /// `live=true`: hold until the router delivers a change the client does not have, or the
@@ -551,7 +551,7 @@ impl Feeds {
     async fn live(
         &self,
         req: &FeedRequest,
-        handle: &str,
+        handle: &Handle,
         target: &Target,
         offset: Offset,
     ) -> Result<FeedReply, FeedError> {
@@ -732,7 +732,7 @@ mod future_sizes {
         std::mem::size_of::<F>()
     }
     fn size_live<'a, F: std::future::Future + 'a>(
-        _: fn(&'a Feeds, &'a FeedRequest, &'a str, &'a Target, Offset) -> F,
+        _: fn(&'a Feeds, &'a FeedRequest, &'a Handle, &'a Target, Offset) -> F,
     ) -> usize {
         std::mem::size_of::<F>()
     }
@@ -740,7 +740,7 @@ mod future_sizes {
         std::mem::size_of::<F>()
     }
     fn size_lookup<'a, F: std::future::Future + 'a>(
-        _: fn(&'a Feeds, &'a FeedRequest, &'a str, Offset) -> F,
+        _: fn(&'a Feeds, &'a FeedRequest, &'a Handle, Offset) -> F,
     ) -> usize {
         std::mem::size_of::<F>()
     }

@@ -14,7 +14,9 @@ use tokio::time::Instant;
 
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
-use crate::protocol::{ColumnSet, SerializedRow};
+use crate::protocol::{
+    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, SerializedRow,
+};
 use crate::router::{Registration, ReplayCursor, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 use crate::telemetry::metrics::{Metrics, ResolveResult};
@@ -22,9 +24,9 @@ use crate::telemetry::metrics::{Metrics, ResolveResult};
 /// What a feed is about (internal ids).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
-    Run { run_id: String },
+    Run { run_id: RunId },
     Tag { tags: Vec<String>, floor_ms: i64 },
-    Batch { batch_id: String },
+    Batch { batch_id: BatchId },
 }
 
 /// A store read result: the rows (serialized for one column set) and the router cursor taken
@@ -46,7 +48,7 @@ pub enum ReadError {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct SetKey {
-    env_id: String,
+    env_id: EnvId,
     target: Target,
     cap: usize,
     cols: ColumnSet,
@@ -64,8 +66,8 @@ pub struct Sets {
     sets: Cache<SetKey, Arc<RunSet>>,
     /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0).
     backstops: Option<Cache<SetKey, Arc<RunSet>>>,
-    runs: Cache<(String, String), Arc<RunResource>>,
-    batches: Cache<(String, String), Arc<BatchResource>>,
+    runs: Cache<(EnvId, FriendlyRunId), Arc<RunResource>>,
+    batches: Cache<(EnvId, FriendlyBatchId), Arc<BatchResource>>,
     admission: Option<Arc<Semaphore>>,
     /// The admission gate's size (for [`ADMISSION_PEAK`]).
     admission_limit: usize,
@@ -141,9 +143,9 @@ impl Sets {
     }
 
     /// The cache key of a read of `target` with `cols`.
-    fn set_key(&self, env_id: &str, target: &Target, cols: ColumnSet) -> SetKey {
+    fn set_key(&self, env_id: &EnvId, target: &Target, cols: ColumnSet) -> SetKey {
         SetKey {
-            env_id: env_id.to_string(),
+            env_id: env_id.clone(),
             target: target.clone(),
             cap: self.cap,
             cols,
@@ -160,8 +162,8 @@ impl Sets {
     /// cached tags may be stale: see [`Sets::find_run_fresh`].
     pub async fn find_run(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyRunId,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
         cached_lookup(
             &self.runs,
@@ -176,10 +178,10 @@ impl Sets {
     /// depend on the run's mutable part, its tags.
     pub async fn find_run_fresh(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyRunId,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        let key = (env_id.to_string(), friendly_id.to_string());
+        let key = (env_id.clone(), friendly_id.clone());
         let found = self
             .store
             .find_run(env_id, friendly_id)
@@ -195,8 +197,8 @@ impl Sets {
     /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
     pub async fn find_batch(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyBatchId,
     ) -> Result<Option<Arc<BatchResource>>, StoreError> {
         cached_lookup(
             &self.batches,
@@ -211,7 +213,7 @@ impl Sets {
     /// one query; a miss takes an admission permit for list feeds).
     pub async fn read_shared(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
         deadline: Instant,
@@ -240,7 +242,7 @@ impl Sets {
     /// client's known versions, since it may predate changes the client already has.
     pub async fn read_backstop(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
         deadline: Instant,
@@ -260,7 +262,7 @@ impl Sets {
     /// once for all callers; only if that fails too does this caller read alone.
     pub async fn read_covered(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
         deadline: Instant,
@@ -288,7 +290,7 @@ impl Sets {
     /// is after a feed registered.
     pub async fn read_fresh(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
         deadline: Instant,
@@ -303,7 +305,7 @@ impl Sets {
 
     async fn read_fresh_inner(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
         admit: bool,
@@ -353,7 +355,7 @@ impl Sets {
         self.metrics
             .run_set_query(target_kind(target), true, query_started.elapsed());
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
-            tracing::warn!(env_id, cap = self.cap, "run set truncated at the list cap");
+            tracing::warn!(%env_id, cap = self.cap, "run set truncated at the list cap");
         }
         Ok(Arc::new(RunSet {
             cursor,
@@ -377,17 +379,18 @@ async fn shared_by_deadline(
     }
 }
 
-async fn cached_lookup<T, F>(
-    cache: &Cache<(String, String), Arc<T>>,
-    env_id: &str,
-    friendly_id: &str,
+async fn cached_lookup<I, T, F>(
+    cache: &Cache<(EnvId, I), Arc<T>>,
+    env_id: &EnvId,
+    friendly_id: &I,
     read: F,
 ) -> Result<Option<Arc<T>>, StoreError>
 where
+    I: Clone + Eq + std::hash::Hash + Send + Sync + 'static,
     T: Send + Sync + 'static,
     F: std::future::Future<Output = Result<Option<T>, StoreError>>,
 {
-    let key = (env_id.to_string(), friendly_id.to_string());
+    let key = (env_id.clone(), friendly_id.clone());
     if let Some(hit) = cache.get(&key).await {
         return Ok(Some(hit));
     }

@@ -16,6 +16,7 @@ use crate::auth::AuthError;
 use crate::feeds::FeedError;
 use crate::protocol::body::FragmentBody;
 use crate::protocol::headers::ElectricHeaders;
+use crate::protocol::Handle;
 
 /// Which header names and error statuses a client understands: clients that send no
 /// `x-trigger-electric-version` (`@electric-sql/client` 0.6.3, trigger SDK 3.1.x) read the
@@ -64,7 +65,7 @@ pub enum ApiError {
     /// The handle was not issued by this server for this feed: 409 must-refetch with a new one.
     #[error("must refetch")]
     MustRefetch {
-        handle: String,
+        handle: Handle,
         client: ClientGeneration,
     },
     /// The store failed or was too slow: 503 (clients retry with backoff). The cause is logged,

@@ -32,7 +32,7 @@ use crate::clock::now_ms;
 use crate::feeds::{FeedReply, FeedRequest, Feeds, Target};
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
-use crate::protocol::ColumnSet;
+use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, Handle};
 use crate::store::RunResource;
 use admit::Limiter;
 pub use error::{ApiError, ClientGeneration};
@@ -79,14 +79,6 @@ impl Default for RequestLimits {
     fn default() -> Self {
         RequestLimits::of(&crate::config::Config::default())
     }
-}
-
-/// Longest run or batch id looked up; longer ids (and ids with NUL, which Postgres refuses in
-/// text) are answered 404 without a query.
-const MAX_ID_BYTES: usize = 256;
-
-fn plausible_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= MAX_ID_BYTES && !id.contains('\0')
 }
 
 /// 414 for an over-long request target, 431 for too many header bytes — as JSON, inside the
@@ -271,13 +263,13 @@ async fn run_feed(
     let not_found = ApiError::NotFound {
         should_retry: false,
     };
-    if !plausible_id(&run_id) {
-        return Err(not_found);
-    }
+    let run_id = FriendlyRunId::parse(&run_id).ok_or(not_found)?;
     let run = Box::pin(state.feeds.sets().find_run(&principal.env.id, &run_id))
         .await
         .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or(not_found)?;
+        .ok_or(ApiError::NotFound {
+            should_retry: false,
+        })?;
     // The cached lookup's ids, task and batch are immutable; its tags may be stale, so a
     // grant that only the tags could give is decided on a fresh read.
     let untagged = RunResource {
@@ -357,14 +349,12 @@ async fn batch_feed(
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
     let (principal, ctx, offset) = begin(&state, headers, query).await?;
-    let not_found = ApiError::NotFound { should_retry: true };
-    if !plausible_id(&batch_id) {
-        return Err(not_found);
-    }
+    let not_found = || ApiError::NotFound { should_retry: true };
+    let batch_id = FriendlyBatchId::parse(&batch_id).ok_or_else(not_found)?;
     let batch = Box::pin(state.feeds.sets().find_batch(&principal.env.id, &batch_id))
         .await
         .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or(not_found)?;
+        .ok_or_else(not_found)?;
     if !principal
         .ability
         .can_read_any(&batch_route_resources(&batch.friendly_id))
@@ -389,7 +379,7 @@ async fn serve(
         target,
         cols: columns(principal, ctx),
         offset,
-        handle: ctx.params.handle.clone(),
+        handle: ctx.params.handle.as_deref().map(Handle::new),
         live: ctx.params.live,
         cursor: ctx.params.cursor.clone(),
         legacy_api_version: ctx.legacy_api_version,

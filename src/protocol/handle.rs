@@ -11,6 +11,7 @@
 //! header-safe. (trigger's own handles are unsigned `run-<id>` / `runs_<floor>_<seq>_<uuid8>`,
 //! trigger-facts §3; clients treat handles as opaque, protocol.md §4.3.)
 
+use super::ids::{EnvId, Handle};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use hmac::digest::Key;
@@ -41,7 +42,7 @@ pub enum FeedKind {
 pub struct HandleClaims {
     pub kind: FeedKind,
     /// Internal environment id.
-    pub env_id: String,
+    pub env_id: EnvId,
     /// What the feed is bound to: run feed → internal run id; batch feed → internal batch id;
     /// tag feed → a digest of the tag filter (see [`filter_digest`]).
     pub target: String,
@@ -120,7 +121,7 @@ impl HandleKey {
     ///
     /// About 80 + 4/3 × (env id + target) characters; claims whose handle would exceed
     /// [`MAX_HANDLE_LEN`] (kilobyte-long ids) would not verify, so keep targets short (digests).
-    pub fn mint(&self, claims: &HandleClaims) -> String {
+    pub fn mint(&self, claims: &HandleClaims) -> Handle {
         let payload: (&str, &str, Option<i64>, u32, u64) = (
             &claims.env_id,
             &claims.target,
@@ -143,7 +144,7 @@ impl HandleKey {
             .into_bytes();
         out.push('.');
         URL_SAFE_NO_PAD.encode_string(&tag[..MAC_LEN], &mut out);
-        out
+        Handle::from(out)
     }
 
     /// Verifies and decodes a handle minted by [`HandleKey::mint`] under the same secret.
@@ -180,7 +181,7 @@ impl HandleKey {
             serde_json::from_slice(&json).map_err(|_| HandleError::Malformed)?;
         Ok(HandleClaims {
             kind,
-            env_id,
+            env_id: EnvId::from(env_id),
             target,
             floor_ms,
             columns,
@@ -353,7 +354,7 @@ mod tests {
             .prop_map(
                 |(kind, env_id, target, floor_ms, columns, nonce)| HandleClaims {
                     kind,
-                    env_id,
+                    env_id: env_id.into(),
                     target,
                     floor_ms,
                     columns,

@@ -6,6 +6,7 @@
 //! `electric-cursor` + `electric-next-cursor` / `electric-schema` / `electric-chunk-up-to-date`
 //! (+ `electric-up-to-date`), and never the modern handle/offset names (behaviours HDR-02).
 
+use super::ids::Handle;
 use http::header::{HeaderName, HeaderValue};
 use http::HeaderMap;
 
@@ -48,7 +49,7 @@ fn put(headers: &mut HeaderMap, name: HeaderName, value: &str) {
 /// The Electric headers of one 2xx (or 409) response.
 #[derive(Clone, Debug, Default)]
 pub struct ElectricHeaders {
-    pub handle: String,
+    pub handle: Handle,
     pub offset: Option<String>,
     /// Sent on every response (harmless on non-live; required on live).
     pub cursor: Option<String>,

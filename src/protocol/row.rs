@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::ids::{BatchId, FriendlyRunId, RunId};
+
 /// One `"TaskRun"` row as read from Postgres, typed. Timestamps are epoch milliseconds (UTC;
 /// the columns are `timestamp(3) without time zone` holding UTC, trigger-facts §1.1).
 ///
@@ -11,7 +13,7 @@ use bytes::Bytes;
 /// (empty string, 0, `None`); the serializer never emits them (see [`crate::protocol::ColumnSet`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunRow {
-    pub id: String,
+    pub id: RunId,
     pub task_identifier: String,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
@@ -20,7 +22,7 @@ pub struct RunRow {
     pub queued_at_ms: Option<i64>,
     pub expired_at_ms: Option<i64>,
     pub completed_at_ms: Option<i64>,
-    pub friendly_id: String,
+    pub friendly_id: FriendlyRunId,
     pub number: i32,
     pub is_test: bool,
     /// `"TaskRunStatus"` enum label, e.g. `EXECUTING`.
@@ -41,7 +43,7 @@ pub struct RunRow {
     pub error: Option<serde_json::Value>,
     pub realtime_streams: Option<Vec<String>>,
     /// Internal `"BatchTaskRun".id` (not a wire column; used for routing and scope checks).
-    pub batch_id: Option<String>,
+    pub batch_id: Option<BatchId>,
 }
 
 /// What the router and the feeds need to know about a run regardless of the column set:
@@ -49,13 +51,13 @@ pub struct RunRow {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunMeta {
     /// Internal run id (`"TaskRun".id`).
-    pub id: String,
+    pub id: RunId,
     pub updated_at_ms: i64,
     pub created_at_ms: i64,
     /// `runTags`, `[]` when null.
     pub tags: Vec<String>,
     /// Internal batch id.
-    pub batch_id: Option<String>,
+    pub batch_id: Option<BatchId>,
 }
 
 impl RunMeta {

@@ -12,6 +12,7 @@ use fred::types::{ClusterHash, CustomCommand};
 use super::slots::SlotMap;
 use super::state::{lock, Shared, SHARDNUMSUB_BATCH, SHARD_CHECK_TIMEOUT};
 use crate::changes::record::channel_name;
+use crate::protocol::EnvId;
 
 /// Sharded mode: every `interval` (or when poked after a reconnect) refreshes the slot map with
 /// `CLUSTER SLOTS` and reports confirmed subscriptions that are gone: the channel's slot is now
@@ -39,15 +40,15 @@ pub(super) async fn check_shards(
             }
         };
         *lock(&shared.routing) = Some(routing.clone());
-        let snapshot: Vec<(String, u64, Option<Server>)> = lock(&shared.confirmed)
+        let snapshot: Vec<(EnvId, u64, Option<Server>)> = lock(&shared.confirmed)
             .iter()
             .map(|(env, c)| (env.clone(), c.epoch, c.server.clone()))
             .collect();
         if snapshot.is_empty() {
             continue;
         }
-        let mut lost: Vec<(String, u64)> = Vec::new();
-        let mut by_owner: BTreeMap<Server, Vec<(String, u64, bool)>> = BTreeMap::new();
+        let mut lost: Vec<(EnvId, u64)> = Vec::new();
+        let mut by_owner: BTreeMap<Server, Vec<(EnvId, u64, bool)>> = BTreeMap::new();
         for (env, epoch, placed) in snapshot {
             let Some(owner) = routing.owner_of_env(&env) else {
                 continue; // an uncovered slot: nothing to subscribe to until it is assigned
@@ -62,7 +63,7 @@ pub(super) async fn check_shards(
                 }
             }
         }
-        let mut located: Vec<(String, u64, Server)> = Vec::new();
+        let mut located: Vec<(EnvId, u64, Server)> = Vec::new();
         for (server, envs) in by_owner {
             for chunk in envs.chunks(SHARDNUMSUB_BATCH) {
                 let channels: Vec<String> =

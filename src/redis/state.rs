@@ -11,6 +11,7 @@ use fred::prelude::Server;
 use tokio::sync::Notify;
 
 use super::slots::SlotMap;
+use crate::protocol::EnvId;
 
 /// Locks `m`; a poisoned lock only means another task panicked mid-update, and the state is
 /// still the best there is.
@@ -57,9 +58,9 @@ pub(super) struct Shared {
     /// Counters (metrics).
     pub(super) stats: SourceStats,
     /// Environments the consumer wants (what `subscribe`/`unsubscribe` edit).
-    pub(super) desired: Mutex<BTreeMap<String, u64>>,
+    pub(super) desired: Mutex<BTreeMap<EnvId, u64>>,
     /// Environments Redis confirmed on the current connection(s) (kept by the reconciler).
-    pub(super) confirmed: Mutex<BTreeMap<String, Confirmed>>,
+    pub(super) confirmed: Mutex<BTreeMap<EnvId, Confirmed>>,
     /// Source of subscribe generations.
     pub(super) generations: AtomicU64,
     /// Wakes the reconciler.
@@ -84,6 +85,6 @@ pub(super) struct Resync {
     /// Sharded mode: nodes that (re)connected; the subscriptions placed on them are gone.
     pub(super) servers: BTreeSet<Server>,
     /// Sharded mode: subscriptions the shard check found gone, with the `epoch` it checked.
-    pub(super) lost: Vec<(String, u64)>,
+    pub(super) lost: Vec<(EnvId, u64)>,
     pub(super) announce: bool,
 }

@@ -26,6 +26,7 @@ use super::state::{lock, Confirmed, Resync, Shared, SHARD_CHECK_TIMEOUT};
 use super::{close, close_in_background, redact, RedisError, RedisOptions};
 use crate::changes::record::{channel_name, env_of_channel};
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
+use crate::protocol::EnvId;
 
 /// How long [`RedisChangeSource::connect`] waits for the first connection before returning and
 /// letting fred keep connecting in the background.
@@ -321,14 +322,14 @@ impl RedisChangeSource {
     }
 
     /// Environments the consumer asked for (sorted), confirmed by Redis or not.
-    pub fn subscribed(&self) -> Vec<String> {
+    pub fn subscribed(&self) -> Vec<EnvId> {
         lock(&self.shared.desired).keys().cloned().collect()
     }
 
     /// Environments whose subscription Redis confirmed on the current connection(s) (sorted).
     /// Lags [`RedisChangeSource::subscribed`] by a round trip; its length is the "active
     /// subscriptions" figure (NTF-07/09).
-    pub fn confirmed(&self) -> Vec<String> {
+    pub fn confirmed(&self) -> Vec<EnvId> {
         lock(&self.shared.confirmed).keys().cloned().collect()
     }
 
@@ -382,13 +383,13 @@ impl Drop for RedisChangeSource {
 }
 
 impl ChangeSource for RedisChangeSource {
-    fn subscribe(&self, env_id: &str) -> u64 {
+    fn subscribe(&self, env_id: &EnvId) -> u64 {
         let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        lock(&self.shared.desired).insert(env_id.to_owned(), generation);
+        lock(&self.shared.desired).insert(env_id.clone(), generation);
         self.shared.wake.notify_one();
         generation
     }
-    fn unsubscribe(&self, env_id: &str) {
+    fn unsubscribe(&self, env_id: &EnvId) {
         if lock(&self.shared.desired).remove(env_id).is_some() {
             self.shared.wake.notify_one();
         }
@@ -439,7 +440,7 @@ async fn read_messages(
                     },
                 };
                 SourceEvent::Record {
-                    env_id: env_id.to_owned(),
+                    env_id: EnvId::new(env_id),
                     record,
                 }
             }
@@ -555,12 +556,12 @@ async fn reconcile(
             let routing = lock(&shared.routing);
             let desired = lock(&shared.desired);
             let mut confirmed = lock(&shared.confirmed);
-            let to_subscribe: Vec<(String, u64)> = desired
+            let to_subscribe: Vec<(EnvId, u64)> = desired
                 .iter()
                 .filter(|(env, _)| !confirmed.contains_key(*env))
                 .map(|(env, generation)| (env.clone(), *generation))
                 .collect();
-            let mut to_unsubscribe: Vec<String> = confirmed
+            let mut to_unsubscribe: Vec<EnvId> = confirmed
                 .keys()
                 .filter(|env| !desired.contains_key(*env))
                 .cloned()

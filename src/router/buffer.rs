@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::changes::ChangeRecord;
+use crate::protocol::RunId;
 
 /// One buffered record.
 #[derive(Clone, Debug)]
@@ -33,8 +34,8 @@ pub enum Eviction {
 /// Latest record per run, by arrival sequence.
 #[derive(Debug, Default)]
 pub struct ReplayBuffer {
-    by_run: HashMap<String, Buffered>,
-    by_seq: BTreeMap<u64, String>,
+    by_run: HashMap<RunId, Buffered>,
+    by_seq: BTreeMap<u64, RunId>,
     /// Every sequence ≤ this has left the buffer (or been superseded by a later record of the
     /// same run, which is still buffered). A cursor ≥ this is fully covered.
     evicted_through: u64,

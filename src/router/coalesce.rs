@@ -10,9 +10,10 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
 use super::ChangeRecord;
+use crate::protocol::{EnvId, RunId};
 
 /// What a coalescer delivers: `(env_id, batch)`.
-pub type Batch = (String, Vec<ChangeRecord>);
+pub type Batch = (EnvId, Vec<ChangeRecord>);
 
 /// Coalesces records per environment: the first record on an idle env is delivered at once and
 /// opens a window; records inside the window accumulate (merged per run, first position kept,
@@ -26,7 +27,7 @@ pub type Batch = (String, Vec<ChangeRecord>);
 pub struct Coalescer {
     window: Duration,
     out: mpsc::UnboundedSender<Batch>,
-    state: Arc<Mutex<HashMap<String, EnvWindow>>>,
+    state: Arc<Mutex<HashMap<EnvId, EnvWindow>>>,
     runtime: Handle,
 }
 
@@ -41,7 +42,7 @@ struct EnvWindow {
 #[derive(Default)]
 struct Pending {
     records: Vec<ChangeRecord>,
-    index: HashMap<String, usize>,
+    index: HashMap<RunId, usize>,
 }
 
 impl Pending {
@@ -63,7 +64,7 @@ impl Pending {
 
 /// Locks the state, recovering from poisoning (the map stays consistent: every mutation is a
 /// single insert/remove/take).
-fn lock(state: &Mutex<HashMap<String, EnvWindow>>) -> MutexGuard<'_, HashMap<String, EnvWindow>> {
+fn lock(state: &Mutex<HashMap<EnvId, EnvWindow>>) -> MutexGuard<'_, HashMap<EnvId, EnvWindow>> {
     state
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -75,7 +76,7 @@ impl Coalescer {
     ///
     /// # Panics
     /// When called outside a tokio runtime.
-    pub fn new(window: Duration, out: mpsc::UnboundedSender<(String, Vec<ChangeRecord>)>) -> Self {
+    pub fn new(window: Duration, out: mpsc::UnboundedSender<Batch>) -> Self {
         Coalescer {
             window,
             out,
@@ -86,7 +87,7 @@ impl Coalescer {
 
     /// Adds one record of `env_id`: delivered at once if the env is idle (or the window is 0),
     /// otherwise merged into the env's pending batch.
-    pub fn push(&self, env_id: &str, record: ChangeRecord) {
+    pub fn push(&self, env_id: &EnvId, record: ChangeRecord) {
         if self.window.is_zero() {
             let _ = self.out.send((env_id.to_owned(), vec![record]));
             return;
@@ -117,7 +118,7 @@ impl Coalescer {
     /// Environments with an open window (sorted).
     #[cfg(test)]
     fn open_windows(&self) -> Vec<String> {
-        let mut envs: Vec<String> = lock(&self.state).keys().cloned().collect();
+        let mut envs: Vec<String> = lock(&self.state).keys().map(EnvId::to_string).collect();
         envs.sort();
         envs
     }
@@ -136,9 +137,9 @@ impl Drop for Coalescer {
 /// The timer of one env's windows: at each close, deliver what is pending and open a new window,
 /// or go idle (remove the env) when nothing arrived.
 async fn run_window(
-    env_id: String,
+    env_id: EnvId,
     window: Duration,
-    state: Arc<Mutex<HashMap<String, EnvWindow>>>,
+    state: Arc<Mutex<HashMap<EnvId, EnvWindow>>>,
     out: mpsc::UnboundedSender<Batch>,
 ) {
     loop {
@@ -187,13 +188,13 @@ mod tests {
     async fn leading_edge_is_immediate() {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let c = Coalescer::new(Duration::from_millis(50), tx);
-        c.push("e", rec("r1", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("r1", None));
         assert_eq!(
             rx.try_recv().ok(),
             Some(("e".into(), vec![rec("r1", None)]))
         );
         // A different env is independent: also immediate.
-        c.push("f", rec("r2", None));
+        c.push(&crate::protocol::EnvId::from("f"), rec("r2", None));
         assert_eq!(
             rx.try_recv().ok(),
             Some(("f".into(), vec![rec("r2", None)]))
@@ -203,7 +204,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(rx.try_recv().is_err());
         assert!(c.open_windows().is_empty());
-        c.push("e", rec("r3", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("r3", None));
         assert_eq!(
             rx.try_recv().ok(),
             Some(("e".into(), vec![rec("r3", None)]))
@@ -217,12 +218,12 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let c = Coalescer::new(Duration::from_millis(50), tx);
         let started = Instant::now();
-        c.push("e", rec("lead", None));
-        c.push("e", rec("a", Some(10)));
-        c.push("e", rec("b", None));
-        c.push("e", rec("a", None)); // later, no watermark: merged, keeps 10 and position 0
+        c.push(&crate::protocol::EnvId::from("e"), rec("lead", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("a", Some(10)));
+        c.push(&crate::protocol::EnvId::from("e"), rec("b", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("a", None)); // later, no watermark: merged, keeps 10 and position 0
         c.push(
-            "e",
+            &crate::protocol::EnvId::from("e"),
             ChangeRecord {
                 tags: Some(vec!["t".into()]),
                 ..rec("b", Some(5))
@@ -261,8 +262,11 @@ mod tests {
         while started.elapsed() < Duration::from_secs(1) {
             tick.tick().await;
             let run = format!("run_{n}");
-            pushed.insert(run.clone());
-            c.push("e", rec(&run, Some(i64::from(n))));
+            pushed.insert(run.clone().into());
+            c.push(
+                &crate::protocol::EnvId::from("e"),
+                rec(&run, Some(i64::from(n))),
+            );
             n += 1;
         }
         // Let the last window close and the env go idle.
@@ -293,7 +297,7 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let c = Coalescer::new(Duration::ZERO, tx);
         for run in ["a", "a", "b"] {
-            c.push("e", rec(run, None));
+            c.push(&crate::protocol::EnvId::from("e"), rec(run, None));
             assert_eq!(rx.try_recv().ok(), Some(("e".into(), vec![rec(run, None)])));
         }
         assert!(c.open_windows().is_empty());
@@ -304,8 +308,8 @@ mod tests {
     async fn drop_discards_pending() {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let c = Coalescer::new(Duration::from_millis(30), tx);
-        c.push("e", rec("a", None));
-        c.push("e", rec("b", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("a", None));
+        c.push(&crate::protocol::EnvId::from("e"), rec("b", None));
         assert_eq!(recv(&mut rx).await.1, vec![rec("a", None)]);
         drop(c);
         // Every sender is gone once the aborted timer task is dropped: the channel closes

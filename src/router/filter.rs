@@ -1,17 +1,17 @@
 //! A held feed's membership predicate over its environment's change stream.
 
 use crate::changes::ChangeRecord;
-use crate::protocol::RunMeta;
+use crate::protocol::{BatchId, RunId, RunMeta};
 
 /// What a feed watches (internal ids).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum FeedFilter {
     /// One run.
-    Run { run_id: String },
+    Run { run_id: RunId },
     /// Runs carrying ALL `tags` (none = every run) created at or after `floor_ms`.
     Tag { tags: Vec<String>, floor_ms: i64 },
     /// Runs of one batch.
-    Batch { batch_id: String },
+    Batch { batch_id: BatchId },
 }
 
 impl FeedFilter {
@@ -39,7 +39,7 @@ impl FeedFilter {
     pub fn accepts(&self, meta: &RunMeta) -> bool {
         match self {
             FeedFilter::Run { run_id } => &meta.id == run_id,
-            FeedFilter::Batch { batch_id } => meta.batch_id.as_deref() == Some(batch_id.as_str()),
+            FeedFilter::Batch { batch_id } => meta.batch_id.as_ref() == Some(batch_id),
             FeedFilter::Tag { tags, floor_ms } => {
                 meta.created_at_ms >= *floor_ms && tags.iter().all(|t| meta.tags.contains(t))
             }
@@ -57,7 +57,7 @@ mod tests {
             updated_at_ms: 1,
             created_at_ms: created,
             tags: tags.iter().map(|t| t.to_string()).collect(),
-            batch_id: batch.map(str::to_string),
+            batch_id: batch.map(BatchId::new),
         }
     }
 
@@ -67,7 +67,7 @@ mod tests {
             run_id: "r".into(),
             env_id: "e".into(),
             tags: tags.map(|t| t.iter().map(|s| s.to_string()).collect()),
-            batch_id: batch.map(str::to_string),
+            batch_id: batch.map(BatchId::new),
             updated_at_ms: None,
         }
     }

@@ -35,7 +35,7 @@ pub use gate::{Gate, GateOutcome};
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
 use crate::config::RouterConfig;
 use crate::protocol::encode::serialize_row;
-use crate::protocol::{ColumnSet, SerializedRow};
+use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::store::RunStore;
 use coalesce::Coalescer;
 
@@ -145,9 +145,9 @@ struct EnvState {
     in_flight: BTreeMap<u64, u64>,
     buffer: ReplayBuffer,
     feeds: HashMap<u64, Arc<Slot>>,
-    by_run: HashMap<String, HashSet<u64>>,
+    by_run: HashMap<RunId, HashSet<u64>>,
     by_tag: HashMap<String, HashSet<u64>>,
-    by_batch: HashMap<String, HashSet<u64>>,
+    by_batch: HashMap<BatchId, HashSet<u64>>,
     tag_feeds: HashSet<u64>,
     unfiltered_tag_feeds: HashSet<u64>,
     batch_feeds: HashSet<u64>,
@@ -226,7 +226,7 @@ impl EnvState {
     }
 
     fn deindex(&mut self, id: u64, filter: &FeedFilter) {
-        fn remove(index: &mut HashMap<String, HashSet<u64>>, key: &str, id: u64) {
+        fn remove<K: std::hash::Hash + Eq>(index: &mut HashMap<K, HashSet<u64>>, key: &K, id: u64) {
             if let Some(set) = index.get_mut(key) {
                 set.remove(&id);
                 if set.is_empty() {
@@ -281,7 +281,7 @@ impl EnvState {
 }
 
 struct Env {
-    id: String,
+    id: EnvId,
     state: Mutex<EnvState>,
 }
 
@@ -290,7 +290,7 @@ struct Inner {
     source: Arc<dyn ChangeSource>,
     store: Arc<dyn RunStore>,
     gate: Option<Arc<Gate>>,
-    envs: Mutex<HashMap<String, Arc<Env>>>,
+    envs: Mutex<HashMap<EnvId, Arc<Env>>>,
     next_epoch: AtomicU64,
     next_feed_id: AtomicU64,
     /// This router's identity in cursors (random, non-zero).
@@ -343,7 +343,7 @@ impl Router {
             instance: rand::random::<u64>() | 1,
             stats: RouterStats::default(),
         });
-        let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<(String, Vec<ChangeRecord>)>();
+        let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<coalesce::Batch>();
         let coalescer = Coalescer::new(
             Duration::from_millis(cfg.env_wake_coalesce_window_ms),
             batch_tx,
@@ -396,7 +396,7 @@ impl Router {
     /// `cursor`; when false the caller must re-check from the store (cold path).
     pub async fn register(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         filter: FeedFilter,
         cols: ColumnSet,
         cursor: Option<ReplayCursor>,
@@ -448,7 +448,7 @@ impl Router {
 
     /// Makes sure `env_id` is subscribed (a snapshot's next live poll will need it) and returns
     /// the cursor a snapshot taken NOW may hand out. Take it before reading the store.
-    pub fn touch(&self, env_id: &str) -> ReplayCursor {
+    pub fn touch(&self, env_id: &EnvId) -> ReplayCursor {
         let env = self.inner.ensure_env(env_id);
         let cursor = {
             let mut state = lock(&env.state);
@@ -497,13 +497,13 @@ impl Inner {
         i64::try_from(self.cfg.hop_margin_ms).unwrap_or(i64::MAX / 4)
     }
 
-    fn env(&self, env_id: &str) -> Option<Arc<Env>> {
+    fn env(&self, env_id: &EnvId) -> Option<Arc<Env>> {
         lock(&self.envs).get(env_id).cloned()
     }
 
     /// The env's state, created and subscribed if needed, with one `pending` mark the caller
     /// must release ([`EnvState::pending`]).
-    fn ensure_env(&self, env_id: &str) -> Arc<Env> {
+    fn ensure_env(&self, env_id: &EnvId) -> Arc<Env> {
         let mut envs = lock(&self.envs);
         if let Some(env) = envs.get(env_id) {
             let mut state = lock(&env.state);
@@ -513,7 +513,7 @@ impl Inner {
             return env.clone();
         }
         let env = Arc::new(Env {
-            id: env_id.to_string(),
+            id: env_id.clone(),
             state: Mutex::new(EnvState {
                 epoch: self.next_epoch.fetch_add(1, Ordering::Relaxed),
                 pending: 1,
@@ -523,7 +523,7 @@ impl Inner {
         // Subscribe under the locks: the confirmation cannot be applied before the generation
         // is recorded (`subscribe` never blocks).
         lock(&env.state).generation = self.source.subscribe(env_id);
-        envs.insert(env_id.to_string(), env.clone());
+        envs.insert(env_id.clone(), env.clone());
         env
     }
 
@@ -599,7 +599,7 @@ impl Inner {
     /// then the feed's authoritative filter (REP-06/07).
     async fn replay(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         filter: &FeedFilter,
         cols: ColumnSet,
         buffered: &[Buffered],
@@ -613,7 +613,7 @@ impl Inner {
                     .await;
             }
         }
-        let ids: Vec<String> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
+        let ids: Vec<RunId> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
         let rows = self.hydrate(env_id, &ids, cols).await?;
         Ok(rows
             .into_values()
@@ -624,10 +624,10 @@ impl Inner {
     /// One store query for `ids`, each row serialized once. `Err(())` after logging a failure.
     async fn hydrate(
         &self,
-        env_id: &str,
-        ids: &[String],
+        env_id: &EnvId,
+        ids: &[RunId],
         cols: ColumnSet,
-    ) -> Result<HashMap<String, SerializedRow>, ()> {
+    ) -> Result<HashMap<RunId, SerializedRow>, ()> {
         self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
         match self.store.hydrate(env_id, ids, cols).await {
             Ok(rows) => {
@@ -641,7 +641,7 @@ impl Inner {
             }
             Err(err) => {
                 self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(env_id, error = %err, "router hydrate failed; feeds fall back to their backstop");
+                tracing::warn!(%env_id, error = %err, "router hydrate failed; feeds fall back to their backstop");
                 Err(())
             }
         }
@@ -651,12 +651,12 @@ impl Inner {
     /// withheld (or an echo pass after giving up), re-sequenced as a new batch.
     async fn route_batch(
         self: &Arc<Self>,
-        env_id: String,
+        env_id: EnvId,
         records: Vec<ChangeRecord>,
         attempt: u32,
         arrived: tokio::time::Instant,
     ) {
-        let env_id = env_id.as_str();
+        let env_id = &env_id;
         let Some(env) = self.env(env_id) else { return };
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let window = Duration::from_millis(self.cfg.replay_window_ms);
@@ -665,8 +665,8 @@ impl Inner {
         let (first_seq, matches, groups) = {
             let mut state = lock(&env.state);
             let first_seq = state.last_seq + 1;
-            let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<String>)> = HashMap::new();
-            let mut groups: HashMap<ColumnSet, BTreeSet<String>> = HashMap::new();
+            let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
+            let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
             for record in &records {
                 state.last_seq += 1;
                 for id in state.candidates(record) {
@@ -725,13 +725,13 @@ impl Inner {
         );
         let hydrated =
             futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
-                let ids: Vec<String> = ids.into_iter().collect();
+                let ids: Vec<RunId> = ids.into_iter().collect();
                 (cols, self.hydrate(env_id, &ids, cols).await)
             }))
             .await;
         // A failed hydrate must not pass silently under the cursors: its feeds re-check from
         // the store (and answer with an untrusted cursor if that fails too).
-        let hydrated: HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>> = hydrated
+        let hydrated: HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>> = hydrated
             .into_iter()
             .map(|(cols, rows)| (cols, rows.ok()))
             .collect();
@@ -781,19 +781,19 @@ impl Inner {
     /// replicated yet must not be lost; the reference drops it silently).
     fn tripwire(
         self: &Arc<Self>,
-        env_id: &str,
+        env_id: &EnvId,
         records: &[ChangeRecord],
-        hydrated: &HashMap<ColumnSet, Option<HashMap<String, SerializedRow>>>,
+        hydrated: &HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>>,
         outcome: Option<GateOutcome>,
         attempt: u32,
-    ) -> HashSet<String> {
+    ) -> HashSet<RunId> {
         let Some(gate) = self.gate.clone() else {
             return HashSet::new();
         };
         let unsure =
             matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
         let now_ms = crate::clock::now_ms();
-        let mut stale: HashMap<String, ChangeRecord> = HashMap::new();
+        let mut stale: HashMap<RunId, ChangeRecord> = HashMap::new();
         for record in records {
             let rows: Vec<Option<&SerializedRow>> = hydrated
                 .values()
@@ -836,8 +836,7 @@ impl Inner {
             self.stats
                 .stale_gave_up
                 .fetch_add(stale.len() as u64, Ordering::Relaxed);
-            tracing::warn!(
-                env_id,
+            tracing::warn!(%env_id,
                 runs = stale.len(),
                 "rows still stale after retries; delivering them (echo passes follow)"
             );
@@ -854,7 +853,7 @@ impl Inner {
             let retry: Vec<ChangeRecord> = stale.values().cloned().collect();
             let delay = gate.retry_delay();
             let inner = self.clone();
-            let env_id = env_id.to_string();
+            let env_id = env_id.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
                 let arrived = tokio::time::Instant::now();

@@ -23,7 +23,7 @@ use tokio::time::timeout;
 use super::*;
 use crate::changes::{ChangeRecord, MemoryChangeSource};
 use crate::config::RouterConfig;
-use crate::protocol::{ColumnSet, RunRow, SerializedRow};
+use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, RunRow, SerializedRow};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 
 const ENV: &str = "env_1";
@@ -68,7 +68,7 @@ impl FakeStore {
         self.rows
             .lock()
             .unwrap()
-            .insert((env.to_string(), row.id.clone()), row);
+            .insert((env.to_string(), row.id.to_string()), row);
     }
 
     fn calls(&self) -> Vec<HydrateCall> {
@@ -104,13 +104,13 @@ impl FakeStore {
 impl RunStore for FakeStore {
     async fn hydrate(
         &self,
-        env_id: &str,
-        run_ids: &[String],
+        env_id: &EnvId,
+        run_ids: &[RunId],
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         self.calls.lock().unwrap().push(HydrateCall {
             env: env_id.to_string(),
-            ids: run_ids.to_vec(),
+            ids: run_ids.iter().map(RunId::to_string).collect(),
             cols,
         });
         // Snapshot semantics: the rows as they are when the query starts.
@@ -118,7 +118,7 @@ impl RunStore for FakeStore {
             let rows = self.rows.lock().unwrap();
             run_ids
                 .iter()
-                .filter_map(|id| rows.get(&(env_id.to_string(), id.clone())).cloned())
+                .filter_map(|id| rows.get(&(env_id.to_string(), id.to_string())).cloned())
                 .collect()
         };
         let fail = self
@@ -141,8 +141,8 @@ impl RunStore for FakeStore {
 
     async fn read_run(
         &self,
-        _env_id: &str,
-        _run_id: &str,
+        _env_id: &EnvId,
+        _run_id: &RunId,
         _cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
         panic!("the router only hydrates")
@@ -150,7 +150,7 @@ impl RunStore for FakeStore {
 
     async fn resolve_tag_set(
         &self,
-        _env_id: &str,
+        _env_id: &EnvId,
         _tags: &[String],
         _floor_ms: i64,
         _cap: usize,
@@ -161,8 +161,8 @@ impl RunStore for FakeStore {
 
     async fn resolve_batch_set(
         &self,
-        _env_id: &str,
-        _batch_id: &str,
+        _env_id: &EnvId,
+        _batch_id: &BatchId,
         _cap: usize,
         _cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
@@ -171,16 +171,16 @@ impl RunStore for FakeStore {
 
     async fn find_run(
         &self,
-        _env_id: &str,
-        _friendly_id: &str,
+        _env_id: &EnvId,
+        _friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError> {
         panic!("the router only hydrates")
     }
 
     async fn find_batch(
         &self,
-        _env_id: &str,
-        _friendly_id: &str,
+        _env_id: &EnvId,
+        _friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError> {
         panic!("the router only hydrates")
     }
@@ -192,7 +192,7 @@ impl RunStore for FakeStore {
 
 fn row(id: &str, tags: &[&str], batch: Option<&str>) -> RunRow {
     RunRow {
-        id: id.to_string(),
+        id: id.to_string().into(),
         task_identifier: "task".into(),
         created_at_ms: 1_000,
         updated_at_ms: 2_000,
@@ -201,7 +201,7 @@ fn row(id: &str, tags: &[&str], batch: Option<&str>) -> RunRow {
         queued_at_ms: None,
         expired_at_ms: None,
         completed_at_ms: None,
-        friendly_id: format!("run_{id}"),
+        friendly_id: format!("run_{id}").into(),
         number: 1,
         is_test: false,
         status: "EXECUTING".into(),
@@ -218,7 +218,7 @@ fn row(id: &str, tags: &[&str], batch: Option<&str>) -> RunRow {
         run_tags: Some(tags.iter().map(|t| t.to_string()).collect()),
         error: None,
         realtime_streams: None,
-        batch_id: batch.map(str::to_string),
+        batch_id: batch.map(str::to_string).map(Into::into),
     }
 }
 
@@ -280,7 +280,7 @@ fn cfg() -> RouterConfig {
 }
 
 fn ids(rows: &[SerializedRow]) -> Vec<String> {
-    rows.iter().map(|r| r.meta.id.clone()).collect()
+    rows.iter().map(|r| r.meta.id.to_string()).collect()
 }
 
 fn sorted(mut v: Vec<String>) -> Vec<String> {
@@ -349,9 +349,13 @@ impl Harness {
         cols: ColumnSet,
         cursor: Option<ReplayCursor>,
     ) -> Registration {
-        let reg = timeout(WAIT, self.router.register(ENV, filter, cols, cursor))
-            .await
-            .expect("register hung");
+        let reg = timeout(
+            WAIT,
+            self.router
+                .register(&crate::protocol::EnvId::from(ENV), filter, cols, cursor),
+        )
+        .await
+        .expect("register hung");
         self.confirmed().await;
         reg
     }
@@ -364,7 +368,10 @@ impl Harness {
 
     /// Pushes a record on [`ENV`]; panics if the env is not subscribed.
     fn push(&self, record: ChangeRecord) {
-        assert!(self.source.push(ENV, record), "env not subscribed");
+        assert!(
+            self.source.push(&crate::protocol::EnvId::from(ENV), record),
+            "env not subscribed"
+        );
     }
 
     fn batches(&self) -> u64 {
@@ -378,13 +385,18 @@ impl Harness {
     }
 
     fn subscribed(&self) -> bool {
-        self.source.subscribed().contains(&ENV.to_string())
+        self.source
+            .subscribed()
+            .contains(&crate::protocol::EnvId::from(&ENV.to_string()))
     }
 }
 
 /// Whether `env` is routed and its subscription confirmed (router internals).
 fn env_active(router: &Router, env: &str) -> bool {
-    router.inner.env(env).is_some_and(|e| lock(&e.state).active)
+    router
+        .inner
+        .env(&crate::protocol::EnvId::from(env))
+        .is_some_and(|e| lock(&e.state).active)
 }
 
 /// Lets spawned tasks run (a just-armed linger timer starts its sleep when first polled),
@@ -409,7 +421,8 @@ async fn advance(ms: u64) {
 async fn rtr_01_first_registration_subscribes_env() {
     let h = Harness::new(cfg());
     assert!(
-        !h.source.push(ENV, full("r0", &[])),
+        !h.source
+            .push(&crate::protocol::EnvId::from(ENV), full("r0", &[])),
         "not subscribed before any registration"
     );
     assert_eq!(h.router.active_envs(), 0);
@@ -430,14 +443,14 @@ async fn rtr_01_first_registration_subscribes_env() {
 #[tokio::test]
 async fn rtr_01_touch_subscribes_and_returns_cursor() {
     let h = Harness::new(cfg());
-    let unconfirmed = h.router.touch(ENV);
+    let unconfirmed = h.router.touch(&crate::protocol::EnvId::from(ENV));
     assert!(h.subscribed());
     assert_eq!(
         unconfirmed.epoch, 0,
         "no usable position before the source confirms"
     );
     h.confirmed().await;
-    let c = h.router.touch(ENV);
+    let c = h.router.touch(&crate::protocol::EnvId::from(ENV));
     assert_ne!(c.epoch, 0);
     assert_eq!(c.seq, 0);
     h.store.put(row("r1", &[], None));
@@ -1184,7 +1197,12 @@ async fn rep_07_replay_racing_live_delivery_keeps_newer_version() {
     let router = h.router.clone();
     let pending = tokio::spawn(async move {
         router
-            .register(ENV, run_feed("r1"), ColumnSet::ALL, Some(c0))
+            .register(
+                &crate::protocol::EnvId::from(ENV),
+                run_feed("r1"),
+                ColumnSet::ALL,
+                Some(c0),
+            )
             .await
     });
     entered(gate_in).await; // the replay hydrate read v1 and is blocked
@@ -1379,7 +1397,9 @@ async fn lng_01_linger_keeps_subscription_and_buffer() {
     advance(2).await;
     assert!(!h.subscribed(), "unsubscribed after the linger");
     assert_eq!(h.router.active_envs(), 0);
-    assert!(!h.source.push(ENV, full("r1", &[])));
+    assert!(!h
+        .source
+        .push(&crate::protocol::EnvId::from(ENV), full("r1", &[])));
 }
 
 /// LNG-02/04: a registration during the linger cancels the pending teardown and keeps the
@@ -1417,7 +1437,7 @@ async fn lng_01_touch_arms_linger() {
         unsubscribe_linger_ms: 60,
         ..cfg()
     });
-    h.router.touch(ENV);
+    h.router.touch(&crate::protocol::EnvId::from(ENV));
     assert!(h.subscribed());
     advance(61).await;
     assert!(!h.subscribed());
@@ -1440,7 +1460,9 @@ async fn lng_03_zero_linger_unsubscribes_at_once() {
     drop(b);
     assert!(!h.subscribed());
     assert_eq!(h.router.active_envs(), 0);
-    assert!(!h.source.push(ENV, full("r1", &[])));
+    assert!(!h
+        .source
+        .push(&crate::protocol::EnvId::from(ENV), full("r1", &[])));
     let again = h.reg(run_feed("r1"), Some(c)).await;
     assert!(
         !again.covered(),
@@ -1469,7 +1491,11 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
     let many: Vec<String> = (0..20_000).map(|i| format!("tag_{i}")).collect();
     for _ in 0..20 {
         let a = h.reg(run_feed("a"), None).await;
-        let env = h.router.inner.env(ENV).expect("env exists");
+        let env = h
+            .router
+            .inner
+            .env(&crate::protocol::EnvId::from(ENV))
+            .expect("env exists");
         let gen0 = lock(&env.state).linger_generation;
         let dropper = std::thread::spawn(move || {
             // Wait for the registration's ensure_env (it bumps the generation), then leave.
@@ -1484,7 +1510,15 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
             tags: many.clone(),
             floor_ms: 0,
         };
-        let b = h.router.register(ENV, filter, ColumnSet::ALL, None).await;
+        let b = h
+            .router
+            .register(
+                &crate::protocol::EnvId::from(ENV),
+                filter,
+                ColumnSet::ALL,
+                None,
+            )
+            .await;
         dropper.join().unwrap();
         let ok = h.subscribed() && h.router.active_envs() == 1;
         assert!(
@@ -1520,7 +1554,7 @@ async fn gap_02_fresh_subscription_not_covered_with_unknown_cursor() {
 #[tokio::test]
 async fn gap_02_cursor_of_another_env_not_covered() {
     let h = Harness::new(cfg());
-    let other = h.router.touch("env_other");
+    let other = h.router.touch(&crate::protocol::EnvId::from("env_other"));
     let a = h.reg(run_feed("r1"), Some(other)).await;
     assert!(!a.covered());
 }
@@ -1579,12 +1613,12 @@ impl ManualSource {
 
 impl ChangeSource for ManualSource {
     /// Generation = number of subscribe calls so far (1, 2, …).
-    fn subscribe(&self, env_id: &str) -> u64 {
+    fn subscribe(&self, env_id: &EnvId) -> u64 {
         let mut calls = self.calls.lock().unwrap();
         calls.push(format!("sub:{env_id}"));
         calls.iter().filter(|c| c.starts_with("sub:")).count() as u64
     }
-    fn unsubscribe(&self, env_id: &str) {
+    fn unsubscribe(&self, env_id: &EnvId) {
         self.calls.lock().unwrap().push(format!("unsub:{env_id}"));
     }
 }
@@ -1627,7 +1661,12 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
     let (router, source, store, tx) = manual(cfg());
     store.put(row("r1", &[], None));
     let a = router
-        .register(ENV, run_feed("r1"), ColumnSet::ALL, None)
+        .register(
+            &crate::protocol::EnvId::from(ENV),
+            run_feed("r1"),
+            ColumnSet::ALL,
+            None,
+        )
         .await;
     assert_eq!(source.calls(), vec![format!("sub:{ENV}")]);
     let early = a.cursor();
@@ -1635,7 +1674,7 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
         early.epoch, 0,
         "unconfirmed subscription: no usable position"
     );
-    assert_eq!(router.touch(ENV).epoch, 0);
+    assert_eq!(router.touch(&crate::protocol::EnvId::from(ENV)).epoch, 0);
 
     // Routed live even before the confirmation.
     tx.send(record_event(full("r1", &[]))).unwrap();
@@ -1650,14 +1689,24 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
         "a confirmation never creates an env"
     );
     let b = router
-        .register(ENV, run_feed("r1"), ColumnSet::ALL, Some(early))
+        .register(
+            &crate::protocol::EnvId::from(ENV),
+            run_feed("r1"),
+            ColumnSet::ALL,
+            Some(early),
+        )
         .await;
     assert!(
         !b.covered(),
         "a cursor from before the confirmation is not covered"
     );
     let c = router
-        .register(ENV, run_feed("r1"), ColumnSet::ALL, Some(a.cursor()))
+        .register(
+            &crate::protocol::EnvId::from(ENV),
+            run_feed("r1"),
+            ColumnSet::ALL,
+            Some(a.cursor()),
+        )
         .await;
     assert!(c.covered());
 }
@@ -1678,12 +1727,22 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     // No await point below lets the pump run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
     let a = router
-        .register(ENV, run_feed("zz"), ColumnSet::ALL, None)
+        .register(
+            &crate::protocol::EnvId::from(ENV),
+            run_feed("zz"),
+            ColumnSet::ALL,
+            None,
+        )
         .await;
     tx.send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
     drop(a);
     let b = router
-        .register(ENV, run_feed("r1"), ColumnSet::ALL, None)
+        .register(
+            &crate::protocol::EnvId::from(ENV),
+            run_feed("r1"),
+            ColumnSet::ALL,
+            None,
+        )
         .await;
     assert_eq!(
         source.calls(),

@@ -13,8 +13,9 @@
 
 use async_trait::async_trait;
 
-use crate::protocol::{ColumnSet, RunRow};
+use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
 
+mod ids;
 pub mod lag;
 mod pg;
 pub mod setup;
@@ -38,33 +39,33 @@ pub struct StoreError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunResource {
     /// Internal id.
-    pub id: String,
-    pub friendly_id: String,
+    pub id: RunId,
+    pub friendly_id: FriendlyRunId,
     pub task_identifier: String,
     /// `runTags` (`[]` when null).
     pub tags: Vec<String>,
     /// Friendly id of the run's batch (`batch_…`), if any.
-    pub batch_friendly_id: Option<String>,
+    pub batch_friendly_id: Option<FriendlyBatchId>,
 }
 
 /// The batch a `/realtime/v1/batches/:batchId` URL names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchResource {
     /// Internal id (what `"TaskRun"."batchId"` holds).
-    pub id: String,
-    pub friendly_id: String,
+    pub id: BatchId,
+    pub friendly_id: FriendlyBatchId,
 }
 
 /// A `"RuntimeEnvironment"` row with what authentication needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvRecord {
-    pub id: String,
+    pub id: EnvId,
     /// `PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`.
     pub env_type: String,
     pub organization_id: String,
     pub project_id: String,
     pub api_key: String,
-    pub parent_environment_id: Option<String>,
+    pub parent_environment_id: Option<EnvId>,
     /// The parent's `apiKey` (branch environments sign JWTs with it).
     pub parent_api_key: Option<String>,
     pub branch_name: Option<String>,
@@ -81,16 +82,16 @@ pub trait RunStore: Send + Sync + 'static {
     /// those the router always needs (id, updatedAt, createdAt, runTags, batchId + reserved).
     async fn hydrate(
         &self,
-        env_id: &str,
-        run_ids: &[String],
+        env_id: &EnvId,
+        run_ids: &[RunId],
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError>;
 
     /// One run by internal id: replica, then primary on a miss.
     async fn read_run(
         &self,
-        env_id: &str,
-        run_id: &str,
+        env_id: &EnvId,
+        run_id: &RunId,
         cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError>;
 
@@ -99,7 +100,7 @@ pub trait RunStore: Send + Sync + 'static {
     /// `cap`. One query (resolve and hydrate together).
     async fn resolve_tag_set(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         tags: &[String],
         floor_ms: i64,
         cap: usize,
@@ -109,8 +110,8 @@ pub trait RunStore: Send + Sync + 'static {
     /// Batch feed run set: runs of `env_id` with `"batchId" = batch_id`, newest first, at most `cap`.
     async fn resolve_batch_set(
         &self,
-        env_id: &str,
-        batch_id: &str,
+        env_id: &EnvId,
+        batch_id: &BatchId,
         cap: usize,
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError>;
@@ -118,15 +119,15 @@ pub trait RunStore: Send + Sync + 'static {
     /// The run named by a friendly id in `env_id`: replica, then primary on a miss.
     async fn find_run(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError>;
 
     /// The batch named by a friendly id in `env_id`: replica, then primary on a miss.
     async fn find_batch(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError>;
 }
 
@@ -138,13 +139,13 @@ pub trait EnvStore: Send + Sync + 'static {
     /// The environment of a `"RevokedApiKey"` row with this key and `expiresAt > now()`.
     async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError>;
     /// The environment with this id.
-    async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError>;
+    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError>;
     /// The non-archived child of `parent_id` with `branchName = branch`.
     async fn branch_env(
         &self,
-        parent_id: &str,
+        parent_id: &EnvId,
         branch: &str,
     ) -> Result<Option<EnvRecord>, StoreError>;
     /// Unexpired revoked keys of `env_id` (JWT grace retry).
-    async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError>;
+    async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError>;
 }

@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 
 use super::sql::{decode_run, ms_to_ts, RunQuery, SqlCache};
 use super::{BatchResource, EnvRecord, EnvStore, RunResource, RunStore, StoreError};
-use crate::protocol::{ColumnSet, RunRow};
+use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
 
 /// Default pool size per pool (primary and replica each).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
@@ -228,8 +228,8 @@ impl PgStore {
     async fn read_one_on(
         &self,
         pool: &PgPool,
-        env_id: &str,
-        run_id: &str,
+        env_id: &EnvId,
+        run_id: &RunId,
         cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
         let sql = self.sql.get(RunQuery::ReadOne, cols);
@@ -248,8 +248,8 @@ impl PgStore {
     async fn find_run_on(
         &self,
         pool: &PgPool,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError> {
         self.count();
         let row = sqlx::query(SQL_FIND_RUN)
@@ -276,8 +276,8 @@ impl PgStore {
     async fn find_batch_on(
         &self,
         pool: &PgPool,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError> {
         self.count();
         let row = sqlx::query(SQL_FIND_BATCH)
@@ -343,8 +343,8 @@ fn limit(cap: usize) -> i64 {
 impl RunStore for PgStore {
     async fn hydrate(
         &self,
-        env_id: &str,
-        run_ids: &[String],
+        env_id: &EnvId,
+        run_ids: &[RunId],
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         if run_ids.is_empty() {
@@ -357,8 +357,8 @@ impl RunStore for PgStore {
 
     async fn read_run(
         &self,
-        env_id: &str,
-        run_id: &str,
+        env_id: &EnvId,
+        run_id: &RunId,
         cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
         if let Some(row) = self
@@ -375,7 +375,7 @@ impl RunStore for PgStore {
 
     async fn resolve_tag_set(
         &self,
-        env_id: &str,
+        env_id: &EnvId,
         tags: &[String],
         floor_ms: i64,
         cap: usize,
@@ -402,8 +402,8 @@ impl RunStore for PgStore {
 
     async fn resolve_batch_set(
         &self,
-        env_id: &str,
-        batch_id: &str,
+        env_id: &EnvId,
+        batch_id: &BatchId,
         cap: usize,
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
@@ -417,8 +417,8 @@ impl RunStore for PgStore {
 
     async fn find_run(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError> {
         if let Some(run) = self.find_run_on(&self.replica, env_id, friendly_id).await? {
             return Ok(Some(run));
@@ -431,8 +431,8 @@ impl RunStore for PgStore {
 
     async fn find_batch(
         &self,
-        env_id: &str,
-        friendly_id: &str,
+        env_id: &EnvId,
+        friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError> {
         if let Some(batch) = self
             .find_batch_on(&self.replica, env_id, friendly_id)
@@ -459,20 +459,20 @@ impl EnvStore for PgStore {
             .await
     }
 
-    async fn env_by_id(&self, id: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
         self.env_query("env_by_id", ENV_BY_ID, &[id]).await
     }
 
     async fn branch_env(
         &self,
-        parent_id: &str,
+        parent_id: &EnvId,
         branch: &str,
     ) -> Result<Option<EnvRecord>, StoreError> {
         self.env_query("branch_env", BRANCH_ENV, &[parent_id, branch])
             .await
     }
 
-    async fn revoked_keys(&self, env_id: &str) -> Result<Vec<String>, StoreError> {
+    async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
         self.count();
         let rows = sqlx::query(SQL_REVOKED_KEYS)
             .bind(env_id)

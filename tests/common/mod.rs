@@ -562,10 +562,10 @@ impl TestServer {
     ) -> ChangeRecord {
         ChangeRecord {
             v: 1,
-            run_id: run_id.to_string(),
-            env_id: env.env_id.clone(),
+            run_id: run_id.to_string().into(),
+            env_id: env.env_id.clone().into(),
             tags: Some(tags.iter().map(|t| t.to_string()).collect()),
-            batch_id: batch_id.map(str::to_string),
+            batch_id: batch_id.map(str::to_string).map(Into::into),
             updated_at_ms: Some(updated_at_ms),
         }
     }

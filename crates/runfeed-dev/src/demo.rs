@@ -233,10 +233,10 @@ fn lifecycle_record(
 ) -> ChangeRecord {
     ChangeRecord {
         v: 1,
-        run_id: run_id.to_string(),
-        env_id: env_id.to_string(),
+        run_id: run_id.into(),
+        env_id: env_id.into(),
         tags: Some(tags.clone().unwrap_or_default()),
-        batch_id: batch_id.clone(),
+        batch_id: batch_id.as_deref().map(Into::into),
         updated_at_ms,
     }
 }

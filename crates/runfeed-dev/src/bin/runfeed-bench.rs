@@ -309,8 +309,8 @@ impl Bench {
         .await?;
         let record = ChangeRecord {
             v: 1,
-            run_id: run_id.to_string(),
-            env_id: env.env_id.clone(),
+            run_id: run_id.into(),
+            env_id: env.env_id.as_str().into(),
             tags: Some(vec![tag.to_string()]),
             batch_id: None,
             updated_at_ms: Some(ms),
@@ -877,8 +877,8 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                 .insert(id.clone(), Instant::now());
             let record = ChangeRecord {
                 v: 1,
-                run_id: id,
-                env_id: env.env_id.clone(),
+                run_id: id.into(),
+                env_id: env.env_id.as_str().into(),
                 tags: Some(vec![tag]),
                 batch_id: None,
                 updated_at_ms: Some(ms),

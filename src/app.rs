@@ -71,6 +71,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         )
         .context("database configuration")?,
     );
+    crate::store::grants::check_at_startup(&store).await?;
     let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
     let (tx, rx) = mpsc::unbounded_channel();
     let redis_source = Arc::new(
@@ -201,11 +202,13 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     })
 }
 
-/// `/readyz`: Postgres answers `SELECT 1` (both pools) and the Redis subscriber is connected.
+/// `/readyz`: Postgres answers `SELECT 1` (both pools), the Redis subscriber is connected, and
+/// the database role may read what runfeed reads (`store::grants`).
 fn readiness_checks(
     store: &Arc<PgStore>,
     source: &Arc<RedisChangeSource>,
 ) -> Vec<(&'static str, Check)> {
+    let grants = crate::store::grants::readiness_check(store);
     let store = Arc::downgrade(store);
     let source = Arc::downgrade(source);
     let postgres: Check = Arc::new(move || {
@@ -227,7 +230,7 @@ fn readiness_checks(
             }
         })
     });
-    vec![("postgres", postgres), ("redis", redis)]
+    vec![("postgres", postgres), ("redis", redis), ("grants", grants)]
 }
 
 /// A Redis client for small key/value work (limiter, shared cursors): connects in the

@@ -14,6 +14,7 @@ use async_trait::async_trait;
 
 use crate::protocol::{ColumnSet, RunRow};
 
+pub mod grants;
 pub mod lag;
 mod pg;
 mod sql;

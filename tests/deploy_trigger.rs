@@ -100,8 +100,8 @@ const WEBAPP_ENV_KEYS: &[&str] = &[
 ];
 
 /// The three feed routes as one regular expression: the same text in the Traefik rule and the
-/// nginx, Caddy and HAProxy recipes, which tests/e2e/proxies/ runs for real (Caddy with Go's
-/// regexp package, the engine Traefik uses too).
+/// nginx, Caddy and HAProxy recipes, all of which tests/e2e/proxies/ runs for real (the Traefik
+/// labels in a real Traefik v3).
 const FEED_PATH_REGEX: &str = "^/realtime/v1/(runs|runs/[^/]+|batches/[^/]+)$";
 
 // =============================================================================================

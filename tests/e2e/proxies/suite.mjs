@@ -1,5 +1,8 @@
-// The reverse-proxy recipes of deploy/proxies/ tested for real (run by scripts/proxies.sh; one
-// test file per proxy, the three in parallel). Each file starts, on its own database:
+// The reverse-proxy recipes tested for real (run by scripts/proxies.sh; one test file per proxy,
+// all in parallel): deploy/proxies/ (nginx, Caddy, HAProxy) and the Traefik router of
+// deploy/trigger.dev/compose/docker-compose.runfeed.traefik.yml (its Docker labels turned into
+// Traefik's file-provider configuration, beside trigger.dev's webapp router). Each file starts,
+// on its own database:
 //
 //   - a real `runfeed serve` (20 s holds without jitter; a per-organization concurrency limit of 2
 //     for the environment of the abort check);
@@ -48,10 +51,70 @@ const SHIPPED = {
   nginx: "deploy/proxies/nginx/runfeed.conf",
   caddy: "deploy/proxies/caddy/Caddyfile",
   haproxy: "deploy/proxies/haproxy/haproxy.cfg",
+  traefik: "deploy/trigger.dev/compose/docker-compose.runfeed.traefik.yml",
 };
+
+/**
+ * trigger.dev v4.5.12's Traefik set-up (hosting/docker/docker-compose.traefik.yml): the webapp's
+ * router `webapp` with rule Host(`webapp.localhost`), entrypoint ${TRAEFIK_ENTRYPOINT:-web},
+ * service port 3000, no explicit priority. The test puts its host on 127.0.0.1 for both
+ * routers (the webapp's rule names the real host; TRAEFIK_WEBAPP_HOST must equal it).
+ */
+const TRIGGER_TRAEFIK = { host: "webapp.localhost", entrypoint: "web" };
+const TEST_HOST = "127.0.0.1";
+
+/** Compose's interpolation for the overlay's labels: ${VAR:-default}, $$. */
+function composeInterpolate(text, vars) {
+  return text.replace(/\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}/g, (m, name, dflt) =>
+    m === "$$" ? "$" : vars[name] ?? dflt ?? ""
+  );
+}
+
+/**
+ * Traefik's file-provider configuration (JSON, which Traefik reads as YAML) made from the SHIPPED
+ * overlay's Docker labels — the Docker provider reads the same keys from labels — plus the webapp's
+ * router as trigger.dev ships it. Only the upstream addresses and the host are the test's.
+ */
+function renderTraefik({ runfeed, runfeedAdminPort, webapp }) {
+  const text = fs.readFileSync(path.join(ROOT, SHIPPED.traefik), "utf8");
+  const vars = { TRAEFIK_WEBAPP_HOST: TEST_HOST, TRAEFIK_ENTRYPOINT: TRIGGER_TRAEFIK.entrypoint };
+  const labels = [...text.matchAll(/^\s*-\s*"(traefik\.[^=]+)=(.*)"\s*$/gm)].map((m) => [m[1], composeInterpolate(m[2], vars)]);
+  if (labels.length < 5) throw new Error(`${SHIPPED.traefik}: no Traefik labels found`);
+  const dyn = {
+    http: {
+      routers: {
+        webapp: { rule: `Host(\`${TEST_HOST}\`)`, entryPoints: [TRIGGER_TRAEFIK.entrypoint], service: "webapp" },
+      },
+      services: { webapp: { loadBalancer: { servers: [{ url: `http://${webapp}` }] } } },
+    },
+  };
+  for (const [key, value] of labels) {
+    let m;
+    if ((m = /^traefik\.http\.routers\.([\w-]+)\.(rule|priority|entrypoints|service)$/.exec(key))) {
+      const r = (dyn.http.routers[m[1]] ??= {});
+      if (m[2] === "rule") r.rule = value;
+      else if (m[2] === "priority") r.priority = Number(value);
+      else if (m[2] === "entrypoints") r.entryPoints = value.split(",");
+      else r.service = value;
+    } else if ((m = /^traefik\.http\.services\.([\w-]+)\.loadbalancer\.(server\.port|healthcheck\.(path|port|interval))$/.exec(key))) {
+      const lb = ((dyn.http.services[m[1]] ??= {}).loadBalancer ??= {});
+      if (m[2] === "server.port") {
+        if (value !== "3030") throw new Error(`${SHIPPED.traefik}: server port ${value}, expected runfeed's 3030`);
+        lb.servers = [{ url: `http://${runfeed}` }];
+      } else if (m[3] === "port") {
+        if (value !== "9464") throw new Error(`${SHIPPED.traefik}: health check port ${value}, expected runfeed's admin 9464`);
+        (lb.healthCheck ??= {}).port = runfeedAdminPort;
+      } else (lb.healthCheck ??= {})[m[3]] = value;
+    } else if (key !== "traefik.enable" && key !== "traefik.docker.network") {
+      throw new Error(`${SHIPPED.traefik}: label ${key} is not translated by this test`);
+    }
+  }
+  return JSON.stringify(dyn, null, 2);
+}
 
 /** The shipped file of `kind` with only its listen address and upstreams replaced. */
 export function render(kind, { port, runfeed, runfeedAdminPort, webapp }) {
+  if (kind === "traefik") return renderTraefik({ runfeed, runfeedAdminPort, webapp });
   let text = fs.readFileSync(path.join(ROOT, SHIPPED[kind]), "utf8");
   const subs = {
     nginx: [
@@ -108,6 +171,18 @@ async function startProxy(kind, config, port, label) {
     // at once would fight over :2019) and no certificate automation on loopback.
     fs.writeFileSync(path.join(dir, "Caddyfile"), `{\n\tadmin off\n\tauto_https off\n}\n\n${config}`);
     cmd = ["/usr/bin/caddy", "run", "--config", path.join(dir, "Caddyfile"), "--adapter", "caddyfile"];
+  } else if (kind === "traefik") {
+    // Static configuration: trigger.dev's entrypoint name on the test's port, the file provider
+    // instead of Docker's (same dynamic configuration), nothing else.
+    fs.writeFileSync(path.join(dir, "dynamic.yml"), config);
+    cmd = [
+      process.env.PROXY_TRAEFIK_BIN || "traefik",
+      `--entryPoints.${TRIGGER_TRAEFIK.entrypoint}.address=127.0.0.1:${port}`,
+      `--providers.file.filename=${path.join(dir, "dynamic.yml")}`,
+      "--global.checkNewVersion=false",
+      "--global.sendAnonymousUsage=false",
+      "--log.level=INFO",
+    ];
   } else {
     fs.writeFileSync(path.join(dir, "haproxy.cfg"), config);
     cmd = ["/usr/sbin/haproxy", "-db", "-f", path.join(dir, "haproxy.cfg")];

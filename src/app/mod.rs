@@ -74,6 +74,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         )
         .context("database configuration")?,
     );
+    crate::store::grants::check_at_startup(&store).await?;
     let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
     let redis = Redis::connect(RedisOptions::from(&config.redis)).context("redis")?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -193,22 +194,21 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     })
 }
 
-/// `/readyz`: Postgres answers `SELECT 1` (both pools) and the Redis subscriber is connected.
+/// `/readyz`: Postgres answers `SELECT 1` (both pools), the Redis subscriber is connected, and
+/// the database role may read what runfeed reads ([`crate::store::grants`]).
 fn readiness_checks(
     store: &Arc<PgStore>,
     source: &Arc<RedisChangeSource>,
 ) -> Vec<(&'static str, Check)> {
-    let store = Arc::downgrade(store);
-    let source = Arc::downgrade(source);
-    let postgres: Check = Arc::new(move || {
-        let store = store.clone();
-        Box::pin(async move {
-            match store.upgrade() {
-                Some(store) => store.ping().await.map_err(|e| e.to_string()),
-                None => Err("stopped".into()),
-            }
-        })
+    let postgres = store_check(store, |store| async move {
+        store.ping().await.map_err(|e| e.to_string())
     });
+    let grants = store_check(store, |store| async move {
+        crate::store::grants::check(&store)
+            .await
+            .map_err(|e| e.to_string())
+    });
+    let source = Arc::downgrade(source);
     let redis: Check = Arc::new(move || {
         let connected = source.upgrade().is_some_and(|s| s.is_connected());
         Box::pin(async move {
@@ -219,7 +219,27 @@ fn readiness_checks(
             }
         })
     });
-    vec![("postgres", postgres), ("redis", redis)]
+    vec![("postgres", postgres), ("redis", redis), ("grants", grants)]
+}
+
+/// A readiness check that runs `check` on the store while the server lives ("stopped" after).
+fn store_check<F, Fut>(store: &Arc<PgStore>, check: F) -> Check
+where
+    F: Fn(Arc<PgStore>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+{
+    let store = Arc::downgrade(store);
+    let check = Arc::new(check);
+    Arc::new(move || {
+        let store = store.upgrade();
+        let check = check.clone();
+        Box::pin(async move {
+            match store {
+                Some(store) => check(store).await,
+                None => Err("stopped".into()),
+            }
+        })
+    })
 }
 
 /// `runfeed serve`: serves `config` until SIGINT/SIGTERM, then drains gracefully.

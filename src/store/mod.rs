@@ -15,6 +15,7 @@ use async_trait::async_trait;
 
 use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
 
+pub mod grants;
 mod ids;
 pub mod lag;
 mod pg;

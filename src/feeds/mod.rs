@@ -28,7 +28,7 @@ use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
 use crate::protocol::{ColumnSet, EnvId, Handle, RunId, SerializedRow};
 use crate::redis::{CursorStats, CursorStore};
-use crate::router::{FeedFilter, Registration, ReplayCursor, Router};
+use crate::router::{Feed, FeedFilter, Registration, ReplayCursor, Router};
 use crate::store::RunStore;
 use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
 
@@ -109,6 +109,44 @@ pub struct Feeds {
     metrics: Arc<Metrics>,
     /// Fleet-shared replay cursors (None: per-instance only).
     cursors: Option<CursorStore>,
+}
+
+/// One poll of a known feed: the request, the handle it verified, the target it resumes, and
+/// the offset its client echoed.
+#[derive(Clone, Copy)]
+struct Poll<'a> {
+    req: &'a FeedRequest,
+    handle: &'a Handle,
+    target: &'a Target,
+    offset: Offset,
+}
+
+impl Poll<'_> {
+    /// The key of the state recorded for `offset` of this connection.
+    fn key(&self, offset: Offset) -> ConnKey {
+        (self.req.env_id.clone(), self.handle.clone(), offset)
+    }
+
+    /// The router feed this poll holds, replaying from `since`.
+    fn feed(&self, since: Option<ReplayCursor>) -> Feed {
+        Feed {
+            env_id: self.req.env_id.clone(),
+            filter: filter_of(self.target),
+            cols: self.req.cols,
+            since,
+        }
+    }
+}
+
+/// How a response is built beyond its rows.
+#[derive(Clone, Copy)]
+struct ReplyShape {
+    /// Carry `electric-schema` (non-live responses).
+    schema: bool,
+    /// Every store re-check of this poll succeeded. When one failed, the recorded cursor is one
+    /// no later poll takes as covered, so that poll re-checks instead of trusting a stream that
+    /// may have skipped this feed.
+    trusted: bool,
 }
 
 /// What a poll knows about the offset its client echoed.
@@ -216,14 +254,20 @@ impl Feeds {
         };
         let claims = self.verify(&req, handle)?;
         let target = self.resume_target(&req.target, &claims);
+        let poll = Poll {
+            req: &req,
+            handle,
+            target: &target,
+            offset,
+        };
         if req.live {
             // Dropped unfinished (client gone) = an `abort` wakeup.
             let guard = self.metrics.live_guard();
-            let reply = self.live(&req, handle, &target, offset).await;
+            let reply = self.live(poll).await;
             guard.finish();
             reply
         } else {
-            Box::pin(self.catch_up(&req, handle, &target, offset)).await
+            Box::pin(self.catch_up(poll)).await
         }
     }
 
@@ -299,7 +343,7 @@ impl Feeds {
         handle: Handle,
         offset: Offset,
         changes: &[(Operation, SerializedRow)],
-        schema: bool,
+        shape: ReplyShape,
     ) -> FeedReply {
         let refs: Vec<(Operation, &SerializedRow)> =
             changes.iter().map(|(op, row)| (*op, row)).collect();
@@ -313,7 +357,7 @@ impl Feeds {
                 handle,
                 offset: Some(offset.to_string()),
                 cursor: Some(next_cursor(req.cursor.as_deref()).to_string()),
-                schema: schema.then(|| schema_header(req.cols)),
+                schema: shape.schema.then(|| schema_header(req.cols)),
                 up_to_date: true,
             },
             body,
@@ -333,15 +377,18 @@ impl Feeds {
         );
     }
 
-    async fn lookup(&self, req: &FeedRequest, handle: &Handle, offset: Offset) -> Resume {
-        let state = self
-            .conns
-            .get(&(req.env_id.clone(), handle.clone(), offset));
+    async fn lookup(&self, poll: Poll<'_>) -> Resume {
+        let Poll {
+            req,
+            handle,
+            offset,
+            ..
+        } = poll;
+        let state = self.conns.get(&poll.key(offset));
         if let Some(state) = &state {
             if let Some(prev) = state.prev {
                 // The client has moved past `prev`: its state can go.
-                self.conns
-                    .invalidate(&(req.env_id.clone(), handle.clone(), prev));
+                self.conns.invalidate(&poll.key(prev));
             }
         }
         let (cursor, recent) = match (&state, &self.cursors) {
@@ -367,10 +414,10 @@ impl Feeds {
         }
     }
 
-    fn known(&self, req: &FeedRequest, resume: &Resume, offset: Offset) -> Known {
-        match (&resume.state, &resume.recent, &req.target) {
+    fn known(&self, poll: Poll<'_>, resume: &Resume) -> Known {
+        match (&resume.state, &resume.recent, poll.target) {
             (Some(s), _, _) => Known::Set(s.ws.clone()),
-            (None, _, Target::Run { .. }) => Known::Floor(offset.ms),
+            (None, _, Target::Run { .. }) => Known::Floor(poll.offset.ms),
             (None, Some(recent), _) => Known::Partial(recent.clone()),
             (None, None, _) => Known::Nothing,
         }
@@ -443,77 +490,72 @@ impl Feeds {
                 recent: Vec::new(),
             },
         );
-        Ok(self.reply(req, handle, offset, &changes, true))
+        let shape = ReplyShape {
+            schema: true,
+            trusted: true,
+        };
+        Ok(self.reply(req, handle, offset, &changes, shape))
     }
 
     /// Non-live request with a handle (catch-up, prefetch, resume after pause): answered at
-    /// once with what the client is missing, never held (protocol §4.5–4.6).
-    async fn catch_up(
-        &self,
-        req: &FeedRequest,
-        handle: &Handle,
-        target: &Target,
-        offset: Offset,
-    ) -> Result<FeedReply, FeedError> {
+    /// once with what the client is missing, never held (docs/protocol.md §4.5–4.6).
+    async fn catch_up(&self, poll: Poll<'_>) -> Result<FeedReply, FeedError> {
+        let req = poll.req;
         // Every await but the hold is boxed: this future lives for the whole hold, and an
-        // inline read would size it (issue 6, memory per held feed).
-        let resume = Box::pin(self.lookup(req, handle, offset)).await;
-        let known = self.known(req, &resume, offset);
+        // inline read would size it (memory per held feed).
+        let resume = Box::pin(self.lookup(poll)).await;
+        let known = self.known(poll, &resume);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
         let set = self
             .sets
-            .read_shared(&req.env_id, target, req.cols, deadline)
+            .read_shared(&req.env_id, poll.target, req.cols, deadline)
             .await?;
         // The cached read may predate records the client has not seen: replay them too.
-        let reg = self
-            .router
-            .register(&req.env_id, filter_of(target), req.cols, Some(set.cursor))
-            .await;
+        let reg = self.router.register(poll.feed(Some(set.cursor))).await;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         if !reg.covered() {
             let fresh = self
                 .sets
-                .read_covered(&req.env_id, target, req.cols, deadline, &reg)
+                .read_covered(&req.env_id, poll.target, req.cols, deadline, &reg)
                 .await?;
             pending.extend(fresh.rows.iter().cloned());
         }
-        Ok(self.respond(req, handle, offset, &known, pending, &reg, true, true))
+        let shape = ReplyShape {
+            schema: true,
+            trusted: true,
+        };
+        Ok(self.respond(poll, &known, pending, &reg, shape))
     }
 
-    /// Builds the response and records the state for its offset. `trusted == false` (a store
-    /// re-check failed) records a cursor no later poll will take as covered, so that poll
-    /// re-checks instead of trusting a stream that may have skipped this feed.
-    #[allow(clippy::too_many_arguments)]
+    /// Builds the response and records the state for its offset (see [`ReplyShape`]).
     fn respond(
         &self,
-        req: &FeedRequest,
-        handle: &Handle,
-        offset: Offset,
+        poll: Poll<'_>,
         known: &Known,
         mut pending: Pending,
         reg: &Registration,
-        schema: bool,
-        trusted: bool,
+        shape: ReplyShape,
     ) -> FeedReply {
-        // Cursor first, then the final drain: a delivery in between is in this response or
-        // after the cursor.
-        let mut cursor = reg.cursor();
-        let late = reg.take();
-        if late.recheck || !trusted {
+        let Poll {
+            req,
+            handle,
+            offset,
+            ..
+        } = poll;
+        let (mut cursor, late) = reg.settle();
+        if late.recheck || !shape.trusted {
             cursor.epoch = 0;
         }
         pending.extend(late.rows);
         let changes = pending.changes(known);
         let ws = pending.next_working_set(known);
         // The state recorded for the offset the client presented (read once).
-        let presented = self
-            .conns
-            .get(&(req.env_id.clone(), handle.clone(), offset));
+        let presented = self.conns.get(&poll.key(offset));
         let recent = Self::recent(presented.as_deref(), known, &pending, &ws);
         if changes.is_empty() {
-            // Nothing new: the offset stays what the client sent (protocol §10); its state
-            // keeps the same working set and moves the replay cursor forward.
+            // Nothing new: the offset stays what the client sent (docs/protocol.md §10); its
+            // state keeps the same working set and moves the replay cursor forward.
             let prev = presented.and_then(|s| s.prev);
             self.record(
                 req,
@@ -526,7 +568,7 @@ impl Feeds {
                     recent,
                 },
             );
-            return self.reply(req, handle.clone(), offset, &changes, schema);
+            return self.reply(req, handle.clone(), offset, &changes, shape);
         }
         let next = Offset {
             ms: max_ms(offset.ms, &changes),
@@ -543,18 +585,13 @@ impl Feeds {
                 recent,
             },
         );
-        self.reply(req, handle.clone(), next, &changes, schema)
+        self.reply(req, handle.clone(), next, &changes, shape)
     }
 
     /// `live=true`: hold until the router delivers a change the client does not have, or the
     /// hold expires (then the backstop re-reads).
-    async fn live(
-        &self,
-        req: &FeedRequest,
-        handle: &Handle,
-        target: &Target,
-        offset: Offset,
-    ) -> Result<FeedReply, FeedError> {
+    async fn live(&self, poll: Poll<'_>) -> Result<FeedReply, FeedError> {
+        let req = poll.req;
         let drained = self.shutdown.cancelled();
         tokio::pin!(drained);
         let deadline = if self.shutdown.is_cancelled() {
@@ -563,19 +600,17 @@ impl Feeds {
             Instant::now() + self.hold()
         };
         // Every await but the hold is boxed: this future lives for the whole hold, and an
-        // inline read would size it (issue 6, memory per held feed).
-        let resume = Box::pin(self.lookup(req, handle, offset)).await;
-        let known = self.known(req, &resume, offset);
-        let reg =
-            Box::pin(
-                self.router
-                    .register(&req.env_id, filter_of(target), req.cols, resume.cursor),
-            )
-            .await;
+        // inline read would size it (memory per held feed).
+        let resume = Box::pin(self.lookup(poll)).await;
+        let known = self.known(poll, &resume);
+        let reg = Box::pin(self.router.register(poll.feed(resume.cursor))).await;
         let mut pending = Pending::default();
         let first = reg.take();
         pending.extend(first.rows);
-        let mut trusted = true;
+        let mut shape = ReplyShape {
+            schema: false,
+            trusted: true,
+        };
         let mut path = DeliveryPath::Replay;
         // Without this instance's working set but with a covered cursor (a hop), the replay is
         // exactly what changed since the client's last response: no store read needed.
@@ -584,17 +619,14 @@ impl Feeds {
             // the feed is registered (anything after this read reaches the inbox).
             self.metrics.live_poll(LivePath::ColdResolve);
             path = DeliveryPath::Cold;
-            trusted &= Box::pin(self.recheck(req, target, deadline, &reg, &mut pending)).await;
+            shape.trusted &= Box::pin(self.recheck(poll, deadline, &reg, &mut pending)).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
-                return Ok(self.emitted(
-                    path,
-                    self.respond(req, handle, offset, &known, pending, &reg, false, trusted),
-                ));
+                return Ok(self.emitted(path, self.respond(poll, &known, pending, &reg, shape)));
             }
             tokio::select! {
-                wake = reg.wake() => {
+                wake = reg.wait() => {
                     self.metrics.wakeup(WakeReason::Notify);
                     if !wake.rows.is_empty() {
                         self.metrics.live_poll(LivePath::FastHydrate);
@@ -604,10 +636,10 @@ impl Feeds {
                     if wake.recheck {
                         self.metrics.live_poll(LivePath::FullResolve);
                         path = DeliveryPath::Recheck;
-                        trusted &= Box::pin(self.recheck(req, target, deadline, &reg, &mut pending)).await;
+                        shape.trusted &= Box::pin(self.recheck(poll, deadline, &reg, &mut pending)).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
-                        return Ok(self.emitted(path, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
+                        return Ok(self.emitted(path, self.respond(poll, &known, pending, &reg, shape)));
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => {
@@ -617,7 +649,7 @@ impl Feeds {
                 _ = &mut drained => {
                     // Shutting down: answer what we have now, no backstop read.
                     self.metrics.wakeup(WakeReason::Abort);
-                    return Ok(self.emitted(DeliveryPath::Drain, self.respond(req, handle, offset, &known, pending, &reg, false, trusted)));
+                    return Ok(self.emitted(DeliveryPath::Drain, self.respond(poll, &known, pending, &reg, shape)));
                 }
             }
         }
@@ -626,6 +658,7 @@ impl Feeds {
             Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
         // Polls that know their client's versions share backstop reads of the same filter
         // (`caches.backstop_share_ms`): an older shared read cannot regress a known row.
+        let target = poll.target;
         let backstop = if matches!(known, Known::Set(_) | Known::Floor(_)) {
             Box::pin(
                 self.sets
@@ -643,10 +676,10 @@ impl Feeds {
             Ok(set) => pending.extend(set.rows.iter().cloned()),
             Err(err) => {
                 tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date");
-                trusted = false;
+                shape.trusted = false;
             }
         }
-        let reply = self.respond(req, handle, offset, &known, pending, &reg, false, trusted);
+        let reply = self.respond(poll, &known, pending, &reg, shape);
         self.metrics.backstop(reply.rows > 0);
         Ok(self.emitted(DeliveryPath::Backstop, reply))
     }
@@ -655,17 +688,17 @@ impl Feeds {
     /// [`Sets::read_covered`]); false if that failed (logged).
     async fn recheck(
         &self,
-        req: &FeedRequest,
-        target: &Target,
+        poll: Poll<'_>,
         deadline: Instant,
         reg: &Registration,
         pending: &mut Pending,
     ) -> bool {
+        let req = poll.req;
         // Bounded by the poll's deadline (a replay may wait on the read-your-writes gate).
         let read = tokio::time::timeout_at(
             deadline,
             self.sets
-                .read_covered(&req.env_id, target, req.cols, deadline, reg),
+                .read_covered(&req.env_id, poll.target, req.cols, deadline, reg),
         );
         match read.await.unwrap_or(Err(ReadError::Deadline)) {
             Ok(set) => {
@@ -725,23 +758,17 @@ mod tests {
 
 #[cfg(test)]
 mod future_sizes {
-    //! Sizes of the futures a held live poll keeps alive (issue 6, memory per held feed).
+    //! Sizes of the futures a held live poll keeps alive (memory per held feed, BENCHMARKS.md
+    //! "Held feeds").
     use super::*;
 
     fn size1<'a, A: 'a, B, F: std::future::Future + 'a>(_: fn(&'a A, B) -> F) -> usize {
         std::mem::size_of::<F>()
     }
-    fn size_live<'a, F: std::future::Future + 'a>(
-        _: fn(&'a Feeds, &'a FeedRequest, &'a Handle, &'a Target, Offset) -> F,
-    ) -> usize {
+    fn size_poll<'a, F: std::future::Future + 'a>(_: fn(&'a Feeds, Poll<'a>) -> F) -> usize {
         std::mem::size_of::<F>()
     }
     fn size_snap<'a, F: std::future::Future + 'a>(_: fn(&'a Feeds, &'a FeedRequest) -> F) -> usize {
-        std::mem::size_of::<F>()
-    }
-    fn size_lookup<'a, F: std::future::Future + 'a>(
-        _: fn(&'a Feeds, &'a FeedRequest, &'a Handle, Offset) -> F,
-    ) -> usize {
         std::mem::size_of::<F>()
     }
 
@@ -750,11 +777,11 @@ mod future_sizes {
     /// a debug build, because `lookup`'s 5 368 were inline).
     #[test]
     fn held_poll_futures_stay_small() {
-        let (serve, live) = (size1(Feeds::serve), size_live(Feeds::live));
+        let (serve, live) = (size1(Feeds::serve), size_poll(Feeds::live));
         println!(
             "bytes: Feeds::serve {serve}, live {live}, snapshot {}, lookup {}",
             size_snap(Feeds::snapshot),
-            size_lookup(Feeds::lookup)
+            size_poll(Feeds::lookup)
         );
         assert!(live <= 1024, "Feeds::live future is {live} bytes");
         assert!(serve <= 1536, "Feeds::serve future is {serve} bytes");

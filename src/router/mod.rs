@@ -20,6 +20,7 @@ mod buffer;
 mod coalesce;
 mod filter;
 pub mod gate;
+mod tripwire;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +54,21 @@ pub struct ReplayCursor {
     /// clocks and each instance's copy of the change stream may differ by that much.
     /// Replaying a little more is harmless (the feed's diff drops what the client has).
     pub wall_ms: i64,
+}
+
+/// A feed a poll holds: what it watches, in which column set, and where its client's view of
+/// the change stream ends.
+#[derive(Clone, Debug)]
+pub struct Feed {
+    /// The environment (every record and row is scoped to it).
+    pub env_id: EnvId,
+    /// What the feed watches.
+    pub filter: FeedFilter,
+    /// The columns its responses carry (one hydrate per column set).
+    pub cols: ColumnSet,
+    /// The replay cursor of the client's last response: records after it are replayed into the
+    /// inbox at registration (`None`: the client's position is unknown, nothing is covered).
+    pub since: Option<ReplayCursor>,
 }
 
 /// Where a replay starts.
@@ -394,13 +410,14 @@ impl Router {
     ///
     /// [`Registration::covered`] tells whether the change stream provably covers the gap since
     /// `cursor`; when false the caller must re-check from the store (cold path).
-    pub async fn register(
-        &self,
-        env_id: &EnvId,
-        filter: FeedFilter,
-        cols: ColumnSet,
-        cursor: Option<ReplayCursor>,
-    ) -> Registration {
+    pub async fn register(&self, feed: Feed) -> Registration {
+        let Feed {
+            env_id,
+            filter,
+            cols,
+            since: cursor,
+        } = feed;
+        let env_id = &env_id;
         let env = self.inner.ensure_env(env_id);
         let id = self.inner.next_feed_id.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot {
@@ -771,103 +788,6 @@ impl Inner {
     }
 }
 
-impl Inner {
-    /// Decides which runs of a hydrated batch are stale, schedules their re-hydrate, and
-    /// returns the ones to withhold now (GATE-04..09, better per behaviours §4 item 3).
-    ///
-    /// A run is stale when a hydrated row is older than the newest watermark of its records, or
-    /// when no row came back although a record vouches for the run: a watermark, or — when the
-    /// gate gave up before the replica caught up — any record (a just-created run that is not
-    /// replicated yet must not be lost; the reference drops it silently).
-    fn tripwire(
-        self: &Arc<Self>,
-        env_id: &EnvId,
-        records: &[ChangeRecord],
-        hydrated: &HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>>,
-        outcome: Option<GateOutcome>,
-        attempt: u32,
-    ) -> HashSet<RunId> {
-        let Some(gate) = self.gate.clone() else {
-            return HashSet::new();
-        };
-        let unsure =
-            matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
-        let now_ms = crate::clock::now_ms();
-        let mut stale: HashMap<RunId, ChangeRecord> = HashMap::new();
-        for record in records {
-            let rows: Vec<Option<&SerializedRow>> = hydrated
-                .values()
-                .flatten()
-                .map(|rows| rows.get(&record.run_id))
-                .collect();
-            if rows.is_empty() {
-                continue; // every hydrate of this batch failed: the feeds re-check instead
-            }
-            let is_stale = match record.updated_at_ms {
-                Some(wm) => rows
-                    .iter()
-                    .any(|r| r.is_none_or(|row| row.meta.updated_at_ms < wm)),
-                None => unsure && rows.iter().all(Option::is_none),
-            };
-            if is_stale {
-                if let Some(wm) = record.updated_at_ms {
-                    gate.observe_stale(u64::try_from(now_ms - wm).unwrap_or(0));
-                }
-                stale
-                    .entry(record.run_id.clone())
-                    .and_modify(|r| r.merge_from(record.clone()))
-                    .or_insert_with(|| record.clone());
-            }
-        }
-        if attempt > 0 && attempt <= gate.retries() {
-            let recovered = records
-                .iter()
-                .filter(|r| !stale.contains_key(&r.run_id))
-                .count() as u64;
-            self.stats
-                .stale_recovered
-                .fetch_add(recovered, Ordering::Relaxed);
-        }
-        if stale.is_empty() {
-            return HashSet::new();
-        }
-        let withhold = attempt < gate.retries();
-        if attempt == gate.retries() {
-            self.stats
-                .stale_gave_up
-                .fetch_add(stale.len() as u64, Ordering::Relaxed);
-            tracing::warn!(%env_id,
-                runs = stale.len(),
-                "rows still stale after retries; delivering them (echo passes follow)"
-            );
-        }
-        // Retry while within the budget; afterwards echo (deliver-and-recheck) while the change
-        // is recent, so the fresh version still arrives once the replica catches up.
-        let horizon_ms = i64::try_from(gate.echo_horizon().as_millis()).unwrap_or(i64::MAX);
-        let newest = stale.values().filter_map(|r| r.updated_at_ms).max();
-        let within_horizon = match newest {
-            Some(wm) => now_ms - wm < horizon_ms,
-            None => attempt < gate.retries() + 10,
-        };
-        if withhold || within_horizon {
-            let retry: Vec<ChangeRecord> = stale.values().cloned().collect();
-            let delay = gate.retry_delay();
-            let inner = self.clone();
-            let env_id = env_id.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                let arrived = tokio::time::Instant::now();
-                inner.route_batch(env_id, retry, attempt + 1, arrived).await;
-            });
-        }
-        if withhold {
-            stale.into_keys().collect()
-        } else {
-            HashSet::new()
-        }
-    }
-}
-
 /// A feed held by one poll. Dropping it deregisters the feed (client gone, poll answered).
 pub struct Registration {
     inner: Arc<Inner>,
@@ -885,7 +805,7 @@ impl Registration {
     }
 
     /// Waits until the inbox holds rows or a re-check request, and drains it.
-    pub async fn wake(&self) -> Wake {
+    pub async fn wait(&self) -> Wake {
         loop {
             let wake = self.slot.take();
             if !wake.is_empty() {
@@ -933,9 +853,16 @@ impl Registration {
         self.slot.take()
     }
 
-    /// The cursor a response built NOW may hand out. Call it BEFORE the final [`Self::take`]
-    /// so rows delivered in between are either in the response or after the cursor.
-    pub fn cursor(&self) -> ReplayCursor {
+    /// Closes out a response built now: the cursor it may hand out, then what reached the inbox
+    /// up to that moment. In this order, a row delivered in between is either in the response or
+    /// after the cursor; never neither.
+    pub fn settle(&self) -> (ReplayCursor, Wake) {
+        let cursor = self.cursor();
+        (cursor, self.slot.take())
+    }
+
+    /// The cursor a response built now may hand out (without draining the inbox).
+    fn cursor(&self) -> ReplayCursor {
         lock(&self.env.state).cursor(self.inner.instance)
     }
 }

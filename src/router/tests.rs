@@ -309,7 +309,7 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 /// The next wake of `reg`, or a panic after [`WAIT`].
 async fn wake(reg: &Registration) -> Wake {
-    timeout(WAIT, reg.wake()).await.expect("feed was not woken")
+    timeout(WAIT, reg.wait()).await.expect("feed was not woken")
 }
 
 /// Awaits a gate's `entered` signal.
@@ -351,8 +351,12 @@ impl Harness {
     ) -> Registration {
         let reg = timeout(
             WAIT,
-            self.router
-                .register(&crate::protocol::EnvId::from(ENV), filter, cols, cursor),
+            self.router.register(Feed {
+                env_id: crate::protocol::EnvId::from(ENV),
+                filter,
+                cols,
+                since: cursor,
+            }),
         )
         .await
         .expect("register hung");
@@ -1197,12 +1201,12 @@ async fn rep_07_replay_racing_live_delivery_keeps_newer_version() {
     let router = h.router.clone();
     let pending = tokio::spawn(async move {
         router
-            .register(
-                &crate::protocol::EnvId::from(ENV),
-                run_feed("r1"),
-                ColumnSet::ALL,
-                Some(c0),
-            )
+            .register(Feed {
+                env_id: crate::protocol::EnvId::from(ENV),
+                filter: run_feed("r1"),
+                cols: ColumnSet::ALL,
+                since: Some(c0),
+            })
             .await
     });
     entered(gate_in).await; // the replay hydrate read v1 and is blocked
@@ -1512,12 +1516,12 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
         };
         let b = h
             .router
-            .register(
-                &crate::protocol::EnvId::from(ENV),
-                filter,
-                ColumnSet::ALL,
-                None,
-            )
+            .register(Feed {
+                env_id: crate::protocol::EnvId::from(ENV),
+                filter: filter,
+                cols: ColumnSet::ALL,
+                since: None,
+            })
             .await;
         dropper.join().unwrap();
         let ok = h.subscribed() && h.router.active_envs() == 1;
@@ -1661,12 +1665,12 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
     let (router, source, store, tx) = manual(cfg());
     store.put(row("r1", &[], None));
     let a = router
-        .register(
-            &crate::protocol::EnvId::from(ENV),
-            run_feed("r1"),
-            ColumnSet::ALL,
-            None,
-        )
+        .register(Feed {
+            env_id: crate::protocol::EnvId::from(ENV),
+            filter: run_feed("r1"),
+            cols: ColumnSet::ALL,
+            since: None,
+        })
         .await;
     assert_eq!(source.calls(), vec![format!("sub:{ENV}")]);
     let early = a.cursor();
@@ -1689,24 +1693,24 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
         "a confirmation never creates an env"
     );
     let b = router
-        .register(
-            &crate::protocol::EnvId::from(ENV),
-            run_feed("r1"),
-            ColumnSet::ALL,
-            Some(early),
-        )
+        .register(Feed {
+            env_id: crate::protocol::EnvId::from(ENV),
+            filter: run_feed("r1"),
+            cols: ColumnSet::ALL,
+            since: Some(early),
+        })
         .await;
     assert!(
         !b.covered(),
         "a cursor from before the confirmation is not covered"
     );
     let c = router
-        .register(
-            &crate::protocol::EnvId::from(ENV),
-            run_feed("r1"),
-            ColumnSet::ALL,
-            Some(a.cursor()),
-        )
+        .register(Feed {
+            env_id: crate::protocol::EnvId::from(ENV),
+            filter: run_feed("r1"),
+            cols: ColumnSet::ALL,
+            since: Some(a.cursor()),
+        })
         .await;
     assert!(c.covered());
 }
@@ -1727,22 +1731,22 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     // No await point below lets the pump run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
     let a = router
-        .register(
-            &crate::protocol::EnvId::from(ENV),
-            run_feed("zz"),
-            ColumnSet::ALL,
-            None,
-        )
+        .register(Feed {
+            env_id: crate::protocol::EnvId::from(ENV),
+            filter: run_feed("zz"),
+            cols: ColumnSet::ALL,
+            since: None,
+        })
         .await;
     tx.send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
     drop(a);
     let b = router
-        .register(
-            &crate::protocol::EnvId::from(ENV),
-            run_feed("r1"),
-            ColumnSet::ALL,
-            None,
-        )
+        .register(Feed {
+            env_id: crate::protocol::EnvId::from(ENV),
+            filter: run_feed("r1"),
+            cols: ColumnSet::ALL,
+            since: None,
+        })
         .await;
     assert_eq!(
         source.calls(),

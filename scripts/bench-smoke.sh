@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seconds-long smoke of every runfeed-bench scenario (issue 6): starts `runfeed serve` on a fresh
+# Seconds-long smoke of every runfeed-bench scenario : starts `runfeed serve` on a fresh
 # database (`runfeed migrate` creates it; dropped on exit), runs each scenario with tiny knobs and
 # exits 0 if the tool ran every scenario. Figures are printed, never asserted.
 #   bash scripts/bench-smoke.sh            # uses target/debug (builds both binaries first)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cargo-fuzz targets of tests/fuzz (issue 7): request params, change-record decoding, handle
+# cargo-fuzz targets of tests/fuzz : request params, change-record decoding, handle
 # verification, bearer/JWT parsing. Runs each target for a bounded time; exits non-zero on a crash
 # (the crashing input is left in tests/fuzz/artifacts/<target>/ — pin it as a regression case in
 # tests/fuzz_props.rs).

@@ -144,7 +144,7 @@ if [ "${SKIP_PROXIES:-0}" != 1 ]; then run_step "proxies: scripts/proxies.sh (ng
 # The live-runs page in Debian's headless chromium (installs chromium + npm deps; see scripts/browser.sh).
 if [ "${SKIP_BROWSER:-0}" != 1 ]; then run_step "browser: tests/browser (chromium + playwright-core)" bash scripts/browser.sh; fi
 
-# Every cargo-fuzz target for a bounded time (issue 7; FUZZ_SECONDS per target, default 20;
+# Every cargo-fuzz target for a bounded time (FUZZ_SECONDS per target, default 20;
 # the first, cold build of the instrumented crate takes a few minutes).
 if [ "${SKIP_FUZZ:-0}" != 1 ]; then run_step "fuzz: scripts/fuzz.sh (${FUZZ_SECONDS:-20}s per target)" bash scripts/fuzz.sh; fi
 

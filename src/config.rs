@@ -2,7 +2,7 @@
 //! `RUNFEED_<SECTION>__<KEY>` environment variables ← command-line flags.
 //!
 //! Every tunable of trigger.dev's native realtime backend is a key here with the reference
-//! default (behaviours.md §0.2; `REALTIME_BACKEND_NATIVE_<NAME>` → `[section] name`).
+//! default (docs/behaviours.md §0.2; `REALTIME_BACKEND_NATIVE_<NAME>` → `[section] name`).
 
 use std::path::Path;
 
@@ -317,7 +317,7 @@ impl Default for ReplicaLagConfig {
 }
 
 /// `[telemetry]`: metrics export, the admin listener and log format (runfeed's own; the
-/// reference exports through the webapp's OTel setup, behaviours §2.2).
+/// reference exports through the webapp's OTel setup, docs/behaviours.md §2.2).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetryConfig {

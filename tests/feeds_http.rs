@@ -1,9 +1,9 @@
 //! HTTP-level integration tests of the three feeds (run, tag, batch) against the real server
 //! started in-process (`runfeed::app::start`) on a fresh Postgres database and the local Redis.
 //!
-//! Specs: behaviours.md §1.9–§1.15 (REQ-*, RUN-*, TAG-*, BAT-*, LIVE-*, SER/TOK/HDR-*, HYD-*),
-//! protocol.md §3–§5, §10, §11 (scenario numbers), trigger-facts.md §2–§3 (auth order, scopes,
-//! request parsing), architecture.md "better than the reference" items.
+//! Specs: docs/behaviours.md §1.9–§1.15 (REQ-*, RUN-*, TAG-*, BAT-*, LIVE-*, SER/TOK/HDR-*, HYD-*),
+//! docs/protocol.md §3–§5, §10, §11 (scenario numbers), docs/trigger-dev.md §2–§3 (auth order, scopes,
+//! request parsing), docs/behaviours.md §5.1.
 //!
 //! Every test owns its server and database; environment ids are random, so Redis channels never
 //! collide and tests run in parallel. Every await that could hang is bounded.
@@ -49,7 +49,7 @@ fn op(o: &str, id: &str) -> (String, String) {
     (o.to_string(), id.to_string())
 }
 
-/// Headers every 200 feed response carries (HDR-01, protocol §3.2, §10).
+/// Headers every 200 feed response carries (HDR-01, docs/protocol.md §3.2, §10).
 fn assert_feed_headers(r: &Resp, non_live: bool) {
     r.assert_status(200);
     assert_eq!(
@@ -429,7 +429,7 @@ async fn live_03_tag_wake_diffs_insert_vs_update() {
     );
 }
 
-/// Architecture item 1 / behaviours §4 item 1: the diff is decided by the offset the client
+/// docs/behaviours.md §5.1 item 1 / docs/behaviours.md §4 item 1: the diff is decided by the offset the client
 /// ECHOES. A live response that is lost in transit (the client re-polls with the OLD offset)
 /// must deliver the change again; polling with the new offset then re-sends nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -484,7 +484,7 @@ async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
     );
 }
 
-/// Scenarios 8 and 9, protocol §4.5–4.6: a non-live request with a handle (resume after pause,
+/// Scenarios 8 and 9, docs/protocol.md §4.5–4.6: a non-live request with a handle (resume after pause,
 /// prefetch at the tip) is answered immediately — never held — with `electric-schema` and a body
 /// ending in up-to-date; a change missed in between is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -652,7 +652,7 @@ async fn tag_01_created_at_floor_excludes_older_runs() {
     );
 }
 
-/// ROUTE-02, trigger-facts §3: an empty tag or one with `"`, `\` or a control character → 400
+/// ROUTE-02, docs/trigger-dev.md §3: an empty tag or one with `"`, `\` or a control character → 400
 /// for modern clients, 422 for legacy clients (which loop on 400); JSON `{"error":…}`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_02_bad_tag_is_400_modern_422_legacy() {
@@ -698,7 +698,7 @@ async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
     }
 }
 
-/// TAG-07, trigger-facts §2.5: no `tags` = every run of the environment inside the window; a
+/// TAG-07, docs/trigger-dev.md §2.5: no `tags` = every run of the environment inside the window; a
 /// `read:tags` token grants it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
@@ -867,7 +867,7 @@ async fn route_03_unknown_batch_is_404_should_retry() {
 // Handles
 // ---------------------------------------------------------------------------------------------
 
-/// Architecture item 3, scenario 15: a handle minted for env A's tag feed presented with env B's
+/// docs/behaviours.md §5.1 item 3, scenario 15: a handle minted for env A's tag feed presented with env B's
 /// token → 409 must-refetch; the body carries neither A's nor B's rows; the refetch with the new
 /// handle returns B's rows only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -929,7 +929,7 @@ async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
     assert!(!r.text.contains(&run_a.id) && !r.text.contains(&run_b.id));
 }
 
-/// Scenario 11, protocol §5.2: an unknown or tampered handle at offset ≠ -1 → 409,
+/// Scenario 11, docs/protocol.md §5.2: an unknown or tampered handle at offset ≠ -1 → 409,
 /// `content-type: application/json`, body `[must-refetch]`, a fresh `electric-handle`; the
 /// refetch `offset=-1&handle=<new>&expired_handle=<old>` → 200 (not another 409).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1067,7 +1067,7 @@ async fn scenario_17_malformed_offset_and_offset_without_handle() {
 // Auth
 // ---------------------------------------------------------------------------------------------
 
-/// Scenario 14, trigger-facts §2.2–2.3: no token, malformed, expired, wrong signature → 401 JSON
+/// Scenario 14, docs/trigger-dev.md §2.2–2.3: no token, malformed, expired, wrong signature → 401 JSON
 /// `{"error": …}` with CORS headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
@@ -1163,7 +1163,7 @@ async fn auth_secret_key_reads_every_feed() {
     }
 }
 
-/// Scenario 15, trigger-facts §2.1: env A's credentials for env B's run → 404 (the lookup is
+/// Scenario 15, docs/trigger-dev.md §2.1: env A's credentials for env B's run → 404 (the lookup is
 /// scoped to the authenticated environment), with no row data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
@@ -1185,7 +1185,7 @@ async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
     }
 }
 
-/// Scenario 15, trigger-facts §2.1 step 7: a JWT scoped to another run → 403 with trigger's body.
+/// Scenario 15, docs/trigger-dev.md §2.1 step 7: a JWT scoped to another run → 403 with trigger's body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_15_jwt_scoped_to_another_run_is_403() {
     let srv = TestServer::start(1_500).await;
@@ -1207,7 +1207,7 @@ async fn scenario_15_jwt_scoped_to_another_run_is_403() {
         .assert_status(200);
 }
 
-/// trigger-facts §2.4–2.5: which scopes grant the run, tag and batch routes.
+/// docs/trigger-dev.md §2.4–2.5: which scopes grant the run, tag and batch routes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
     let srv = TestServer::start(1_500).await;
@@ -1308,7 +1308,7 @@ async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
     }
 }
 
-/// trigger-facts §2.1: the check order is authenticate (401) → parse (400) → find (404) →
+/// docs/trigger-dev.md §2.1: the check order is authenticate (401) → parse (400) → find (404) →
 /// scopes (403).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_order_401_then_400_then_404_then_403() {
@@ -1512,7 +1512,7 @@ async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
     }
 }
 
-/// REQ-01, trigger-facts §3: the JWT's `realtime.skipColumns` claim — present, even `[]` —
+/// REQ-01, docs/trigger-dev.md §3: the JWT's `realtime.skipColumns` claim — present, even `[]` —
 /// REPLACES the URL parameter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_skip_columns_from_claim_replace_param() {
@@ -1589,7 +1589,7 @@ async fn req_01_changing_skip_columns_under_a_handle_is_409() {
 // CORS
 // ---------------------------------------------------------------------------------------------
 
-/// Scenario 27, protocol §6: the preflight succeeds and allows GET and the SDK's headers.
+/// Scenario 27, docs/protocol.md §6: the preflight succeeds and allows GET and the SDK's headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_27_cors_preflight_allows_sdk_headers() {
     let srv = TestServer::start(1_500).await;
@@ -1695,7 +1695,7 @@ async fn hdr_01_every_get_response_has_cors_headers() {
 // Disconnects
 // ---------------------------------------------------------------------------------------------
 
-/// Scenario 20, protocol §4.7, architecture item 4: a client that goes away mid-poll releases
+/// Scenario 20, docs/protocol.md §4.7, docs/behaviours.md §5.1 item 4: a client that goes away mid-poll releases
 /// the held feed (router index) within a second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_20_client_disconnect_frees_the_hold() {
@@ -1785,7 +1785,7 @@ async fn scenario_20_client_disconnect_frees_the_hold() {
 // Fan-out cost
 // ---------------------------------------------------------------------------------------------
 
-/// Architecture item 5: 1 000 held live tag feeds on the same tag (same column set) in one
+/// docs/behaviours.md §5.1 item 5: 1 000 held live tag feeds on the same tag (same column set) in one
 /// environment; ONE change → every feed gets the row, and the store runs exactly ONE query
 /// (one hydrate) for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2094,7 +2094,7 @@ async fn burst_converges(coalesce_ms: Option<u64>) {
 // Probes of the "better than the reference" items
 // ---------------------------------------------------------------------------------------------
 
-/// Architecture item 3 / behaviours §4 item 4: a handle resumes on ANY instance sharing the
+/// docs/behaviours.md §5.1 item 3 / docs/behaviours.md §4 item 4: a handle resumes on ANY instance sharing the
 /// handle secret (no shared state). With no state for the offset, a tag feed re-sends every
 /// row at once (labelled `update`), a run feed diffs against the offset watermark. A peer with
 /// another secret answers 409.
@@ -2457,7 +2457,7 @@ async fn cross_env_record_never_leaks_another_envs_row() {
     assert!(!r.text.contains(&run_b.id));
 }
 
-/// Architecture item 3: a handle only resumes the feed it was minted for — another run, tag
+/// docs/behaviours.md §5.1 item 3: a handle only resumes the feed it was minted for — another run, tag
 /// filter, batch or feed kind (same environment) → 409 must-refetch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handle_of_another_feed_in_the_same_env_is_409() {
@@ -2517,7 +2517,7 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
         .assert_status(200);
 }
 
-/// HYD-04, LIVE-03, architecture item 5: live feeds on the same tag with different column sets
+/// HYD-04, LIVE-03, docs/behaviours.md §5.1 item 5: live feeds on the same tag with different column sets
 /// are hydrated once PER column set, and each gets rows in its own shape (skipped columns absent
 /// from live `update` rows too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2608,7 +2608,7 @@ async fn hdr_02_empty_electric_version_header_is_legacy() {
         .assert_status(422);
 }
 
-/// Architecture item 5 at subscription start: once the environment's subscription is
+/// docs/behaviours.md §5.1 item 5 at subscription start: once the environment's subscription is
 /// confirmed, N clients that snapshot a hot tag and go live must not cost one store query EACH.
 ///
 /// Today the first snapshot's run-set read (taken before confirmation, cursor epoch 0) stays in
@@ -2654,7 +2654,7 @@ async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
     );
 }
 
-/// Graceful shutdown (issue 7 groundwork): stopping an instance answers every held live poll
+/// Graceful shutdown : stopping an instance answers every held live poll
 /// at once with a 200 `up-to-date` (clients re-poll elsewhere) instead of holding the shutdown
 /// for the ~20 s hold or resetting connections.
 #[tokio::test]
@@ -2754,7 +2754,7 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
     c.abort();
 }
 
-/// Issue 4 (fleet): with shared replay cursors, a live poll that hops to another instance whose
+/// Fleet: with shared replay cursors, a live poll that hops to another instance whose
 /// change stream already covers the client's gap costs no store read (no cold resolve), and a
 /// change made between the two polls is still delivered (replayed from the other instance's
 /// buffer by wall time).
@@ -2839,7 +2839,7 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared backstops (issue 6, idle cost)
+// Shared backstops (idle cost, BENCHMARKS.md)
 // ---------------------------------------------------------------------------------------------
 
 /// Three quiet holds on one tag (two connections) → store queries spent by their backstops.
@@ -2940,7 +2940,7 @@ async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Run lookups cached by their immutable part (issue 6, idle cost)
+// Run lookups cached by their immutable part (idle cost, BENCHMARKS.md)
 // ---------------------------------------------------------------------------------------------
 
 /// A run feed's URL lookup is cached for `caches.resource_cache_ttl_ms` (5 min): re-polls with

@@ -1,4 +1,4 @@
-//! Fleet integration tests (issue 4): several runfeed instances on one database and one Redis
+//! Fleet integration tests : several runfeed instances on one database and one Redis
 //! behind a non-sticky balancer — hops between instances, a Redis restart under held polls,
 //! the fleet-wide live-poll limit, and the resolve admission gate under a distinct-filter
 //! stampede.
@@ -147,7 +147,7 @@ fn hydrates(running: &runfeed::app::Running) -> u64 {
     running.router.stats().hydrates.load(Ordering::SeqCst)
 }
 
-/// Issue 4: a follower whose successive live polls alternate between two instances (same
+/// Fleet: a follower whose successive live polls alternate between two instances (same
 /// handle secret, database and Redis; shared replay cursors) misses no update — neither one
 /// made while a poll is held nor one made in the gap between two polls — each arrives well
 /// under the hold, the hops cost no full run-set resolve (only the router's hydrates), and the
@@ -315,7 +315,7 @@ async fn hops_alternating_instances_miss_no_update() {
     // The only run-set reads allowed are cold resolves after a shared-cursor miss: the cursor is
     // written fire-and-forget after the response, so a poll re-sent at once to the other
     // instance can read before the write lands (with the re-delivery ping-pong, up to ~2 % of
-    // the polls; see the report of issue 4).
+    // the polls).
     println!("hopping phase: {resolves} run-set reads, {cursor_misses} shared-cursor misses over {} polls", n - 1);
     assert!(
         resolves <= cursor_misses,
@@ -492,7 +492,7 @@ fn spawn_follower(
     })
 }
 
-/// Issue 4: the Redis carrying the change stream (and the limiter, and the shared cursors) is
+/// Fleet: the Redis carrying the change stream (and the limiter, and the shared cursors) is
 /// killed under held live polls of a run, a tag and a batch feed and restarted ~1 s later.
 /// No request is answered 5xx, the polls complete, the server re-subscribes by itself (a record
 /// published after the restart wakes a held poll within a few seconds, not via the backstop),
@@ -658,7 +658,7 @@ async fn redis_restart_during_live_polls_no_5xx_and_views_converge() {
     drop(redis);
 }
 
-/// Issue 4 / REQ-04 fleet-wide: with a limit of L = 5 live polls per environment, L + 3
+/// REQ-04 fleet-wide: with a limit of L = 5 live polls per environment, L + 3
 /// concurrent live polls spread over TWO instances (one Redis sorted set per environment)
 /// yield exactly 3 × 429; aborting a held poll lets a new one in at once, on either instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -732,7 +732,7 @@ async fn over_limit_live_polls_get_exactly_n_429s() {
     drop(peer);
 }
 
-/// Issue 4 / architecture item (admission): 1 000 DISTINCT tag filters snapshotted at
+/// docs/behaviours.md §1.19 (the admission gate): 1 000 DISTINCT tag filters snapshotted at
 /// once (every one a run-set cache miss) never run more than `resolve_admission_limit` run-set
 /// resolves at a time, and every snapshot still succeeds with its run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -782,7 +782,7 @@ async fn distinct_filter_stampede_respects_admission_limit() {
     );
 }
 
-/// Issue 4: after a change was delivered by instance A, the client's next live poll landing on
+/// Fleet: after a change was delivered by instance A, the client's next live poll landing on
 /// instance B (within `hop_margin_ms` of the change) must HOLD — the client already has that
 /// row. B replays the record (its replay starts `hop_margin_ms` before A's cursor) but has no
 /// working set for a connection it never served; the shared cursor carries the versions of the

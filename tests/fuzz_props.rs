@@ -1,4 +1,4 @@
-//! Issue 7: a bounded, stable-toolchain fuzz loop (proptest) over the same surfaces as the
+//! A bounded, stable-toolchain fuzz loop (proptest) over the same surfaces as the
 //! cargo-fuzz targets in `tests/fuzz/` (request params, change records, handles, bearer tokens),
 //! so every `cargo test` exercises them; crashes found by `scripts/fuzz.sh` are pinned here as
 //! regression cases.

@@ -1,10 +1,10 @@
-//! Issue 7: the bad-input matrix and tenant isolation, against the real server started
+//! The bad-input matrix and tenant isolation, against the real server started
 //! in-process ([`TestServer`]).
 //!
 //! Every hostile request must be answered with the class its table row names (mostly 4xx; some
 //! protocol-mandated 200 snapshots and 409 must-refetch answers), never a 5xx; every 4xx has a
 //! JSON body; every answer has CORS headers; a legacy client (no `x-trigger-electric-version`)
-//! never gets a 400 (protocol §8); and no answer made with environment A's credentials contains
+//! never gets a 400 (docs/protocol.md §8); and no answer made with environment A's credentials contains
 //! an id of environment B. The server runs in this process, so its memory is this process's RSS:
 //! after warm-up rounds, repeating the matrix must leave RSS near its baseline.
 
@@ -240,7 +240,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             m(),
             Exp::Client,
         ));
-        // Junk handle at -1 is a fresh snapshot (protocol §4.2).
+        // Junk handle at -1 is a fresh snapshot (docs/protocol.md §4.2).
         let path = format!("{p}{}offset=-1&handle=junk", sep(p));
         cases.push(case(
             format!("{route} -1 with junk handle"),

@@ -1,4 +1,4 @@
-//! Read-your-writes against a REAL lagging Postgres streaming replica (behaviours.md §1.7–1.8
+//! Read-your-writes against a REAL lagging Postgres streaming replica (docs/behaviours.md §1.7–1.8
 //! GATE-*/LAG-*, §4 items 3 and 6).
 //!
 //! Needs a hot standby of the local Postgres with an apply delay:

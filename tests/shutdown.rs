@@ -1,4 +1,4 @@
-//! Graceful shutdown of the real binary (issue 7): `runfeed serve` gets SIGTERM while 1 000 live
+//! Graceful shutdown of the real binary : `runfeed serve` gets SIGTERM while 1 000 live
 //! polls are held. Every client must get a complete `200` with `up-to-date` (clients re-poll on
 //! another instance), none a reset, and the process must exit 0 within a bounded time.
 //!

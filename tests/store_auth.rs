@@ -2,7 +2,7 @@
 //! at `postgres://postgres@127.0.0.1:5432` (trust auth; override with `RUNFEED_TEST_PG`).
 //!
 //! Each test creates its own database `runfeed_t_<random hex>` through the `postgres` maintenance
-//! database, applies `runfeed::store::setup::migrate`, inserts the minimal trigger-facts §1.9 fixture
+//! database, applies `runfeed::store::setup::migrate`, inserts the minimal docs/trigger-dev.md §1.9 fixture
 //! (Organization → Project → RuntimeEnvironment → BatchTaskRun → TaskRun with only the NOT NULL
 //! columns that have no default, plus what the test needs), and drops the database at the end
 //! (best effort, also when the test panics).
@@ -47,7 +47,7 @@ impl TestDb {
         admin.close().await;
         let url = format!("{}/{name}", server_url());
         // The fixture connection deliberately runs in a non-UTC session time zone: the store must
-        // not depend on the session zone (timestamps are UTC wall clock, trigger-facts §1.1).
+        // not depend on the session zone (timestamps are UTC wall clock, docs/trigger-dev.md §1.1).
         let options: PgConnectOptions = url.parse().expect("url");
         let options = options.options([("TimeZone", "Asia/Kolkata")]);
         let pool = PgPoolOptions::new()

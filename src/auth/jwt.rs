@@ -1,4 +1,4 @@
-//! Public access tokens (trigger-facts §2.3): the unverified `pub: true` probe (`isPublicJWT`,
+//! Public access tokens (docs/trigger-dev.md §2.3): the unverified `pub: true` probe (`isPublicJWT`,
 //! `packages/core/src/v3/jwt.ts`), verification with jose 5.x `jwtVerify` semantics, and minting
 //! as the SDK's `generateJWT` does.
 
@@ -150,7 +150,7 @@ pub fn scopes_claim(claims: &Map<String, Value>) -> Vec<String> {
 }
 
 /// The `realtime.skipColumns` claim when it is an array (string entries kept), else `None`.
-/// Present (even `[]`) it REPLACES the URL `skipColumns` parameter (trigger-facts §3).
+/// Present (even `[]`) it REPLACES the URL `skipColumns` parameter (docs/trigger-dev.md §3).
 pub fn skip_columns_claim(claims: &Map<String, Value>) -> Option<Vec<String>> {
     match claims.get("realtime")?.get("skipColumns")? {
         Value::Array(items) => Some(

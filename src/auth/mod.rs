@@ -1,4 +1,4 @@
-//! Bearer → environment + ability (trigger-facts §2; `internal-packages/rbac/src/bearerCredentials.ts`
+//! Bearer → environment + ability (docs/trigger-dev.md §2; `internal-packages/rbac/src/bearerCredentials.ts`
 //! `BearerCredentialResolver.authenticate`).
 //!
 //! - [`Authenticator`]: `Authorization` (+ `x-trigger-branch`) → [`Principal`], with a short-lived
@@ -279,7 +279,7 @@ impl Authenticator {
     }
 
     /// Authenticates the raw `Authorization` header value and optional `x-trigger-branch`
-    /// (trigger-facts §2.2–2.3):
+    /// (docs/trigger-dev.md §2.2–2.3):
     ///
     /// 1. [`bearer_token`]; none → [`AuthError::Missing`].
     /// 2. A JWT whose unverified payload has `pub: true` → public token path: `sub` → env by id

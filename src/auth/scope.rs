@@ -1,6 +1,6 @@
 //! Public-token scopes: the `action:type[:id]` grammar and the ability built from it
-//! (`packages/plugins/src/rbac.ts`: `parseScope`, `buildJwtAbility`; trigger-facts §2.4), and the
-//! resources each realtime route asks for (`anyResource`, trigger-facts §2.5).
+//! (`packages/plugins/src/rbac.ts`: `parseScope`, `buildJwtAbility`; docs/trigger-dev.md §2.4), and the
+//! resources each realtime route asks for (`anyResource`, docs/trigger-dev.md §2.5).
 
 use super::{Ability, Resource, Scope};
 use crate::store::RunResource;

@@ -1,5 +1,5 @@
 //! The change-record codec (trigger.dev `services/realtime/runChangeNotifier.server.ts`,
-//! trigger-facts §5, behaviours NTF-01 and NTF-13..15).
+//! docs/trigger-dev.md §5, docs/behaviours.md NTF-01 and NTF-13..15).
 //!
 //! Wire form, as the webapp's `JSON.stringify` writes it:
 //!

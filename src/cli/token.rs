@@ -1,6 +1,6 @@
 //! `runfeed token`: mints a public access token for an environment as the trigger.dev SDK
 //! would (HS256, signed with the environment's root key read from the database; a branch
-//! environment signs with its PARENT's key, trigger-facts §2.3). Prints only the token.
+//! environment signs with its PARENT's key, docs/trigger-dev.md §2.3). Prints only the token.
 
 use std::sync::Arc;
 

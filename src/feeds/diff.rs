@@ -187,7 +187,7 @@ mod tests {
 
     #[test]
     fn same_millisecond_different_content_is_still_a_change() {
-        // The reference compares updatedAt ms only and suppresses this (behaviours §4 item 6).
+        // The reference compares updatedAt ms only and suppresses this (docs/behaviours.md §4 item 6).
         let mut ws = WorkingSet::new();
         ws.insert("a".into(), Version { ms: 10, hash: 1 });
         let mut p = Pending::default();

@@ -1,5 +1,5 @@
 //! The three feed kinds (run, tag, batch) behind one request path: snapshot, catch-up, live
-//! long-poll with router wakes, cold re-check and backstop (behaviours §1.9–1.13).
+//! long-poll with router wakes, cold re-check and backstop (docs/behaviours.md §1.9–1.13).
 //!
 //! Per connection (environment + handle) the server records, for every offset it hands out,
 //! what that response left the client with: a working set and a replay cursor

@@ -38,7 +38,7 @@ use admit::Limiter;
 pub use error::{ApiError, ClientGeneration};
 
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
-/// legacy `DEQUEUED → EXECUTING` rewrite (trigger-facts §3).
+/// legacy `DEQUEUED → EXECUTING` rewrite (docs/trigger-dev.md §3).
 pub const CURRENT_API_VERSION: &str = "2025-07-16";
 
 /// Shared state of the HTTP layer.

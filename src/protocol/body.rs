@@ -1,7 +1,7 @@
 //! Response bodies as lists of shared `Bytes` fragments.
 //!
 //! A body is `[` + per row (shared fragment + static `insert"}},`/`update"}},`) + the static
-//! `{"headers":{"control":"up-to-date"}}]` (behaviours SER-12/SER-13, protocol.md §3.4/§10).
+//! `{"headers":{"control":"up-to-date"}}]` (docs/behaviours.md SER-12/SER-13, docs/protocol.md §3.4/§10).
 //! Row fragments are cloned `Bytes` (a refcount bump), so fan-out to many feeds never copies a
 //! row; the only per-feed copy is the legacy `DEQUEUED → EXECUTING` rewrite (HDR-04).
 
@@ -73,7 +73,7 @@ impl FragmentBody {
         }
     }
 
-    /// `[{"headers":{"control":"must-refetch"}}]` (the 409 body, protocol §5.2).
+    /// `[{"headers":{"control":"must-refetch"}}]` (the 409 body, docs/protocol.md §5.2).
     pub fn must_refetch() -> FragmentBody {
         FragmentBody {
             chunks: vec![Bytes::from_static(MUST_REFETCH_BODY)],
@@ -111,7 +111,7 @@ impl FragmentBody {
 }
 
 /// `"status":"DEQUEUED"` → `"status":"EXECUTING"` in one fragment (trigger's
-/// `rewriteBodyForLegacyApiVersion`, behaviours HDR-04). Inside JSON string values every `"` is
+/// `rewriteBodyForLegacyApiVersion`, docs/behaviours.md HDR-04). Inside JSON string values every `"` is
 /// escaped, so the first (and only) structural match is the `status` member itself.
 fn rewrite_dequeued(fragment: &Bytes) -> Bytes {
     let src: &[u8] = fragment;

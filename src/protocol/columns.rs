@@ -1,5 +1,5 @@
 //! The 26 `"TaskRun"` columns of trigger.dev's realtime feed, in wire order
-//! (`RUN_ELECTRIC_COLUMNS`, `electricStreamProtocol.server.ts` L27-54; trigger-facts §1.4).
+//! (`RUN_ELECTRIC_COLUMNS`, `electricStreamProtocol.server.ts` L27-54; docs/trigger-dev.md §1.4).
 
 /// One projected column. The discriminant is the wire position (0..26).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -113,7 +113,7 @@ impl Column {
         )
     }
 
-    /// The `type` in `electric-schema` (protocol §3.6/§3.7).
+    /// The `type` in `electric-schema` (docs/protocol.md §3.6/§3.7).
     pub fn electric_type(self) -> &'static str {
         match self {
             Column::CreatedAt
@@ -151,7 +151,7 @@ impl ColumnSet {
     pub const ALL: ColumnSet = ColumnSet((1 << 26) - 1);
 
     /// Every column except those named in `skip`. Entries are trimmed; empty, unknown and
-    /// reserved names are ignored (trigger-facts §3 `skipColumns`, behaviour REQ-01).
+    /// reserved names are ignored (docs/trigger-dev.md §3 `skipColumns`, behaviour REQ-01).
     pub fn from_skip_list<S: AsRef<str>>(skip: &[S]) -> ColumnSet {
         let mut bits = Self::ALL.0;
         for name in skip {

@@ -1,8 +1,8 @@
 //! Live cursors (`electric-cursor`) and response sequence numbers.
 //!
-//! The cursor only makes consecutive live URLs distinct for HTTP caches (protocol.md §4.3); per
+//! The cursor only makes consecutive live URLs distinct for HTTP caches (docs/protocol.md §4.3); per
 //! Electric 1.6.4 each response's cursor must be strictly greater than the request's. Sequence
-//! numbers are the `seq` part of offsets (behaviours TOK-03). Both counters start at the wall
+//! numbers are the `seq` part of offsets (docs/behaviours.md TOK-03). Both counters start at the wall
 //! clock in microseconds (≈ 1.7e15, below 2^53 so JavaScript reads them exactly) so a restarted
 //! process does not reissue recent values.
 

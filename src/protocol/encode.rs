@@ -1,8 +1,8 @@
 //! Value encoding: one [`RunRow`] → its `value` object for a column set, serialized once.
 //!
 //! The bytes produced here are what trigger.dev's `electricStreamProtocol.server.ts` emits for a
-//! run (trigger-facts §1.4, behaviours SER-01…SER-11), and what `@electric-sql/client` 1.0.14
-//! parses with the `electric-schema` header (protocol.md §3.6–3.7).
+//! run (docs/trigger-dev.md §1.4, docs/behaviours.md SER-01…SER-11), and what `@electric-sql/client` 1.0.14
+//! parses with the `electric-schema` header (docs/protocol.md §3.6–3.7).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use chrono::{DateTime, Datelike, Timelike};
 use super::{Column, ColumnSet, RunMeta, RunRow, SerializedRow};
 
 /// Serializes `row` for `cols` into a [`SerializedRow`] (fragment, hash, dequeued flag).
-/// Encoding rules: protocol.md §3.6–3.7, trigger-facts §1.4 (timestamps `YYYY-MM-DDTHH:MM:SS.mmm`
+/// Encoding rules: docs/protocol.md §3.6–3.7, docs/trigger-dev.md §1.4 (timestamps `YYYY-MM-DDTHH:MM:SS.mmm`
 /// without zone, bool `t`/`f`, int4 decimal, float8 as JS `String(number)`, `text[]` as a quoted
 /// array literal with `runTags` empty → null and `realtimeStreams` empty/null → `{}`, jsonb as
 /// compact JSON, nulls as JSON null).
@@ -64,7 +64,7 @@ pub fn serialize_row(row: &RunRow, cols: ColumnSet) -> SerializedRow {
 ///
 /// Types come from [`Column::electric_type`] (trigger's `RUN_ELECTRIC_COLUMNS`); array columns add
 /// `"dims":1`; `not_null` is never sent (a null under `not_null` is fatal in the client,
-/// protocol.md §3.6). Skipped columns are absent (SER-08/SER-09).
+/// docs/protocol.md §3.6). Skipped columns are absent (SER-08/SER-09).
 pub fn schema_header(cols: ColumnSet) -> String {
     let mut out = String::with_capacity(40 * 26);
     out.push('{');
@@ -89,7 +89,7 @@ pub fn schema_header(cols: ColumnSet) -> String {
 }
 
 /// Formats epoch milliseconds (UTC) as `YYYY-MM-DDTHH:MM:SS.mmm` — ISO-8601 with milliseconds and
-/// **no zone suffix** (the SDK appends `Z` itself; SER-04, protocol.md §3.7). `None` when the
+/// **no zone suffix** (the SDK appends `Z` itself; SER-04, docs/protocol.md §3.7). `None` when the
 /// instant is outside chrono's range (never for real `timestamp(3)` values).
 pub fn format_timestamp_ms(ms: i64) -> Option<String> {
     let dt = DateTime::from_timestamp_millis(ms)?;
@@ -114,7 +114,7 @@ pub fn format_timestamp_ms(ms: i64) -> Option<String> {
     Some(out)
 }
 
-/// Formats a float8 exactly like JavaScript `String(number)` (SER-02, trigger-facts §1.4):
+/// Formats a float8 exactly like JavaScript `String(number)` (SER-02, docs/trigger-dev.md §1.4):
 /// `0`, `0.55`, `1e-7`, `1e+21`, `-0` → `0`, `NaN`, `Infinity`.
 pub fn format_js_number(f: f64) -> String {
     if f == 0.0 {
@@ -125,7 +125,7 @@ pub fn format_js_number(f: f64) -> String {
 }
 
 /// Builds the Postgres array literal trigger emits for a `text[]` column: every element
-/// double-quoted, `\` → `\\`, `"` → `\"`, joined with `,`, wrapped in `{}` (trigger-facts §1.4,
+/// double-quoted, `\` → `\\`, `"` → `\"`, joined with `,`, wrapped in `{}` (docs/trigger-dev.md §1.4,
 /// SER-07). An empty slice gives `{}`.
 pub fn encode_text_array<S: AsRef<str>>(items: &[S]) -> String {
     let mut out =
@@ -301,7 +301,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// Electric client's `pgArrayParser` (`@electric-sql/client` parser.ts, protocol.md §3.6),
+    /// Electric client's `pgArrayParser` (`@electric-sql/client` parser.ts, docs/protocol.md §3.6),
     /// ported literally: quotes, `\` escapes the next char, unquoted `NULL` → null.
     fn electric_parse_array(x: &str) -> Option<Vec<Option<String>>> {
         let chars: Vec<char> = x.chars().collect();

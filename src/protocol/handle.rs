@@ -9,7 +9,7 @@
 //! nonce]`, and `mac` is base64url (no padding) of the first 16 bytes of
 //! HMAC-SHA256(secret, `<k>.<payload>`). Only `[A-Za-z0-9._-]` appear, so handles are URL- and
 //! header-safe. (trigger's own handles are unsigned `run-<id>` / `runs_<floor>_<seq>_<uuid8>`,
-//! trigger-facts §3; clients treat handles as opaque, protocol.md §4.3.)
+//! docs/trigger-dev.md §3; clients treat handles as opaque, docs/protocol.md §4.3.)
 
 use super::ids::{EnvId, Handle};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;

@@ -1,10 +1,10 @@
-//! Electric response headers, modern vs legacy names (protocol §1, §3.2, §8).
+//! Electric response headers, modern vs legacy names (docs/protocol.md §1, §3.2, §8).
 //!
-//! Modern clients (request carried `x-trigger-electric-version`, trigger-facts §3) get
+//! Modern clients (request carried `x-trigger-electric-version`, docs/trigger-dev.md §3) get
 //! `electric-handle` / `electric-offset` / `electric-cursor` / `electric-schema` /
 //! `electric-up-to-date`; legacy clients get `electric-shape-id` / `electric-chunk-last-offset` /
 //! `electric-cursor` + `electric-next-cursor` / `electric-schema` / `electric-chunk-up-to-date`
-//! (+ `electric-up-to-date`), and never the modern handle/offset names (behaviours HDR-02).
+//! (+ `electric-up-to-date`), and never the modern handle/offset names (docs/behaviours.md HDR-02).
 
 use super::ids::Handle;
 use http::header::{HeaderName, HeaderValue};
@@ -18,7 +18,7 @@ pub const ELECTRIC_OFFSET: HeaderName = HeaderName::from_static("electric-offset
 pub const ELECTRIC_CURSOR: HeaderName = HeaderName::from_static("electric-cursor");
 /// `electric-schema` (both).
 pub const ELECTRIC_SCHEMA: HeaderName = HeaderName::from_static("electric-schema");
-/// `electric-up-to-date` (both; only presence matters to clients, protocol §3.3).
+/// `electric-up-to-date` (both; only presence matters to clients, docs/protocol.md §3.3).
 pub const ELECTRIC_UP_TO_DATE: HeaderName = HeaderName::from_static("electric-up-to-date");
 /// `electric-shape-id` (legacy handle).
 pub const ELECTRIC_SHAPE_ID: HeaderName = HeaderName::from_static("electric-shape-id");

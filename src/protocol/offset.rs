@@ -1,6 +1,6 @@
-//! Offsets: `<updatedAtMs>_<seq>` (trigger's native format, TOK-01; trigger-facts §3
+//! Offsets: `<updatedAtMs>_<seq>` (trigger's native format, TOK-01; docs/trigger-dev.md §3
 //! "Offsets and handles"). Opaque to the long-poll client, which echoes `electric-offset` back
-//! verbatim (protocol.md §4.2).
+//! verbatim (docs/protocol.md §4.2).
 
 /// A parsed `offset` request parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +28,7 @@ impl OffsetParam {
     /// Parses the request parameter; `None` (absent) means [`OffsetParam::Initial`].
     ///
     /// Accepted: absent or `-1` → [`OffsetParam::Initial`] (also with a handle: that is what
-    /// follows a 409, protocol.md §4.2); `<ms>_<seq>` with both parts plain ASCII decimal digits
+    /// follows a 409, docs/protocol.md §4.2); `<ms>_<seq>` with both parts plain ASCII decimal digits
     /// fitting `i64`/`u64` → [`OffsetParam::At`]. Anything else (`now`, `5`, `5_`, `-2_0`,
     /// `+1_2`, `1_2_3`, …) → [`InvalidOffset`].
     pub fn parse(raw: Option<&str>) -> Result<OffsetParam, InvalidOffset> {

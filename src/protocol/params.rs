@@ -1,4 +1,4 @@
-//! Request-parameter grammars taken from trigger.dev (trigger-facts §3).
+//! Request-parameter grammars taken from trigger.dev (docs/trigger-dev.md §3).
 
 /// Parses trigger's natural-language duration (`safeParseNaturalLanguageDurationAgo`):
 /// `^(\d+(w|d|hr|h|m|s))+$`, lowercase, ≤ 100 chars, only the first occurrence of each unit

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use super::ids::{BatchId, FriendlyRunId, RunId};
 
 /// One `"TaskRun"` row as read from Postgres, typed. Timestamps are epoch milliseconds (UTC;
-/// the columns are `timestamp(3) without time zone` holding UTC, trigger-facts §1.1).
+/// the columns are `timestamp(3) without time zone` holding UTC, docs/trigger-dev.md §1.1).
 ///
 /// Columns that the reader did not fetch because the feed skips them hold their type's default
 /// (empty string, 0, `None`); the serializer never emits them (see [`crate::protocol::ColumnSet`]).
@@ -87,6 +87,6 @@ pub struct SerializedRow {
     /// but different content are still told apart (the reference suppresses the second).
     pub value_hash: u64,
     /// The value contains `"status":"DEQUEUED"`, so legacy API versions need the
-    /// `DEQUEUED → EXECUTING` rewrite (trigger-facts §3, `rewriteBodyForLegacyApiVersion`).
+    /// `DEQUEUED → EXECUTING` rewrite (docs/trigger-dev.md §3, `rewriteBodyForLegacyApiVersion`).
     pub dequeued: bool,
 }

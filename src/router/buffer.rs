@@ -2,7 +2,7 @@
 //! environment's arrival sequence, bounded by age and count (REP-01..03).
 //!
 //! Unlike the reference, entries are ordered by a per-environment monotonic sequence number
-//! assigned on arrival (behaviours §4 item 2): a connection's replay cursor is "everything up to
+//! assigned on arrival (docs/behaviours.md §4 item 2): a connection's replay cursor is "everything up to
 //! sequence N was routed or answered", so no record that arrived before a response but was not
 //! in it can be skipped by the next poll.
 

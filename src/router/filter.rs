@@ -17,7 +17,7 @@ pub enum FeedFilter {
 impl FeedFilter {
     /// Whether a record is a candidate for this feed before hydration (RTR-10..13, REP-05).
     /// Partial records (no tags) are candidates for every tag feed, and — unlike the
-    /// reference (behaviours §4 item 10) — for every batch feed too: the hydrated row decides.
+    /// reference (docs/behaviours.md §4 item 10) — for every batch feed too: the hydrated row decides.
     pub fn is_candidate(&self, record: &ChangeRecord) -> bool {
         match self {
             FeedFilter::Run { run_id } => &record.run_id == run_id,

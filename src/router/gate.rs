@@ -1,9 +1,9 @@
 //! The read-your-writes gate: a batch of change records is hydrated only once the read
-//! replica has applied the commits the records announce (trigger.dev fix 954ee5c; behaviours
-//! §1.7–1.8), bounded by `replica_lag.max_delay_ms` so a sick replica costs freshness, never
+//! replica has applied the commits the records announce (trigger.dev fix 954ee5c;
+//! docs/behaviours.md §1.7–1.8), bounded by `replica_lag.max_delay_ms` so a sick replica costs freshness, never
 //! liveness.
 //!
-//! Better than the reference (behaviours §4 items 3 and 6): where the replica reports its replay
+//! Better than the reference (docs/behaviours.md §4 items 3 and 6): where the replica reports its replay
 //! position, the gate waits on WAL positions, not on clocks. A record is published after its
 //! commit, so a primary position read after the batch arrived is at or past every announced
 //! commit; when the replica's replay position passes it, every announced row — including a run

@@ -1,4 +1,4 @@
-//! The per-instance change router (reference `EnvChangeRouter`, seeds/000).
+//! The per-instance change router (trigger.dev's `EnvChangeRouter`, apps/webapp/app/services/realtime/envChangeRouter.server.ts; docs/behaviours.md §0).
 //!
 //! Per environment it keeps an inverted index of the feeds currently held by a poll (by run id,
 //! tag and batch id), a replay buffer of recent change records and a lingering subscription.
@@ -6,7 +6,7 @@
 //! with ONE store query per column set and serialized ONCE per (run, column set); the shared
 //! rows are pushed into each matching feed's inbox and the feed is woken.
 //!
-//! Where it differs from the reference (behaviours §4):
+//! Where it differs from the reference (docs/behaviours.md §4):
 //! - records get a per-environment arrival sequence; a connection's replay cursor is the
 //!   sequence through which every record was routed ([`ReplayCursor`]), so nothing that arrived
 //!   before a response but was not in it is skipped (item 2);

@@ -8,7 +8,7 @@
 //! [`wait_until`] (a bounded `yield_now` loop, never a timer). Awaits that could hang are wrapped
 //! in `timeout`; "nothing happened" is asserted after a fence (a later record that does match).
 //!
-//! Behaviour ids refer to `shared/spec/behaviours.md` §1.3–§1.6; `better_*` tests pin where the
+//! Behaviour ids refer to docs/behaviours.md §1.3–§1.6; `better_*` tests pin where the
 //! router must beat the reference (§4 items 2, 5, 10).
 
 use std::collections::{HashMap, VecDeque};

@@ -13,7 +13,7 @@ use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
 
 impl Inner {
     /// Decides which runs of a hydrated batch are stale, schedules their re-hydrate, and
-    /// returns the ones to withhold now (GATE-04..09, better per behaviours §4 item 3).
+    /// returns the ones to withhold now (GATE-04..09, better per docs/behaviours.md §4 item 3).
     ///
     /// A run is stale when a hydrated row is older than the newest watermark of its records, or
     /// when no row came back although a record vouches for the run: a watermark, or — when the

@@ -25,7 +25,7 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// startup option (note: PgBouncer rejects startup options unless told to ignore them; use 0
 /// behind it). No session `TimeZone` is needed: timestamps are bound and decoded as
 /// `timestamp without time zone` holding UTC, and "now" comparisons use
-/// `now() AT TIME ZONE 'UTC'` (trigger-facts §1.1).
+/// `now() AT TIME ZONE 'UTC'` (docs/trigger-dev.md §1.1).
 pub struct PgStore {
     primary: PgPool,
     replica: PgPool,

@@ -110,7 +110,7 @@ impl SqlCache {
     }
 }
 
-/// Epoch milliseconds of a `timestamp(3) without time zone` value holding UTC (trigger-facts §1.1).
+/// Epoch milliseconds of a `timestamp(3) without time zone` value holding UTC (docs/trigger-dev.md §1.1).
 pub(crate) fn ts_ms(ts: NaiveDateTime) -> i64 {
     ts.and_utc().timestamp_millis()
 }
@@ -133,7 +133,7 @@ fn opt_ts(row: &PgRow, name: &str) -> Result<Option<i64>, sqlx::Error> {
 /// the always-fetched set) are not in the row and get their type's default.
 ///
 /// `error` (jsonb) is decoded by serde_json with `preserve_order`, so object keys keep jsonb's
-/// storage order; a JSON `null` reads as `None`, as Prisma reads it (trigger-facts §1.4).
+/// storage order; a JSON `null` reads as `None`, as Prisma reads it (docs/trigger-dev.md §1.4).
 pub(crate) fn decode_run(row: &PgRow, cols: ColumnSet) -> Result<RunRow, sqlx::Error> {
     let has = |c: Column| cols.contains(c);
     let mut run = RunRow {

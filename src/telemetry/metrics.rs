@@ -1,4 +1,4 @@
-//! Every metric runfeed exports, in one place (the reference's instruments, behaviours §2.1, plus
+//! Every metric runfeed exports, in one place (the reference's instruments, docs/behaviours.md §2.1, plus
 //! what an operator of this server needs).
 //!
 //! Names are `runfeed.<area>.<name>` with UCUM units; the Prometheus exporter turns dots into

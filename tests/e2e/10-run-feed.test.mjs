@@ -1,5 +1,5 @@
 // Single-run feed: snapshot, value encoding, header rules per request kind, tolerated params,
-// skipColumns, timestamps (protocol.md §2–§4, §11 scenarios 1, 2, 3, 7, 8, 9, 12, 13, 24, 28).
+// skipColumns, timestamps (docs/protocol.md §2–§4, §11 scenarios 1, 2, 3, 7, 8, 9, 12, 13, 24, 28).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import {

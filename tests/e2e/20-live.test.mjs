@@ -1,5 +1,5 @@
 // Live long-polls of the single-run feed: holds, wakes, completion, request rates, latency, and a
-// plain Node consumer (protocol.md §4, §5.3, §9; §11 scenarios 4, 5, 6, 10, 29).
+// plain Node consumer (docs/protocol.md §4, §5.3, §9; §11 scenarios 4, 5, 6, 10, 29).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";

@@ -1,5 +1,5 @@
 // Error paths: 409 must-refetch, authentication, tenancy, not found, bad input, CORS
-// (protocol.md §5, §6, §10; trigger-facts §2; §11 scenarios 11, 14, 15, 16, 17, 27).
+// (docs/protocol.md §5, §6, §10; docs/trigger-dev.md §2; §11 scenarios 11, 14, 15, 16, 17, 27).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { setupWorld, startServer, freePort, raw, qs, openShape, sdkSubscribe, sdkRequests, signJwt, jwtClaims, isUpToDate, isChange, sleep } from "./lib.mjs";

@@ -1,4 +1,4 @@
-// Multi-run feeds: tag list and batch (trigger-facts §3, §5; §11 scenarios 21, 22, 23).
+// Multi-run feeds: tag list and batch (docs/trigger-dev.md §3, §5; §11 scenarios 21, 22, 23).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { setupWorld, raw, qs, openShape, sdkSubscribe, isUpToDate, isChange } from "./lib.mjs";

@@ -1,6 +1,6 @@
 // Client generations: the legacy 0.6.3 client (no x-trigger-electric-version header, legacy header
 // and param names) and the modern naming used by 1.0.0-beta.1 and 1.0.14
-// (protocol.md §1, §8, §10; §11 scenarios 25, 26).
+// (docs/protocol.md §1, §8, §10; §11 scenarios 25, 26).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { setupWorld, raw, qs, openShape, isUpToDate, isChange } from "./lib.mjs";

@@ -1,4 +1,4 @@
-// Fleet (issue 4): two runfeed instances behind a tiny round-robin proxy — every request of a
+// Fleet : two runfeed instances behind a tiny round-robin proxy — every request of a
 // real client lands on the other instance than the one before (a non-sticky load balancer).
 // With the same handle secret and the fleet-shared replay cursors, no update may be missed or
 // wait for the 20 s backstop, and every client's final view must equal the database.

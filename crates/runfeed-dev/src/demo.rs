@@ -9,7 +9,7 @@
 //! workload moves first.
 //!
 //! Every workload write goes to Postgres first (committed), then its change record is published
-//! the way trigger.dev's webapp does (trigger-facts §5): lifecycle-bus events (`runCreated`,
+//! the way trigger.dev's webapp does (docs/trigger-dev.md §5): lifecycle-bus events (`runCreated`,
 //! `runAttemptStarted`) WITHOUT `updatedAtMs`; `runSucceeded`, `runFailed` and metadata updates
 //! WITH `updatedAtMs` = the committed `"updatedAt"`.
 

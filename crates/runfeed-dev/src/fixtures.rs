@@ -1,5 +1,5 @@
 //! Reusable database fixtures: throwaway databases, environments, runs and batches written the
-//! way trigger.dev writes them (trigger-facts §1). Used by `runfeed-demo`, `runfeed-bench`
+//! way trigger.dev writes them (docs/trigger-dev.md §1). Used by `runfeed-demo`, `runfeed-bench`
 //! and the integration tests.
 //!
 //! Conventions:
@@ -215,7 +215,7 @@ fn check_env_type(env_type: &str) -> anyhow::Result<()> {
 
 /// Inserts a fresh organization, project and runtime environment of `env_type`
 /// (`PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`) with random ids, slugs and key: the
-/// minimal fixture of trigger-facts §1.9.
+/// minimal fixture of docs/trigger-dev.md §1.9.
 pub async fn create_env(pool: &PgPool, env_type: &str) -> anyhow::Result<DemoEnv> {
     let suffix = random_alnum_lower(10);
     create_env_named(
@@ -298,7 +298,7 @@ pub async fn create_env_named(
 
 /// Inserts a branch environment under `parent` (same organization and project,
 /// `"parentEnvironmentId"` = parent, `"branchName"` = `branch`) with its own type and key.
-/// Public tokens for it are signed with the parent's key (trigger-facts §2.3).
+/// Public tokens for it are signed with the parent's key (docs/trigger-dev.md §2.3).
 pub async fn create_branch_env(
     pool: &PgPool,
     parent: &DemoEnv,

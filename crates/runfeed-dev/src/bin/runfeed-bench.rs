@@ -1,5 +1,5 @@
 //! `runfeed-bench`: drives any server that speaks trigger.dev's realtime run-feed endpoints
-//! (Electric shape protocol) and measures it (issue 6). It seeds what it needs into the
+//! (Electric shape protocol) and measures it . It seeds what it needs into the
 //! server's database (an environment and runs, written like trigger.dev writes them), mints
 //! public tokens, and publishes change records on Redis (Postgres update + change record).
 //!

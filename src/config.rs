@@ -109,7 +109,7 @@ impl Default for DatabaseConfig {
 pub struct RedisConfig {
     /// The Redis carrying change records (`--redis-url`, `REDIS_URL`). With `cluster`, the seed
     /// nodes: `redis-cluster://host:port?node=host2:port2&node=…` or a comma-separated
-    /// `redis://host1:port1,host2:port2` (see [`crate::changes::RedisOptions`]).
+    /// `redis://host1:port1,host2:port2` (see `redis::RedisOptions`).
     pub url: String,
     /// Connect to a Redis Cluster (reference `PUBSUB_REDIS_CLUSTER_MODE_ENABLED`, default off).
     pub cluster: bool,

@@ -95,7 +95,7 @@ pub struct Principal {
 
 /// Why authentication failed. Every variant except [`AuthError::Store`] is a 401 whose body is
 /// `{"error": <Display text>}` (the exact trigger.dev strings); `Store` is a database failure
-/// (503 `{"error":"Service Unavailable"}`, see `crate::http::ApiError`).
+/// (503 `{"error":"Service Unavailable"}`, see `http::ApiError`).
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     /// No `Authorization` header, or nothing left after stripping `Bearer ` and trimming.

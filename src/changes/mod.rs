@@ -4,7 +4,7 @@
 //! `realtime:env:{<envId>}` (docs/trigger-dev.md §5). This module decodes them tolerantly
 //! ([`record`]) and defines what a change source reports and how the router drives it
 //! ([`source`]: [`ChangeSource`], [`SourceEvent`], and [`MemoryChangeSource`] for tests). The
-//! Redis implementation is [`crate::redis::RedisChangeSource`]; coalescing bursts is the
+//! Redis implementation is `redis::RedisChangeSource`; coalescing bursts is the
 //! router's job.
 
 pub mod record;

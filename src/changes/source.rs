@@ -1,6 +1,6 @@
 //! The change-source seam: what a source reports ([`SourceEvent`]), the per-environment
 //! subscription interface the router drives ([`ChangeSource`]), and an in-memory source for
-//! tests ([`MemoryChangeSource`]). The Redis source is [`crate::redis::RedisChangeSource`].
+//! tests ([`MemoryChangeSource`]). The Redis source is `redis::RedisChangeSource`.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,7 +4,7 @@
 //!
 //! Writes are fire-and-forget through one pipelined writer task; reads have a hard deadline
 //! ([`READ_DEADLINE`]); any Redis trouble reads as "unknown". The value's format belongs to the
-//! caller ([`crate::feeds`] encodes the cursor and the recent run versions).
+//! caller (`feeds` encodes the cursor and the recent run versions).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! `tr:realtime:native:concurrency:<envId>`, members = poll ids scored by start time (ms). One
 //! atomic script drops members older than [`ENTRY_TTL_S`], adds this poll, refreshes the key
 //! TTL, and rejects (removing the member again) when the cardinality exceeds the limit. The
-//! admission policy around it (fallback, slot guards) is [`crate::http::admit`].
+//! admission policy around it (fallback, slot guards) is `http::admit`.
 
 use fred::clients::Client;
 use fred::interfaces::{LuaInterface, SortedSetsInterface};

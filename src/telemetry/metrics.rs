@@ -490,11 +490,11 @@ pub struct Observed {
 /// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` |
 /// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
 /// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
-/// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's `crate::changes::Publisher`s |
-/// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | `crate::router::Gate::estimate_ms` (only with a gate) |
+/// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's `redis::Publisher`s |
+/// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | `router::Gate::estimate_ms` (only with a gate) |
 /// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
-/// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | `crate::feeds::cursors::CursorStats` (only with shared cursors) |
-/// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `crate::feeds::limit::LimiterStats` (429s) |
+/// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | `redis::CursorStats` (only with shared cursors) |
+/// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `http::admit::LimiterStats` (429s) |
 /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
 /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
 /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |

@@ -66,8 +66,8 @@ pub struct Sets {
     sets: Cache<SetKey, Arc<RunSet>>,
     /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0).
     backstops: Option<Cache<SetKey, Arc<RunSet>>>,
-    runs: Cache<(EnvId, FriendlyRunId), Arc<RunResource>>,
-    batches: Cache<(EnvId, FriendlyBatchId), Arc<BatchResource>>,
+    runs: Lookups<FriendlyRunId, RunResource>,
+    batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
     /// The admission gate's size (for [`ADMISSION_PEAK`]).
     admission_limit: usize,
@@ -122,14 +122,8 @@ impl Sets {
             cap: feeds.max_list_results,
             sets,
             backstops,
-            runs: Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(lookup_ttl)
-                .build(),
-            batches: Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(lookup_ttl)
-                .build(),
+            runs: Lookups::new(lookup_ttl),
+            batches: Lookups::new(lookup_ttl),
             admission: (feeds.resolve_admission_limit > 0)
                 .then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
             admission_limit: feeds.resolve_admission_limit,
@@ -163,15 +157,10 @@ impl Sets {
     pub async fn find_run(
         &self,
         env_id: &EnvId,
-        friendly_id: &FriendlyRunId,
+        id: &FriendlyRunId,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        cached_lookup(
-            &self.runs,
-            env_id,
-            friendly_id,
-            self.store.find_run(env_id, friendly_id),
-        )
-        .await
+        let read = self.store.find_run(env_id, id);
+        self.runs.cached(env_id, id, read).await
     }
 
     /// [`Sets::find_run`] read from the store now (refreshing the cache): for decisions that
@@ -179,34 +168,20 @@ impl Sets {
     pub async fn find_run_fresh(
         &self,
         env_id: &EnvId,
-        friendly_id: &FriendlyRunId,
+        id: &FriendlyRunId,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        let key = (env_id.clone(), friendly_id.clone());
-        let found = self
-            .store
-            .find_run(env_id, friendly_id)
-            .await?
-            .map(Arc::new);
-        match &found {
-            Some(run) => self.runs.insert(key, run.clone()).await,
-            None => self.runs.invalidate(&key).await,
-        }
-        Ok(found)
+        let read = self.store.find_run(env_id, id);
+        self.runs.fresh(env_id, id, read).await
     }
 
     /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
     pub async fn find_batch(
         &self,
         env_id: &EnvId,
-        friendly_id: &FriendlyBatchId,
+        id: &FriendlyBatchId,
     ) -> Result<Option<Arc<BatchResource>>, StoreError> {
-        cached_lookup(
-            &self.batches,
-            env_id,
-            friendly_id,
-            self.store.find_batch(env_id, friendly_id),
-        )
-        .await
+        let read = self.store.find_batch(env_id, id);
+        self.batches.cached(env_id, id, read).await
     }
 
     /// What the feed carries, through the single-flight cache (identical concurrent reads share
@@ -364,8 +339,6 @@ impl Sets {
     }
 }
 
-/// A URL-id lookup through `cache`: hits are served from it, found resources are cached, misses
-/// are not (they may exist a moment later).
 /// A cache-shared read bounded by `deadline`: moka's shared error is cloned out, a timeout is
 /// [`ReadError::Deadline`].
 async fn shared_by_deadline(
@@ -379,26 +352,54 @@ async fn shared_by_deadline(
     }
 }
 
-async fn cached_lookup<I, T, F>(
-    cache: &Cache<(EnvId, I), Arc<T>>,
-    env_id: &EnvId,
-    friendly_id: &I,
-    read: F,
-) -> Result<Option<Arc<T>>, StoreError>
+/// URL-id lookups of one resource kind: hits are served from the cache, found resources are
+/// cached, misses are not (they may exist a moment later).
+struct Lookups<I, T> {
+    cache: Cache<(EnvId, I), Arc<T>>,
+}
+
+impl<I, T> Lookups<I, T>
 where
     I: Clone + Eq + std::hash::Hash + Send + Sync + 'static,
     T: Send + Sync + 'static,
-    F: std::future::Future<Output = Result<Option<T>, StoreError>>,
 {
-    let key = (env_id.clone(), friendly_id.clone());
-    if let Some(hit) = cache.get(&key).await {
-        return Ok(Some(hit));
+    fn new(ttl: Duration) -> Self {
+        Lookups {
+            cache: Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(ttl)
+                .build(),
+        }
     }
-    let found = read.await?.map(Arc::new);
-    if let Some(resource) = &found {
-        cache.insert(key, resource.clone()).await;
+
+    /// The cached resource, else `read` (cached when found).
+    async fn cached(
+        &self,
+        env_id: &EnvId,
+        id: &I,
+        read: impl std::future::Future<Output = Result<Option<T>, StoreError>>,
+    ) -> Result<Option<Arc<T>>, StoreError> {
+        if let Some(hit) = self.cache.get(&(env_id.clone(), id.clone())).await {
+            return Ok(Some(hit));
+        }
+        self.fresh(env_id, id, read).await
     }
-    Ok(found)
+
+    /// `read` now, refreshing the cache (a miss drops the cached entry).
+    async fn fresh(
+        &self,
+        env_id: &EnvId,
+        id: &I,
+        read: impl std::future::Future<Output = Result<Option<T>, StoreError>>,
+    ) -> Result<Option<Arc<T>>, StoreError> {
+        let key = (env_id.clone(), id.clone());
+        let found = read.await?.map(Arc::new);
+        match &found {
+            Some(resource) => self.cache.insert(key, resource.clone()).await,
+            None => self.cache.invalidate(&key).await,
+        }
+        Ok(found)
+    }
 }
 
 struct PerKindTtl {

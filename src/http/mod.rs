@@ -17,7 +17,7 @@ pub mod serve;
 
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -235,31 +235,48 @@ fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
     }
 }
 
-/// The common start of the three feed routes: authenticate (401), then parse the query and the
-/// offset (400/422), in trigger.dev's order. Boxed, and it takes the headers by value: the
-/// header values share hyper's 8 KiB read buffer, and consuming them here frees that buffer
-/// before a live poll's hold instead of pinning it for ~20 s (memory per held feed).
-async fn begin(
-    state: &AppState,
-    headers: HeaderMap,
-    query: Option<String>,
-) -> Result<(Principal, Ctx, OffsetParam), ApiError> {
-    Box::pin(async move {
+/// The common start of the three feed routes, as an extractor: authenticate (401), then parse
+/// the query and the offset (400/422), in trigger.dev's order. It runs before the handler's
+/// future exists, and it takes the request headers out of the request: the header values share
+/// hyper's 8 KiB read buffer, and dropping them here frees that buffer before a live poll's hold
+/// instead of pinning it for ~20 s (memory per held feed).
+struct Begun {
+    principal: Principal,
+    ctx: Ctx,
+    offset: OffsetParam,
+}
+
+impl axum::extract::FromRequestParts<AppState> for Begun {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Begun, ApiError> {
+        let headers = std::mem::take(&mut parts.headers);
+        let query = parts.uri.query().map(str::to_owned);
         let (principal, mut ctx) = authenticate(state, &headers).await?;
+        drop(headers);
         ctx.params = Params::parse(query.as_deref());
         let offset = parse_offset(&ctx)?;
-        Ok((principal, ctx, offset))
-    })
-    .await
+        Ok(Begun {
+            principal,
+            ctx,
+            offset,
+        })
+    }
 }
 
 async fn run_feed(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
-    headers: HeaderMap,
-    RawQuery(query): RawQuery,
+    begun: Begun,
 ) -> Result<Response, ApiError> {
-    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+    let Begun {
+        principal,
+        ctx,
+        offset,
+    } = begun;
     let not_found = ApiError::NotFound {
         should_retry: false,
     };
@@ -301,12 +318,12 @@ async fn run_feed(
     serve(&state, &principal, &ctx, target, offset).await
 }
 
-async fn tag_feed(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    RawQuery(query): RawQuery,
-) -> Result<Response, ApiError> {
-    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Response, ApiError> {
+    let Begun {
+        principal,
+        ctx,
+        offset,
+    } = begun;
     let bad = |message: String| ApiError::bad_request(ctx.client, message);
     let tags = parse_tags(ctx.params.tags.as_deref()).map_err(|err| bad(err.to_string()))?;
     if tags.len() > state.limits.max_tags {
@@ -345,10 +362,13 @@ async fn tag_feed(
 async fn batch_feed(
     State(state): State<AppState>,
     Path(batch_id): Path<String>,
-    headers: HeaderMap,
-    RawQuery(query): RawQuery,
+    begun: Begun,
 ) -> Result<Response, ApiError> {
-    let (principal, ctx, offset) = begin(&state, headers, query).await?;
+    let Begun {
+        principal,
+        ctx,
+        offset,
+    } = begun;
     let not_found = || ApiError::NotFound { should_retry: true };
     let batch_id = FriendlyBatchId::parse(&batch_id).ok_or_else(not_found)?;
     let batch = Box::pin(state.feeds.sets().find_batch(&principal.env.id, &batch_id))
@@ -437,10 +457,10 @@ mod future_sizes {
     //! Sizes of the futures a held live poll keeps alive (memory per held feed).
     use super::*;
 
-    fn size4<A, B, C, D, F: std::future::Future>(_: fn(A, B, C, D) -> F) -> usize {
+    fn size3<A, B, C, F: std::future::Future>(_: fn(A, B, C) -> F) -> usize {
         std::mem::size_of::<F>()
     }
-    fn size3<A, B, C, F: std::future::Future>(_: fn(A, B, C) -> F) -> usize {
+    fn size2<A, B, F: std::future::Future>(_: fn(A, B) -> F) -> usize {
         std::mem::size_of::<F>()
     }
     fn size5<'a, F: std::future::Future + 'a>(
@@ -454,9 +474,9 @@ mod future_sizes {
     #[test]
     fn held_poll_handler_futures_stay_small() {
         let (run, tag, batch, serve) = (
-            size4(run_feed),
-            size3(tag_feed),
-            size4(batch_feed),
+            size3(run_feed),
+            size2(tag_feed),
+            size3(batch_feed),
             size5(serve),
         );
         println!("bytes: run_feed {run}, tag_feed {tag}, batch_feed {batch}, serve {serve}");

@@ -33,7 +33,7 @@ use crate::store::RunStore;
 use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
-pub use sets::{ReadError, RunSet, Sets, Target};
+pub use sets::{Freshness, ReadError, RunSet, Sets, Target};
 
 /// What a feed request asks for, after authentication, resource lookup and scope checks.
 #[derive(Clone, Debug)]

@@ -29,6 +29,15 @@ pub enum Target {
     Batch { batch_id: BatchId },
 }
 
+/// Whether a URL-id lookup may be served from the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Freshness {
+    /// A cached result will do (its immutable part: ids, task, batch).
+    Cached,
+    /// Read the store now (its mutable part, the tags, decides something).
+    Fresh,
+}
+
 /// A store read result: the rows (serialized for one column set) and the router cursor taken
 /// before the read.
 #[derive(Debug)]
@@ -151,30 +160,25 @@ impl Sets {
         self.admission.as_ref().map(|sem| sem.available_permits())
     }
 
-    /// The run named by a friendly id (replica, then primary; positive results cached for
-    /// `caches.resource_cache_ttl_ms`, misses never: a just-created run must not 404). The
-    /// cached tags may be stale: see [`Sets::find_run_fresh`].
+    /// The run named by a friendly id (replica, then primary). [`Freshness::Cached`]: served
+    /// from the cache when it can be (found runs are cached for `caches.resource_cache_ttl_ms`,
+    /// misses never: a just-created run must not 404), but the cached tags may be stale;
+    /// [`Freshness::Fresh`] reads now and refreshes the cache, for decisions that depend on the
+    /// tags. The batch named by a friendly id follows the cached rule ([`Sets::find_batch`]).
     pub async fn find_run(
         &self,
         env_id: &EnvId,
         id: &FriendlyRunId,
+        freshness: Freshness,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
         let read = self.store.find_run(env_id, id);
-        self.runs.cached(env_id, id, read).await
+        match freshness {
+            Freshness::Cached => self.runs.cached(env_id, id, read).await,
+            Freshness::Fresh => self.runs.fresh(env_id, id, read).await,
+        }
     }
 
-    /// [`Sets::find_run`] read from the store now (refreshing the cache): for decisions that
-    /// depend on the run's mutable part, its tags.
-    pub async fn find_run_fresh(
-        &self,
-        env_id: &EnvId,
-        id: &FriendlyRunId,
-    ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        let read = self.store.find_run(env_id, id);
-        self.runs.fresh(env_id, id, read).await
-    }
-
-    /// The batch named by a friendly id (same caching rule as [`Sets::find_run`]).
+    /// The batch named by a friendly id (cached like [`Sets::find_run`]).
     pub async fn find_batch(
         &self,
         env_id: &EnvId,

@@ -29,7 +29,7 @@ use crate::auth::{
     batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
 };
 use crate::clock::now_ms;
-use crate::feeds::{FeedReply, FeedRequest, Feeds, Target};
+use crate::feeds::{FeedReply, FeedRequest, Feeds, Freshness, Target};
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, Handle};
@@ -272,60 +272,50 @@ async fn run_feed(
     Path(run_id): Path<String>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
-    let Begun {
-        principal,
-        ctx,
-        offset,
-    } = begun;
-    let not_found = ApiError::NotFound {
+    let env_id = &begun.principal.env.id;
+    let run_id = FriendlyRunId::parse(&run_id).ok_or(ApiError::NotFound {
         should_retry: false,
+    })?;
+    let (sets, run_id) = (state.feeds.sets(), &run_id);
+    let find = |freshness| async move {
+        found(
+            Box::pin(sets.find_run(env_id, run_id, freshness)).await,
+            false,
+        )
     };
-    let run_id = FriendlyRunId::parse(&run_id).ok_or(not_found)?;
-    let run = Box::pin(state.feeds.sets().find_run(&principal.env.id, &run_id))
-        .await
-        .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or(ApiError::NotFound {
-            should_retry: false,
-        })?;
+    let run = find(Freshness::Cached).await?;
     // The cached lookup's ids, task and batch are immutable; its tags may be stale, so a
     // grant that only the tags could give is decided on a fresh read.
     let untagged = RunResource {
         tags: Vec::new(),
         ..(*run).clone()
     };
-    if !principal
-        .ability
-        .can_read_any(&run_route_resources(&untagged))
+    let ability = &begun.principal.ability;
+    if !ability.can_read_any(&run_route_resources(&untagged))
+        && !ability.can_read_any(&run_route_resources(&*find(Freshness::Fresh).await?))
     {
-        let fresh = Box::pin(
-            state
-                .feeds
-                .sets()
-                .find_run_fresh(&principal.env.id, &run_id),
-        )
-        .await
-        .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or(ApiError::NotFound {
-            should_retry: false,
-        })?;
-        if !principal.ability.can_read_any(&run_route_resources(&fresh)) {
-            return Err(ApiError::Forbidden);
-        }
+        return Err(ApiError::Forbidden);
     }
     let target = Target::Run {
         run_id: run.id.clone(),
     };
-    serve(&state, &principal, &ctx, target, offset).await
+    serve(&state, &begun, target).await
+}
+
+/// A URL-id lookup's outcome: the resource, a 404 (`should_retry` as the route says) when it
+/// is not in the environment, or a 503 when the store failed.
+fn found<T>(
+    lookup: Result<Option<T>, crate::store::StoreError>,
+    should_retry: bool,
+) -> Result<T, ApiError> {
+    lookup
+        .map_err(|err| ApiError::unavailable(&err))?
+        .ok_or(ApiError::NotFound { should_retry })
 }
 
 async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Response, ApiError> {
-    let Begun {
-        principal,
-        ctx,
-        offset,
-    } = begun;
-    let bad = |message: String| ApiError::bad_request(ctx.client, message);
-    let tags = parse_tags(ctx.params.tags.as_deref()).map_err(|err| bad(err.to_string()))?;
+    let bad = |message: String| ApiError::bad_request(begun.ctx.client, message);
+    let tags = parse_tags(begun.ctx.params.tags.as_deref()).map_err(|err| bad(err.to_string()))?;
     if tags.len() > state.limits.max_tags {
         return Err(bad(format!(
             "Too many tags: at most {} allowed",
@@ -339,7 +329,7 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
         )));
     }
     let max_age = state.max_created_at_age_ms;
-    let lookback = match ctx.params.created_at.as_deref() {
+    let lookback = match begun.ctx.params.created_at.as_deref() {
         None => max_age,
         Some(raw) => match parse_duration_ms(raw) {
             Some(ms) => ms.min(max_age),
@@ -352,11 +342,15 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
         },
     };
     let floor_ms = now_ms() - i64::try_from(lookback).unwrap_or(i64::MAX / 2);
-    if !principal.ability.can_read_any(&runs_list_resources(&tags)) {
+    if !begun
+        .principal
+        .ability
+        .can_read_any(&runs_list_resources(&tags))
+    {
         return Err(ApiError::Forbidden);
     }
     let target = Target::Tag { tags, floor_ms };
-    serve(&state, &principal, &ctx, target, offset).await
+    serve(&state, &begun, target).await
 }
 
 async fn batch_feed(
@@ -364,18 +358,15 @@ async fn batch_feed(
     Path(batch_id): Path<String>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
-    let Begun {
-        principal,
-        ctx,
-        offset,
-    } = begun;
-    let not_found = || ApiError::NotFound { should_retry: true };
-    let batch_id = FriendlyBatchId::parse(&batch_id).ok_or_else(not_found)?;
-    let batch = Box::pin(state.feeds.sets().find_batch(&principal.env.id, &batch_id))
-        .await
-        .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or_else(not_found)?;
-    if !principal
+    let batch_id =
+        FriendlyBatchId::parse(&batch_id).ok_or(ApiError::NotFound { should_retry: true })?;
+    let lookup = state
+        .feeds
+        .sets()
+        .find_batch(&begun.principal.env.id, &batch_id);
+    let batch = found(Box::pin(lookup).await, true)?;
+    if !begun
+        .principal
         .ability
         .can_read_any(&batch_route_resources(&batch.friendly_id))
     {
@@ -384,16 +375,16 @@ async fn batch_feed(
     let target = Target::Batch {
         batch_id: batch.id.clone(),
     };
-    serve(&state, &principal, &ctx, target, offset).await
+    serve(&state, &begun, target).await
 }
 
-async fn serve(
-    state: &AppState,
-    principal: &Principal,
-    ctx: &Ctx,
-    target: Target,
-    offset: OffsetParam,
-) -> Result<Response, ApiError> {
+async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Response, ApiError> {
+    let Begun {
+        principal,
+        ctx,
+        offset,
+    } = begun;
+    let offset = *offset;
     let req = FeedRequest {
         env_id: principal.env.id.clone(),
         target,
@@ -463,8 +454,8 @@ mod future_sizes {
     fn size2<A, B, F: std::future::Future>(_: fn(A, B) -> F) -> usize {
         std::mem::size_of::<F>()
     }
-    fn size5<'a, F: std::future::Future + 'a>(
-        _: fn(&'a AppState, &'a Principal, &'a Ctx, Target, OffsetParam) -> F,
+    fn size_serve<'a, F: std::future::Future + 'a>(
+        _: fn(&'a AppState, &'a Begun, Target) -> F,
     ) -> usize {
         std::mem::size_of::<F>()
     }
@@ -477,7 +468,7 @@ mod future_sizes {
             size3(run_feed),
             size2(tag_feed),
             size3(batch_feed),
-            size5(serve),
+            size_serve(serve),
         );
         println!("bytes: run_feed {run}, tag_feed {tag}, batch_feed {batch}, serve {serve}");
         for (name, size) in [("run_feed", run), ("tag_feed", tag), ("batch_feed", batch)] {

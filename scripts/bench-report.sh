@@ -101,7 +101,7 @@ if want churn; then
   # The replica gate is off here (no distinct replica), as the target asks. CHURN_WINDOWS lists
   # env wake coalesce windows (ms) to run it with: the default 250, and e.g. 0.
   for w in ${CHURN_WINDOWS:-250}; do
-    start_server "churn-w$w" "$BIN/runfeed" RUNFEED_ROUTER__ENV_WAKE_COALESCE_WINDOW_MS="$w" &&
+    start_server "churn-w$w" "$BIN/runfeed" RUNFEED_ROUTER__COALESCE_CEILING_MS="$w" &&
       bench "churn-w$w" churn --rate "${CHURN_RATE:-2000}" --envs "${CHURN_ENVS:-1000}" --runs 10 \
         --held "${CHURN_HELD:-10000}" --duration-s "${CHURN_S:-20}"
     stop_server

@@ -179,8 +179,15 @@ impl Default for FeedsConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
-    /// Leading-edge coalescing window per environment, ms; 0 = none (250).
-    pub env_wake_coalesce_window_ms: u64,
+    /// Longest a change record waits behind hydrates already in flight before another
+    /// hydrate batch starts in parallel, ms (25). No record ever waits while the router is
+    /// idle: the first one starts a hydrate at once, and records that arrive meanwhile join the
+    /// next batch. Replaces trigger.dev's fixed `ENV_WAKE_COALESCE_WINDOW_MS` (also accepted
+    /// under its old name `env_wake_coalesce_window_ms`).
+    #[serde(alias = "env_wake_coalesce_window_ms")]
+    pub coalesce_ceiling_ms: u64,
+    /// Most runs one hydrate batch reads, over all environments and column sets (1 000).
+    pub hydrate_batch_max_runs: usize,
     /// How long buffered change records stay replayable, ms; 0 disables replay (2 000).
     pub replay_window_ms: u64,
     /// Cap on buffered records per environment (512).
@@ -198,7 +205,8 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         RouterConfig {
-            env_wake_coalesce_window_ms: 250,
+            coalesce_ceiling_ms: 25,
+            hydrate_batch_max_runs: 1_000,
             replay_window_ms: 2_000,
             replay_max_runs: 512,
             unsubscribe_linger_ms: 5_000,

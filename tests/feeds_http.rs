@@ -360,7 +360,7 @@ async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
 /// saw arrives as `insert`; unchanged runs are not re-sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_03_tag_wake_diffs_insert_vs_update() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let known = srv.tagged_run(&env, &["t"]).await;
     let quiet = srv.tagged_run(&env, &["t"]).await;
@@ -730,7 +730,7 @@ async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
 /// as `insert`; a run tagged only `a` never does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never() {
-    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(2_000, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let existing = srv.tagged_run(&env, &["a", "b"]).await;
     let h = modern(&srv.token(&env, &["read:tags:b"]));
@@ -1951,7 +1951,7 @@ async fn burst_converges(coalesce_ms: Option<u64>) {
     let srv = Arc::new(
         TestServer::start_with(20_000, |c| {
             if let Some(ms) = coalesce_ms {
-                c.router.env_wake_coalesce_window_ms = ms;
+                c.router.coalesce_ceiling_ms = ms;
             }
         })
         .await,
@@ -2173,7 +2173,7 @@ async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
 /// a run older than the pinned window never appears, even when it changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
-    let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(1_500, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let now = runfeed::clock::now_ms();
     let old = srv
@@ -2263,7 +2263,7 @@ async fn tag_08_list_feed_is_capped_newest_first() {
 /// a same-`updatedAt` change with new content wakes run and tag feeds with an `update`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_same_millisecond_update_with_new_content_is_delivered() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let run = srv.tagged_run(&env, &["m"]).await;
     let h = modern(&env.api_key);
@@ -2372,7 +2372,7 @@ async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
 /// replayed record the client already has, does not end the hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
-    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(2_000, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let mine = srv.tagged_run(&env, &["n"]).await;
     let other = srv.tagged_run(&env, &["x"]).await;
@@ -2435,7 +2435,7 @@ async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
 /// published on this environment's channel, never puts that run into this environment's feeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cross_env_record_never_leaks_another_envs_row() {
-    let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(1_500, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env_a = srv.env().await;
     let env_b = srv.env().await;
     let _run_a = srv.tagged_run(&env_a, &["t"]).await;
@@ -2522,7 +2522,7 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
 /// from live `update` rows too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
+    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
     let env = srv.env().await;
     let run = srv.tagged_run(&env, &["sc"]).await;
     let h = modern(&env.api_key);

@@ -816,8 +816,13 @@ async fn run_matrix(
     failures
 }
 
+/// The RSS check measures this process: the other tests of this file take the lock shared, the
+/// RSS test exclusively, so their servers never grow the process while it measures.
+static RSS_QUIET: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_matrix_is_4xx_json_cors_and_never_leaks_or_grows() {
+    let _alone = RSS_QUIET.write().await;
     let srv = TestServer::start(200).await;
     let a = env_fx(&srv, srv.env().await).await;
     let b = env_fx(&srv, srv.env().await).await;
@@ -876,6 +881,7 @@ async fn revoke(srv: &TestServer, env_id: &str, key: &str) {
 /// rows, never B's — B has runs with the same tags and its own batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenant_isolation_for_every_route_and_credential() {
+    let _shared = RSS_QUIET.read().await;
     let srv = TestServer::start(200).await;
     let a = env_fx(&srv, srv.env().await).await;
     let b = env_fx(&srv, srv.env().await).await;
@@ -1073,6 +1079,7 @@ fn assert_json_4xx(r: &Resp, status: u16, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_limits_follow_their_config_keys() {
+    let _shared = RSS_QUIET.read().await;
     let srv = TestServer::start_with(200, |c| {
         c.server.max_url_bytes = 300;
         c.server.max_header_bytes = 2_000;
@@ -1137,6 +1144,7 @@ async fn request_limits_follow_their_config_keys() {
 /// body); the point here is that the answer is a 4xx, not a hang or a 5xx.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_100_headers_is_a_4xx_from_hyper() {
+    let _shared = RSS_QUIET.read().await;
     let srv = TestServer::start(200).await;
     let env = srv.env().await;
     let mut h = modern(&env.api_key);

@@ -384,6 +384,51 @@ async fn migrate_twice_is_idempotent_and_schema_matches_trigger_facts() {
 // RunStore
 // ------------------------------------------------------------------------------------------------
 
+/// The router's cross-environment hydrate: runs of several environments in ONE query, and only
+/// the (environment, run) pairs that were asked for — a run id asked for under the wrong
+/// environment is never returned, even though both ids appear in the query.
+#[tokio::test]
+async fn hydrate_many_reads_every_environment_in_one_query_and_only_the_pairs_asked_for() {
+    use runfeed::protocol::{EnvId, RunId};
+    let db = TestDb::create().await;
+    run_at(&db.pool, "a1", "env_a", "2024-01-01 00:00:00.000", None).await;
+    run_at(&db.pool, "b1", "env_b", "2024-01-01 00:00:00.000", None).await;
+    run_at(&db.pool, "c1", "env_c", "2024-01-01 00:00:00.000", None).await;
+    let pair = |env: &str, run: &str| (EnvId::from(env), RunId::from(run));
+    let asked = [
+        pair("env_a", "a1"),
+        pair("env_b", "b1"),
+        // Crossed pairs: both ids exist, but not in these environments.
+        pair("env_a", "b1"),
+        pair("env_b", "c1"),
+        pair("env_c", "missing"),
+    ];
+    let store = db.store();
+    let before = store.query_count();
+    let rows = store
+        .hydrate_many(&asked, ColumnSet::ALL)
+        .await
+        .expect("hydrate_many");
+    assert_eq!(
+        store.query_count() - before,
+        1,
+        "one query for three environments"
+    );
+    let mut got: Vec<(String, String)> = rows
+        .iter()
+        .map(|(env, row)| (env.to_string(), row.id.to_string()))
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("env_a".to_string(), "a1".to_string()),
+            ("env_b".to_string(), "b1".to_string())
+        ]
+    );
+    db.cleanup().await;
+}
+
 #[tokio::test]
 async fn hydrate_is_one_query_for_many_ids_and_scoped_to_the_env() {
     let db = TestDb::create().await;

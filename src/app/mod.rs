@@ -25,7 +25,7 @@ use crate::http::admit::Limiter;
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
 use crate::redis::{Redis, RedisChangeSource, RedisOptions, SubscriberSettings};
-use crate::router::{Gate, Router};
+use crate::router::{Gate, Router, RouterParts};
 use crate::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
 use crate::telemetry::admin::{Admin, Check};
 use crate::telemetry::Telemetry;
@@ -96,13 +96,15 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             config.replica_lag.clone(),
         ))
     });
-    let router = Router::start_with_gate(
-        config.router.clone(),
+    store.set_metrics(telemetry.metrics().clone());
+    let router = Router::start(RouterParts {
+        cfg: config.router.clone(),
         source,
-        store.clone() as Arc<dyn RunStore>,
-        rx,
+        store: store.clone() as Arc<dyn RunStore>,
+        events: rx,
         gate,
-    );
+        metrics: telemetry.metrics().clone(),
+    });
     let handles = match &config.server.handle_secret {
         Some(secret) if !secret.is_empty() => HandleKey::new(secret.as_bytes()),
         _ => {

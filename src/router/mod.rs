@@ -16,8 +16,8 @@
 //!   parked in its inbox instead of dropped;
 //! - partial records are classified for batch feeds too (item 10).
 
+mod batch;
 mod buffer;
-mod coalesce;
 mod filter;
 pub mod gate;
 mod tripwire;
@@ -38,7 +38,8 @@ use crate::config::RouterConfig;
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::store::RunStore;
-use coalesce::Coalescer;
+use crate::telemetry::metrics::Metrics;
+use batch::{Arrival, BatchLimits, Batcher};
 
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
@@ -54,6 +55,24 @@ pub struct ReplayCursor {
     /// clocks and each instance's copy of the change stream may differ by that much.
     /// Replaying a little more is harmless (the feed's diff drops what the client has).
     pub wall_ms: i64,
+}
+
+/// What a router is built from.
+pub struct RouterParts {
+    /// `[router]`.
+    pub cfg: RouterConfig,
+    /// Per-environment subscriptions (the router subscribes an environment while it has feeds).
+    pub source: Arc<dyn ChangeSource>,
+    /// Where matched runs are hydrated from.
+    pub store: Arc<dyn RunStore>,
+    /// What `source` reports.
+    pub events: mpsc::UnboundedReceiver<SourceEvent>,
+    /// The read-your-writes gate, when hydrates read a lagging replica: wake-path hydrates wait
+    /// until the replica applied the announced commits, and rows still read stale are withheld
+    /// and re-hydrated (see [`gate`]).
+    pub gate: Option<Arc<Gate>>,
+    /// Instruments (hydrate batch sizes).
+    pub metrics: Arc<Metrics>,
 }
 
 /// A feed a poll holds: what it watches, in which column set, and where its client's view of
@@ -88,8 +107,12 @@ pub struct RouterStats {
     pub hydrated_rows: AtomicU64,
     /// Coalesced batches routed.
     pub batches: AtomicU64,
-    /// Coalesced batches handed over by the change source (excludes stale re-hydrate passes).
+    /// Hydrate batches started (each reads its runs of every environment in one query per
+    /// column set).
     pub coalesced_batches: AtomicU64,
+    /// Arrivals that waited for a hydrate in flight before theirs could start (0 while the
+    /// router is idle: nothing waits for a timer).
+    pub coalesce_waits: AtomicU64,
     /// Σ distinct (column set, run) per routed batch (deliveries / this = fan-out).
     pub distinct_runs: AtomicU64,
     /// Σ (feed, row) deliveries.
@@ -306,6 +329,9 @@ struct Inner {
     source: Arc<dyn ChangeSource>,
     store: Arc<dyn RunStore>,
     gate: Option<Arc<Gate>>,
+    /// The hydrate stage's queue (set once, right after construction).
+    batcher: std::sync::OnceLock<Batcher>,
+    metrics: Arc<Metrics>,
     envs: Mutex<HashMap<EnvId, Arc<Env>>>,
     next_epoch: AtomicU64,
     next_feed_id: AtomicU64,
@@ -327,52 +353,44 @@ pub struct Router {
 }
 
 impl Router {
-    /// Starts a router fed by `events` (from the change source `source`), hydrating through
-    /// `store`. Spawns its pump and dispatch tasks on the current tokio runtime.
-    pub fn start(
-        cfg: RouterConfig,
-        source: Arc<dyn ChangeSource>,
-        store: Arc<dyn RunStore>,
-        events: mpsc::UnboundedReceiver<SourceEvent>,
-    ) -> Router {
-        Router::start_with_gate(cfg, source, store, events, None)
-    }
-
-    /// [`Router::start`] with a read-your-writes gate: wake-path hydrates wait until the
-    /// replica has applied the announced commits, and rows still read stale are withheld and
-    /// re-hydrated (see [`gate`]).
-    pub fn start_with_gate(
-        cfg: RouterConfig,
-        source: Arc<dyn ChangeSource>,
-        store: Arc<dyn RunStore>,
-        mut events: mpsc::UnboundedReceiver<SourceEvent>,
-        gate: Option<Arc<Gate>>,
-    ) -> Router {
+    /// Starts a router (see [`RouterParts`]). Spawns its pump and its hydrate dispatcher on the
+    /// current tokio runtime; both end when the last clone of the router is dropped.
+    pub fn start(parts: RouterParts) -> Router {
+        let RouterParts {
+            cfg,
+            source,
+            store,
+            mut events,
+            gate,
+            metrics,
+        } = parts;
+        let limits = BatchLimits {
+            ceiling: Duration::from_millis(cfg.coalesce_ceiling_ms),
+            max_runs: cfg.hydrate_batch_max_runs,
+        };
         let inner = Arc::new(Inner {
-            cfg: cfg.clone(),
+            cfg,
             source,
             store,
             gate,
+            batcher: std::sync::OnceLock::new(),
+            metrics,
             envs: Mutex::new(HashMap::new()),
             next_epoch: AtomicU64::new(1),
             next_feed_id: AtomicU64::new(1),
             instance: rand::random::<u64>() | 1,
             stats: RouterStats::default(),
         });
-        let (batch_tx, mut batch_rx) = mpsc::unbounded_channel::<coalesce::Batch>();
-        let coalescer = Coalescer::new(
-            Duration::from_millis(cfg.env_wake_coalesce_window_ms),
-            batch_tx,
-        );
+        let _ = inner
+            .batcher
+            .set(Batcher::start(Arc::downgrade(&inner), limits));
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
             while let Some(event) = events.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
                 match event {
                     SourceEvent::Record { env_id, record } => {
-                        if lock(&inner.envs).contains_key(&env_id) {
-                            coalescer.push(&env_id, record);
-                        }
+                        inner.arrive(&env_id, vec![record], 0, tokio::time::Instant::now());
                     }
                     SourceEvent::Subscribed { env_id, generation } => {
                         if let Some(env) = inner.env(&env_id) {
@@ -387,18 +405,6 @@ impl Router {
                     }
                     SourceEvent::Reconnected => inner.on_gap(),
                 }
-            }
-        });
-        let weak = Arc::downgrade(&inner);
-        tokio::spawn(async move {
-            while let Some((env_id, records)) = batch_rx.recv().await {
-                let Some(inner) = weak.upgrade() else { break };
-                inner
-                    .stats
-                    .coalesced_batches
-                    .fetch_add(1, Ordering::Relaxed);
-                let arrived = tokio::time::Instant::now();
-                tokio::spawn(async move { inner.route_batch(env_id, records, 0, arrived).await });
             }
         });
         Router { inner }
@@ -501,6 +507,15 @@ impl Router {
             }
         }
         counts
+    }
+
+    /// Arrivals still waiting for (or in) their hydrate, over every environment.
+    #[cfg(test)]
+    fn inner_in_flight(&self) -> usize {
+        let envs: Vec<Arc<Env>> = lock(&self.inner.envs).values().cloned().collect();
+        envs.iter()
+            .map(|env| lock(&env.state).in_flight.len())
+            .sum()
     }
 
     /// Environments currently routed (including lingering ones).
@@ -664,118 +679,170 @@ impl Inner {
         }
     }
 
-    /// Routes one coalesced batch. `attempt` > 0: a re-hydrate of records the stale tripwire
-    /// withheld (or an echo pass after giving up), re-sequenced as a new batch.
-    async fn route_batch(
+    /// Records of `env_id` arrived: sequence them, buffer them for replay and match them
+    /// against the held feeds now (under the environment's lock, no awaits), then queue the
+    /// matched runs for the hydrate stage ([`batch`]). `attempt` > 0: a re-hydrate of records
+    /// the stale tripwire withheld (or an echo pass after giving up), re-sequenced as new.
+    fn arrive(
         self: &Arc<Self>,
-        env_id: EnvId,
+        env_id: &EnvId,
         records: Vec<ChangeRecord>,
         attempt: u32,
         arrived: tokio::time::Instant,
     ) {
-        let env_id = &env_id;
         let Some(env) = self.env(env_id) else { return };
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let window = Duration::from_millis(self.cfg.replay_window_ms);
         let now = Instant::now();
-        // 1. Sequence, buffer and route through the index (under the env lock, no awaits).
-        let (first_seq, matches, groups) = {
-            let mut state = lock(&env.state);
-            let first_seq = state.last_seq + 1;
-            let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
-            let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
-            for record in &records {
-                state.last_seq += 1;
-                for id in state.candidates(record) {
-                    if let Some(slot) = state.feeds.get(&id) {
-                        groups
-                            .entry(slot.cols)
-                            .or_default()
-                            .insert(record.run_id.clone());
-                        matches
-                            .entry(id)
-                            .or_insert_with(|| (slot.clone(), BTreeSet::new()))
-                            .1
-                            .insert(record.run_id.clone());
-                    }
+        let mut state = lock(&env.state);
+        let first_seq = state.last_seq + 1;
+        let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
+        let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
+        for record in &records {
+            state.last_seq += 1;
+            for id in state.candidates(record) {
+                if let Some(slot) = state.feeds.get(&id) {
+                    groups
+                        .entry(slot.cols)
+                        .or_default()
+                        .insert(record.run_id.clone());
+                    matches
+                        .entry(id)
+                        .or_insert_with(|| (slot.clone(), BTreeSet::new()))
+                        .1
+                        .insert(record.run_id.clone());
                 }
             }
-            if !window.is_zero() {
-                let cap = self.cfg.replay_max_runs;
-                let mut seq = first_seq;
-                for record in records.iter().cloned() {
-                    for eviction in state.buffer.insert(seq, record, now, window, cap) {
-                        let counter = match eviction {
-                            Eviction::Window => &self.stats.evictions_window,
-                            Eviction::Cap => &self.stats.evictions_cap,
-                        };
-                        counter.fetch_add(1, Ordering::Relaxed);
-                    }
-                    seq += 1;
+        }
+        if !window.is_zero() {
+            let cap = self.cfg.replay_max_runs;
+            let mut seq = first_seq;
+            for record in records.iter().cloned() {
+                for eviction in state.buffer.insert(seq, record, now, window, cap) {
+                    let counter = match eviction {
+                        Eviction::Window => &self.stats.evictions_window,
+                        Eviction::Cap => &self.stats.evictions_cap,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
                 }
+                seq += 1;
             }
-            let last = state.last_seq;
-            state.in_flight.insert(first_seq, last);
-            (first_seq, matches, groups)
-        };
-        // Whatever happens below, the batch leaves the in-flight set.
-        struct Done<'a>(&'a Env, u64);
-        impl Drop for Done<'_> {
+        }
+        if matches.is_empty() {
+            // Routed: no held feed wants these records (they stay replayable).
+            return;
+        }
+        let last = state.last_seq;
+        state.in_flight.insert(first_seq, last);
+        drop(state);
+        if let Some(batcher) = self.batcher.get() {
+            batcher.push(Arrival {
+                env,
+                records,
+                first_seq,
+                matches,
+                groups,
+                attempt,
+                arrived,
+            });
+        }
+    }
+
+    /// Hydrates one batch of arrivals (any environments): waits for the read-your-writes gate,
+    /// reads every matched run in ONE query per column set, serializes each row ONCE per column
+    /// set, lets the tripwire withhold stale rows, delivers to the matched feeds' inboxes, marks
+    /// the arrivals routed, then wakes the feeds (so a woken feed's response cursor already
+    /// covers its arrival and its next poll does not replay it).
+    async fn hydrate_batch(self: Arc<Self>, arrivals: Vec<Arrival>) {
+        // Whatever happens below, every arrival leaves the in-flight set.
+        struct Done(Arc<Env>, u64);
+        impl Drop for Done {
             fn drop(&mut self) {
                 lock(&self.0.state).in_flight.remove(&self.1);
             }
         }
-        let done = Done(&env, first_seq);
-        if matches.is_empty() {
-            return;
-        }
-        // 1b. Read-your-writes: hydrate only what the replica has applied (first pass only;
-        //     retries were already delayed).
-        let outcome = match (&self.gate, attempt) {
-            (Some(gate), 0) => Some(gate.wait(&records, arrived).await),
+        let done: Vec<Done> = arrivals
+            .iter()
+            .map(|a| Done(a.env.clone(), a.first_seq))
+            .collect();
+        // 1. Read-your-writes: hydrate only what the replica has applied (first passes only;
+        //    retries were already delayed).
+        let first_pass: Vec<ChangeRecord> = arrivals
+            .iter()
+            .filter(|a| a.attempt == 0)
+            .flat_map(|a| a.records.iter().cloned())
+            .collect();
+        let newest = arrivals
+            .iter()
+            .filter(|a| a.attempt == 0)
+            .map(|a| a.arrived)
+            .max();
+        let outcome = match (&self.gate, newest) {
+            (Some(gate), Some(arrived)) => Some(gate.wait(&first_pass, arrived).await),
             _ => None,
         };
-        // 2. Hydrate once per column set (in parallel), serialize once per (run, column set).
+        // 2. One query per column set over every environment's runs.
+        let mut wanted: HashMap<ColumnSet, BTreeSet<(EnvId, RunId)>> = HashMap::new();
+        for arrival in &arrivals {
+            for (cols, ids) in &arrival.groups {
+                let set = wanted.entry(*cols).or_default();
+                set.extend(ids.iter().map(|id| (arrival.env.id.clone(), id.clone())));
+            }
+        }
         self.stats.distinct_runs.fetch_add(
-            groups.values().map(|ids| ids.len() as u64).sum(),
+            wanted.values().map(|runs| runs.len() as u64).sum(),
             Ordering::Relaxed,
         );
-        let hydrated =
-            futures::future::join_all(groups.into_iter().map(|(cols, ids)| async move {
-                let ids: Vec<RunId> = ids.into_iter().collect();
-                (cols, self.hydrate(env_id, &ids, cols).await)
-            }))
-            .await;
-        // A failed hydrate must not pass silently under the cursors: its feeds re-check from
-        // the store (and answer with an untrusted cursor if that fails too).
-        let hydrated: HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>> = hydrated
-            .into_iter()
-            .map(|(cols, rows)| (cols, rows.ok()))
-            .collect();
-        // 2b. Stale tripwire: withhold rows older than their record's watermark (or missing
-        //     although the record says the run exists) and re-hydrate them shortly.
-        let withheld = self.tripwire(env_id, &records, &hydrated, outcome, attempt);
-        // 3. Deliver to inboxes, mark the batch routed, then wake (so a woken feed's response
-        //    cursor already covers this batch and its next poll does not replay it).
+        let inner = &self;
+        let hydrated = futures::future::join_all(wanted.into_iter().map(|(cols, runs)| {
+            let runs: Vec<(EnvId, RunId)> = runs.into_iter().collect();
+            async move { (cols, inner.hydrate_many(&runs, cols).await.ok()) }
+        }))
+        .await;
+        let hydrated: HashMap<ColumnSet, Option<HashMap<(EnvId, RunId), SerializedRow>>> =
+            hydrated.into_iter().collect();
+        // 3. Per arrival: tripwire, then deliver.
         let mut woken = Vec::new();
         let mut deliveries = 0u64;
-        for (_, (slot, run_ids)) in matches {
-            let Some(rows_by_id) = hydrated.get(&slot.cols).and_then(Option::as_ref) else {
-                slot.push(Vec::new(), true);
-                woken.push(slot);
-                continue;
-            };
-            let rows: Vec<SerializedRow> = run_ids
+        for arrival in arrivals {
+            let env_id = &arrival.env.id;
+            // A failed hydrate must not pass silently under the cursors: its feeds re-check
+            // from the store (and answer with an untrusted cursor if that fails too).
+            let view: HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>> = arrival
+                .groups
                 .iter()
-                .filter(|id| !withheld.contains(*id))
-                .filter_map(|id| rows_by_id.get(id))
-                .filter(|row| slot.filter.accepts(&row.meta))
-                .cloned()
+                .map(|(cols, ids)| {
+                    let rows = hydrated.get(cols).and_then(Option::as_ref).map(|rows| {
+                        ids.iter()
+                            .filter_map(|id| {
+                                rows.get(&(env_id.clone(), id.clone()))
+                                    .map(|row| (id.clone(), row.clone()))
+                            })
+                            .collect()
+                    });
+                    (*cols, rows)
+                })
                 .collect();
-            if !rows.is_empty() {
-                deliveries += rows.len() as u64;
-                slot.push(rows, false);
-                woken.push(slot);
+            let outcome = outcome.filter(|_| arrival.attempt == 0);
+            let withheld = self.tripwire(env_id, &arrival.records, &view, outcome, arrival.attempt);
+            for (_, (slot, run_ids)) in arrival.matches {
+                let Some(rows_by_id) = view.get(&slot.cols).and_then(Option::as_ref) else {
+                    slot.push(Vec::new(), true);
+                    woken.push(slot);
+                    continue;
+                };
+                let rows: Vec<SerializedRow> = run_ids
+                    .iter()
+                    .filter(|id| !withheld.contains(*id))
+                    .filter_map(|id| rows_by_id.get(id))
+                    .filter(|row| slot.filter.accepts(&row.meta))
+                    .cloned()
+                    .collect();
+                if !rows.is_empty() {
+                    deliveries += rows.len() as u64;
+                    slot.push(rows, false);
+                    woken.push(slot);
+                }
             }
         }
         self.stats
@@ -784,6 +851,33 @@ impl Inner {
         drop(done);
         for slot in woken {
             slot.notify.notify_one();
+        }
+    }
+
+    /// One store query for `runs` (any environments), each row serialized once. `Err(())`
+    /// after logging a failure.
+    async fn hydrate_many(
+        &self,
+        runs: &[(EnvId, RunId)],
+        cols: ColumnSet,
+    ) -> Result<HashMap<(EnvId, RunId), SerializedRow>, ()> {
+        self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
+        self.metrics.hydrated_batch(runs.len());
+        match self.store.hydrate_many(runs, cols).await {
+            Ok(rows) => {
+                self.stats
+                    .hydrated_rows
+                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
+                Ok(rows
+                    .iter()
+                    .map(|(env, row)| ((env.clone(), row.id.clone()), serialize_row(row, cols)))
+                    .collect())
+            }
+            Err(err) => {
+                self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(runs = runs.len(), error = %err, "router hydrate failed; feeds re-check from the store");
+                Err(())
+            }
         }
     }
 }

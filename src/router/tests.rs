@@ -271,7 +271,7 @@ fn batch_feed(batch: &str) -> FeedFilter {
 
 fn cfg() -> RouterConfig {
     RouterConfig {
-        env_wake_coalesce_window_ms: 0,
+        coalesce_ceiling_ms: 0,
         replay_window_ms: 2_000,
         replay_max_runs: 512,
         unsubscribe_linger_ms: 5_000,
@@ -320,6 +320,24 @@ async fn entered(rx: oneshot::Receiver<()>) {
         .expect("gate dropped");
 }
 
+/// A router over test parts (no metrics).
+fn start(
+    cfg: RouterConfig,
+    source: Arc<dyn ChangeSource>,
+    store: Arc<FakeStore>,
+    events: mpsc::UnboundedReceiver<SourceEvent>,
+    gate: Option<Arc<gate::Gate>>,
+) -> Router {
+    Router::start(RouterParts {
+        cfg,
+        source,
+        store,
+        events,
+        gate,
+        metrics: crate::telemetry::metrics::Metrics::noop(),
+    })
+}
+
 struct Harness {
     router: Router,
     source: Arc<MemoryChangeSource>,
@@ -331,7 +349,7 @@ impl Harness {
         let (tx, rx) = mpsc::unbounded_channel();
         let source = Arc::new(MemoryChangeSource::new(tx));
         let store = Arc::new(FakeStore::default());
-        let router = Router::start(cfg, source.clone(), store.clone(), rx);
+        let router = start(cfg, source.clone(), store.clone(), rx, None);
         Harness {
             router,
             source,
@@ -641,27 +659,83 @@ async fn rtr_16_two_tag_feeds_same_tag_one_hydrate_shared_bytes() {
     assert!(Arc::ptr_eq(&wa.rows[0].meta, &wb.rows[0].meta));
 }
 
-/// RTR-16: a coalesced batch hydrates the union of its matched runs in ONE query.
-#[tokio::test(start_paused = true)]
-async fn rtr_16_coalesced_batch_hydrates_union_once() {
-    let h = Harness::new(RouterConfig {
-        env_wake_coalesce_window_ms: 100,
-        ..cfg()
-    });
+/// RTR-16, natural batching: records that arrive while a hydrate is in flight wait for it and
+/// then go together: the union of their matched runs is hydrated in ONE query.
+#[tokio::test]
+async fn rtr_16_records_arriving_during_a_hydrate_go_together_in_the_next() {
+    let h = Harness::new(cfg());
     h.store.put(row("r1", &["t"], None));
     h.store.put(row("r2", &["t"], None));
     let f = h.reg(tag_feed(&["t"]), None).await;
-    h.push(full("lead", &["other"])); // leading edge: its own batch, no candidate
+    let (gate_in, release) = h.store.gate_next();
+    h.push(full("r1", &["t"]));
+    entered(gate_in).await; // the first hydrate is in flight
+    h.push(full("lead", &["other"])); // no candidate: never queued
     h.push(full("r2", &["t"]));
     h.push(full("r1", &["t"]));
     h.push(full("r2", &["t"]));
-    let w = wake(&f).await; // the window closes on the paused clock
-    assert_eq!(sorted(ids(&w.rows)), strings(&["r1", "r2"]));
+    wait_until("three arrivals queued", || {
+        load(&h.router.stats().coalesce_waits) == 3
+    })
+    .await;
+    let _ = release.send(());
+    let mut seen = ids(&wake(&f).await.rows);
+    while seen.len() < 3 {
+        seen.extend(ids(&wake(&f).await.rows));
+    }
     let calls = h.store.calls();
-    assert_eq!(calls.len(), 1);
-    assert_eq!(sorted(calls[0].ids.clone()), strings(&["r1", "r2"]));
-    assert_eq!(calls[0].env, ENV);
-    assert_eq!(load(&h.router.stats().batches), 2);
+    assert_eq!(
+        calls.len(),
+        2,
+        "one hydrate in flight, then one for everything queued"
+    );
+    assert_eq!(calls[0].ids, strings(&["r1"]));
+    assert_eq!(sorted(calls[1].ids.clone()), strings(&["r1", "r2"]));
+    assert_eq!(load(&h.router.stats().coalesced_batches), 2);
+}
+
+/// No record waits for a window while the router is idle: on tokio's paused clock, time only
+/// moves when something sleeps, and the delivery of a lone record leaves the clock where it
+/// was (trigger.dev's fixed `ENV_WAKE_COALESCE_WINDOW_MS` delays every second record of an
+/// environment by up to the window).
+#[tokio::test(start_paused = true)]
+async fn an_idle_router_hydrates_each_record_at_once_without_a_timer() {
+    let h = Harness::new(RouterConfig {
+        coalesce_ceiling_ms: 250,
+        ..cfg()
+    });
+    h.store.put(row("r1", &["t"], None));
+    let f = h.reg(tag_feed(&["t"]), None).await;
+    let started = tokio::time::Instant::now();
+    for _ in 0..3 {
+        h.push(full("r1", &["t"]));
+        assert_eq!(ids(&wake(&f).await.rows), vec!["r1"]);
+    }
+    assert_eq!(started.elapsed(), Duration::ZERO, "no timer ran");
+    assert_eq!(load(&h.router.stats().coalesce_waits), 0);
+    assert_eq!(h.store.hydrate_count(), 3);
+}
+
+/// A burst of 100 records on one run costs at most 3 hydrates (one per batch, not one per
+/// record).
+#[tokio::test]
+async fn a_burst_of_100_records_on_one_run_costs_at_most_3_hydrates() {
+    let h = Harness::new(cfg());
+    h.store.put(row("r1", &["t"], None));
+    let f = h.reg(run_feed("r1"), None).await;
+    for _ in 0..100 {
+        h.push(full("r1", &["t"]));
+    }
+    wait_until("every arrival routed", || {
+        load(&h.router.stats().batches) == 100 && h.router.inner_in_flight() == 0
+    })
+    .await;
+    assert_eq!(ids(&wake(&f).await.rows)[0], "r1");
+    let hydrates = h.store.hydrate_count();
+    assert!(
+        (1..=3).contains(&hydrates),
+        "{hydrates} hydrates for 100 records"
+    );
 }
 
 /// RTR-16 fan-out: 1000 tag feeds on one tag, one record → exactly one hydrate, 1000
@@ -963,17 +1037,16 @@ async fn better_10_partial_record_reaches_batch_feed_when_row_is_in_batch() {
     h.push(partial("in"));
     assert_eq!(ids(&wake(&f).await.rows), vec!["in"]);
     assert!(f.take().rows.is_empty());
-    assert_eq!(
-        h.store.id_lists(),
-        vec![strings(&["out"]), strings(&["in"])]
-    );
+    // Both arrived before their hydrate started: one query for both.
+    let lists: Vec<Vec<String>> = h.store.id_lists().into_iter().map(sorted).collect();
+    assert_eq!(lists, vec![strings(&["in", "out"])]);
 
     // Replay: a batch feed registering later classifies the buffered partial records too.
     let g = h.reg(batch_feed("b1"), Some(c0)).await;
     assert!(g.covered());
     assert_eq!(ids(&g.take().rows), vec!["in"]);
     assert_eq!(
-        sorted(h.store.id_lists()[2].clone()),
+        sorted(h.store.id_lists()[1].clone()),
         strings(&["in", "out"])
     );
 }
@@ -1638,7 +1711,7 @@ fn manual(
     let (tx, rx) = mpsc::unbounded_channel();
     let source = Arc::new(ManualSource::default());
     let store = Arc::new(FakeStore::default());
-    let router = Router::start(cfg, source.clone(), store.clone(), rx);
+    let router = start(cfg, source.clone(), store.clone(), rx, None);
     (router, source, store, tx)
 }
 
@@ -1796,7 +1869,7 @@ fn gated(max_delay_ms: u64, retries: u32) -> (Harness, Arc<FakeReplica>) {
         ..Default::default()
     };
     let gate = Arc::new(gate::Gate::new(replica.clone(), lag));
-    let router = Router::start_with_gate(cfg(), source.clone(), store.clone(), rx, Some(gate));
+    let router = start(cfg(), source.clone(), store.clone(), rx, Some(gate));
     (
         Harness {
             router,

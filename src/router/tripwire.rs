@@ -97,7 +97,7 @@ impl Inner {
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
                 let arrived = tokio::time::Instant::now();
-                inner.route_batch(env_id, retry, attempt + 1, arrived).await;
+                inner.arrive(&env_id, retry, attempt + 1, arrived);
             });
         }
         if withhold {

@@ -88,6 +88,28 @@ pub trait RunStore: Send + Sync + 'static {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError>;
 
+    /// Rows of the `(environment, run)` pairs in `runs`, whatever their environments (replica;
+    /// missing pairs are absent; a row is returned only for a pair that was asked for, so no
+    /// environment sees another's rows). The default asks [`RunStore::hydrate`] once per
+    /// environment; [`PgStore`] reads them all in ONE query.
+    async fn hydrate_many(
+        &self,
+        runs: &[(EnvId, RunId)],
+        cols: ColumnSet,
+    ) -> Result<Vec<(EnvId, RunRow)>, StoreError> {
+        let mut by_env: std::collections::BTreeMap<&EnvId, Vec<RunId>> =
+            std::collections::BTreeMap::new();
+        for (env, run) in runs {
+            by_env.entry(env).or_default().push(run.clone());
+        }
+        let mut out = Vec::new();
+        for (env, ids) in by_env {
+            let rows = self.hydrate(env, &ids, cols).await?;
+            out.extend(rows.into_iter().map(|row| (env.clone(), row)));
+        }
+        Ok(out)
+    }
+
     /// One run by internal id: replica, then primary on a miss.
     async fn read_run(
         &self,

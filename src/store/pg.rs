@@ -1,7 +1,9 @@
 //! [`PgStore`]: the Postgres implementation of [`RunStore`] and [`EnvStore`].
 
+use std::collections::{BTreeSet, HashSet};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,6 +13,7 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 use super::sql::{decode_run, ms_to_ts, RunQuery, SqlCache};
 use super::{BatchResource, EnvRecord, EnvStore, RunResource, RunStore, StoreError};
 use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
+use crate::telemetry::metrics::Metrics;
 
 /// Default pool size per pool (primary and replica each).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
@@ -33,6 +36,8 @@ pub struct PgStore {
     distinct_replica: bool,
     queries: AtomicU64,
     sql: SqlCache,
+    /// Instruments (acquire waits); no-op until [`PgStore::set_metrics`].
+    metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
 /// Errors of every [`PgStore`] in this process by kind (the `runfeed.pg.errors` metric):
@@ -158,6 +163,7 @@ impl PgStore {
             replica,
             distinct_replica,
             queries: AtomicU64::new(0),
+            metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
         })
     }
@@ -171,6 +177,7 @@ impl PgStore {
             replica,
             distinct_replica,
             queries: AtomicU64::new(0),
+            metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
         }
     }
@@ -296,6 +303,24 @@ impl PgStore {
         decode(&row).map(Some).map_err(store_err("find_batch"))
     }
 
+    /// Records into `metrics` from now on (set once; later calls are ignored).
+    pub fn set_metrics(&self, metrics: Arc<Metrics>) {
+        let _ = self.metrics.set(metrics);
+    }
+
+    /// A replica connection, its wait for the pool recorded.
+    async fn replica_conn(
+        &self,
+        op: &'static str,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        let started = std::time::Instant::now();
+        let conn = self.replica.acquire().await.map_err(store_err(op))?;
+        if let Some(metrics) = self.metrics.get() {
+            metrics.pg_acquired(started.elapsed());
+        }
+        Ok(conn)
+    }
+
     async fn fetch_runs(
         &self,
         op: &'static str,
@@ -303,10 +328,8 @@ impl PgStore {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         self.count();
-        let rows = query
-            .fetch_all(&self.replica)
-            .await
-            .map_err(store_err(op))?;
+        let mut conn = self.replica_conn(op).await?;
+        let rows = query.fetch_all(&mut *conn).await.map_err(store_err(op))?;
         rows.iter()
             .map(|r| decode_run(r, cols))
             .collect::<Result<Vec<_>, _>>()
@@ -353,6 +376,41 @@ impl RunStore for PgStore {
         let sql = self.sql.get(RunQuery::Hydrate, cols);
         let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(run_ids);
         self.fetch_runs("hydrate", query, cols).await
+    }
+
+    async fn hydrate_many(
+        &self,
+        runs: &[(EnvId, RunId)],
+        cols: ColumnSet,
+    ) -> Result<Vec<(EnvId, RunRow)>, StoreError> {
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let wanted: HashSet<(&str, &str)> = runs
+            .iter()
+            .map(|(env, run)| (env.as_str(), run.as_str()))
+            .collect();
+        let ids: Vec<&str> = runs.iter().map(|(_, run)| run.as_str()).collect();
+        let envs: BTreeSet<&str> = runs.iter().map(|(env, _)| env.as_str()).collect();
+        let envs: Vec<&str> = envs.into_iter().collect();
+        let sql = self.sql.get(RunQuery::HydrateMany, cols);
+        let query = sqlx::query(AssertSqlSafe(sql)).bind(&ids).bind(&envs);
+        self.count();
+        let mut conn = self.replica_conn("hydrate_many").await?;
+        let rows = query
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(store_err("hydrate_many"))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let env: EnvId = row.try_get("envId").map_err(store_err("hydrate_many"))?;
+            let run = decode_run(row, cols).map_err(store_err("hydrate_many"))?;
+            // The ANY × ANY filter may match a pair nobody asked for: never hand it out.
+            if wanted.contains(&(env.as_str(), run.id.as_str())) {
+                out.push((env, run));
+            }
+        }
+        Ok(out)
     }
 
     async fn read_run(

@@ -19,6 +19,9 @@ use crate::protocol::{Column, ColumnSet, RunRow};
 pub(crate) enum RunQuery {
     /// `$1` env, `$2` text[] of ids.
     Hydrate,
+    /// `$1` text[] of ids, `$2` text[] of environments (any environment's runs in one query;
+    /// the caller keeps only the (environment, id) pairs it asked for).
+    HydrateMany,
     /// `$1` env, `$2` id.
     ReadOne,
     /// `$1` env, `$2` text[] tags (non-empty), `$3` floor timestamp, `$4` limit.
@@ -65,6 +68,9 @@ pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
     match kind {
         RunQuery::Hydrate => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = ANY($2)"#
+        ),
+        RunQuery::HydrateMany => format!(
+            r#"SELECT "runtimeEnvironmentId" AS "envId", {select} FROM "TaskRun" WHERE id = ANY($1) AND "runtimeEnvironmentId" = ANY($2)"#
         ),
         RunQuery::ReadOne => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = $2 LIMIT 1"#

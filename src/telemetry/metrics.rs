@@ -210,6 +210,12 @@ pub struct Metrics {
     /// `runfeed.http.sent` (By; `runfeed_http_sent_bytes_total`): response body bytes by
     /// `route`.
     pub http_sent: Counter<u64>,
+    /// `runfeed.pg.acquire_wait` (ms; `runfeed_pg_acquire_wait_milliseconds`): how long a
+    /// store read waited for a pooled connection. Growing = the pool is the bottleneck.
+    pub pg_acquire_wait: Histogram<f64>,
+    /// `runfeed.router.hydrate_batch` (`{run}`; `runfeed_router_hydrate_batch`): runs per router
+    /// hydrate query (all environments of a batch, one query per column set).
+    pub hydrate_batch: Histogram<u64>,
     meter: Meter,
 }
 
@@ -294,6 +300,18 @@ impl Metrics {
                 .u64_counter("runfeed.http.sent")
                 .with_unit("By")
                 .with_description("Response body bytes sent, by route")
+                .build(),
+            pg_acquire_wait: meter
+                .f64_histogram("runfeed.pg.acquire_wait")
+                .with_unit("ms")
+                .with_description("Time a store read waited for a pooled Postgres connection")
+                .with_boundaries(QUERY_BOUNDS_MS.to_vec())
+                .build(),
+            hydrate_batch: meter
+                .u64_histogram("runfeed.router.hydrate_batch")
+                .with_unit("{run}")
+                .with_description("Runs per router hydrate query (all environments of a batch, one query per column set)")
+                .with_boundaries(ROW_BOUNDS.to_vec())
                 .build(),
             meter: meter.clone(),
         };
@@ -414,6 +432,17 @@ impl Metrics {
         );
         self.http_duration
             .record(ms(took), &[route, status, KeyValue::new("live", live)]);
+    }
+
+    /// A store read waited `took` for its pooled connection.
+    pub fn pg_acquired(&self, took: Duration) {
+        self.pg_acquire_wait.record(ms(took), &[]);
+    }
+
+    /// One router hydrate query for `runs` runs.
+    pub fn hydrated_batch(&self, runs: usize) {
+        self.hydrate_batch
+            .record(u64::try_from(runs).unwrap_or(u64::MAX), &[]);
     }
 
     /// `bytes` of response body sent on `route`.

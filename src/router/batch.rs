@@ -1,0 +1,155 @@
+//! Natural batching of change records across environments: the hydrate stage of the change
+//! path.
+//!
+//! Records are sequenced, buffered and matched against the held feeds the moment they arrive
+//! ([`super::Inner::arrive`]); an arrival with matches waits here for its hydrate. When no
+//! hydrate is in flight, the first arrival starts one AT ONCE: an idle router adds no delay.
+//! Arrivals that come while a hydrate is in flight queue up and go together in the next one,
+//! which starts the moment the previous one ends: under load, batches grow by themselves (a
+//! burst of records on one run costs one hydrate per batch, not one per record). A queued
+//! arrival never waits longer than `router.coalesce_ceiling_ms` behind a slow hydrate: past
+//! that, another batch starts in parallel (at most [`MAX_IN_FLIGHT`]). A batch holds at most
+//! `router.hydrate_batch_max_runs` runs, from any number of environments: the store reads them
+//! in one query per column set.
+//!
+//! The fixed leading-edge window of trigger.dev's notifier (`ENV_WAKE_COALESCE_WINDOW_MS`,
+//! docs/behaviours.md NTF-16..19) delayed every second change of an environment by up to the
+//! window, even when nothing else was happening; here no record waits for a timer.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{Env, Inner, Slot};
+use crate::changes::ChangeRecord;
+use crate::protocol::{ColumnSet, RunId};
+
+/// Most hydrate batches in flight at once (only the ceiling starts more than one).
+pub const MAX_IN_FLIGHT: usize = 4;
+
+/// Records of one environment, sequenced and matched on arrival, waiting for their hydrate.
+pub(super) struct Arrival {
+    pub env: Arc<Env>,
+    pub records: Vec<ChangeRecord>,
+    /// The first sequence of its records (its key in the environment's in-flight set).
+    pub first_seq: u64,
+    /// Matched feeds → the runs each is a candidate for.
+    pub matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)>,
+    /// Column set → the matched runs needing that projection.
+    pub groups: HashMap<ColumnSet, BTreeSet<RunId>>,
+    /// 0 for a first pass; > 0 for a stale re-hydrate (see [`super::tripwire`]).
+    pub attempt: u32,
+    /// When its records arrived (the read-your-writes gate waits for commits before this).
+    pub arrived: Instant,
+}
+
+impl Arrival {
+    fn runs(&self) -> usize {
+        self.groups.values().map(BTreeSet::len).sum()
+    }
+}
+
+/// How batches are formed (`[router]`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BatchLimits {
+    /// Longest a queued arrival waits behind in-flight hydrates before another batch starts.
+    pub ceiling: Duration,
+    /// Most runs (summed over column sets) in one batch.
+    pub max_runs: usize,
+}
+
+/// The queue in front of the hydrate stage (cheap to clone).
+#[derive(Clone)]
+pub(super) struct Batcher {
+    tx: mpsc::UnboundedSender<Arrival>,
+}
+
+impl Batcher {
+    /// A batcher whose dispatch task hydrates through `inner` (held weakly: the task ends with
+    /// the router).
+    pub fn start(inner: Weak<Inner>, limits: BatchLimits) -> Batcher {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(dispatch(inner, rx, limits));
+        Batcher { tx }
+    }
+
+    /// Queues `arrival` for the next batch (a dropped arrival leaves the in-flight set when the
+    /// router is gone anyway).
+    pub fn push(&self, arrival: Arrival) {
+        let _ = self.tx.send(arrival);
+    }
+}
+
+/// Takes the next batch off the front of `queue`: whole arrivals, until `max_runs` is reached
+/// (always at least one).
+fn take_batch(queue: &mut VecDeque<(Instant, Arrival)>, max_runs: usize) -> Vec<Arrival> {
+    let mut batch = Vec::new();
+    let mut runs = 0;
+    while let Some((_, front)) = queue.front() {
+        if !batch.is_empty() && runs + front.runs() > max_runs {
+            break;
+        }
+        runs += front.runs();
+        if let Some((_, arrival)) = queue.pop_front() {
+            batch.push(arrival);
+        }
+    }
+    batch
+}
+
+async fn dispatch(
+    inner: Weak<Inner>,
+    mut rx: mpsc::UnboundedReceiver<Arrival>,
+    limits: BatchLimits,
+) {
+    let mut queue: VecDeque<(Instant, Arrival)> = VecDeque::new();
+    let mut running: JoinSet<()> = JoinSet::new();
+    loop {
+        let ceiling_at = queue
+            .front()
+            .filter(|_| !running.is_empty())
+            .map(|(queued, _)| *queued + limits.ceiling);
+        tokio::select! {
+            biased;
+            next = rx.recv() => {
+                let Some(arrival) = next else { break };
+                let now = Instant::now();
+                let before = queue.len();
+                queue.push_back((now, arrival));
+                while let Ok(arrival) = rx.try_recv() {
+                    queue.push_back((now, arrival));
+                }
+                if !running.is_empty() {
+                    // These arrivals wait for a hydrate in flight (the only wait there is).
+                    if let Some(inner) = inner.upgrade() {
+                        let waited = (queue.len() - before) as u64;
+                        inner.stats.coalesce_waits.fetch_add(waited, Ordering::Relaxed);
+                    }
+                }
+            }
+            Some(_) = running.join_next(), if !running.is_empty() => {}
+            () = tokio::time::sleep_until(ceiling_at.unwrap_or_else(Instant::now)), if ceiling_at.is_some() => {}
+        }
+        let Some(inner) = inner.upgrade() else { break };
+        while let Some((queued, _)) = queue.front() {
+            let overdue = queued.elapsed() >= limits.ceiling;
+            if !(running.is_empty() || (overdue && running.len() < MAX_IN_FLIGHT)) {
+                break;
+            }
+            let batch = take_batch(&mut queue, limits.max_runs.max(1));
+            inner
+                .stats
+                .coalesced_batches
+                .fetch_add(1, Ordering::Relaxed);
+            let inner = inner.clone();
+            running.spawn(async move { inner.hydrate_batch(batch).await });
+        }
+    }
+    // The router is gone: let the batches in flight finish their deliveries.
+    while running.join_next().await.is_some() {}
+}

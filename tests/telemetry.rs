@@ -45,6 +45,9 @@ const FAMILIES: &[&str] = &[
     "runfeed_router_replays_total",
     "runfeed_router_replay_evictions_total",
     "runfeed_router_stale_hydrates_total",
+    "runfeed_router_arrivals_total",
+    "runfeed_router_hydrate_batch",
+    "runfeed_pg_acquire_wait_milliseconds",
     // notifier
     "runfeed_notifier_publishes_total",
     "runfeed_notifier_messages_received_total",
@@ -389,11 +392,11 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     assert!((0.0..5_000.0).contains(&lag), "notify lag {lag} ms");
 
     // C. A change between two polls is replayed when the next poll registers.
-    let batches = s2.get("runfeed_notifier_batches_delivered_total", &[]);
+    let arrivals = s2.get("runfeed_router_arrivals_total", &[]);
     srv.change(&env, &r1.id, &[], None, "COMPLETED_SUCCESSFULLY")
         .await;
     scrape_until(&srv, "record routed", |s| {
-        s.get("runfeed_notifier_batches_delivered_total", &[]) > batches
+        s.get("runfeed_router_arrivals_total", &[]) > arrivals
     })
     .await;
     let live_c = srv.fetch(&next_live(&u1, &live_b), &h).await;

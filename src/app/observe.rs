@@ -121,6 +121,9 @@ pub fn register(metrics: &Metrics, sources: Sources) {
     stat(&observed::NOTIFIER_BATCHES_DELIVERED, |r| {
         vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]
     });
+    stat(&observed::ROUTER_ARRIVALS, |r| {
+        vec![(r.stats().batches.load(Relaxed), vec![])]
+    });
 
     if let Some(gate) = router.gate() {
         let g = Arc::downgrade(gate);

@@ -105,7 +105,8 @@ pub struct RouterStats {
     pub hydrates: AtomicU64,
     /// Rows those hydrates returned.
     pub hydrated_rows: AtomicU64,
-    /// Coalesced batches routed.
+    /// Arrivals routed through the index (each change record as it arrives, and each stale
+    /// re-hydrate pass).
     pub batches: AtomicU64,
     /// Hydrate batches started (each reads its runs of every environment in one query per
     /// column set).

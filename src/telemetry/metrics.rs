@@ -516,7 +516,8 @@ pub struct Observed {
 /// | `runfeed.router.replays`, `result` | `runfeed_router_replays_total` | `RouterStats::replays_*` |
 /// | `runfeed.router.replay_evictions`, `reason` = window \| cap | `runfeed_router_replay_evictions_total` | `RouterStats::evictions_*` |
 /// | `runfeed.router.stale_hydrates` {run}, `outcome` = recovered \| gave_up | `runfeed_router_stale_hydrates_total` | `RouterStats::stale_*` |
-/// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` |
+/// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` (hydrate batches) |
+/// | `runfeed.router.arrivals` | `runfeed_router_arrivals_total` | `RouterStats::batches` (arrivals routed) |
 /// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
 /// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
 /// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's `redis::Publisher`s |
@@ -723,7 +724,15 @@ pub mod observed {
         name: "runfeed.notifier.batches_delivered",
         kind: ObservedKind::Counter,
         unit: "{batch}",
-        description: "Coalesced change-record batches handed to the router; messages_received / batches_delivered = coalesce ratio",
+        description: "Hydrate batches the router started (records of every environment that arrived together or while a hydrate was in flight); messages_received / batches_delivered = coalesce ratio",
+    };
+
+    /// `runfeed.router.arrivals` (counter).
+    pub const ROUTER_ARRIVALS: Observed = Observed {
+        name: "runfeed.router.arrivals",
+        kind: ObservedKind::Counter,
+        unit: "{arrival}",
+        description: "Change-record arrivals routed through the index of held feeds (sequenced and buffered for replay, whether or not a feed matched)",
     };
 }
 

@@ -134,6 +134,9 @@ struct ChurnArgs {
     /// Duration of the churn (s).
     #[arg(long, default_value_t = 10.0)]
     duration_s: f64,
+    /// What each held feed follows: one run's tag (default) or the run itself.
+    #[arg(long, value_enum, default_value_t = FeedKind::Tag)]
+    kind: FeedKind,
 }
 
 #[derive(Args)]
@@ -789,7 +792,11 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
     // Followers: snapshot, then live polls in a loop, recording delivery latency.
     let mut followers = Vec::new();
     for i in 0..a.held {
-        let (env, _, tag) = targets[i % targets.len()].clone();
+        let (env, run_id, tag) = targets[i % targets.len()].clone();
+        let feed = match a.kind {
+            FeedKind::Run => Feed::Run(format!("run_{run_id}")),
+            FeedKind::Tag => Feed::tag(&tag),
+        };
         let (b, published, latencies, errors, stop) = (
             b.clone(),
             published.clone(),
@@ -798,9 +805,10 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
             stop.clone(),
         );
         followers.push(tokio::spawn(async move {
-            let token = Bench::token(&env, &Feed::tag(&tag));
+            let feed = &feed;
+            let token = Bench::token(&env, &feed);
             let client = b.client().clone();
-            let mut at = match b.snapshot(&token, &Feed::tag(&tag)).await {
+            let mut at = match b.snapshot(&token, &feed).await {
                 Ok(r) => r,
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
@@ -808,7 +816,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                 }
             };
             while !stop.load(Ordering::Relaxed) {
-                match b.live(&client, &token, &Feed::tag(&tag), &at).await {
+                match b.live(&client, &token, &feed, &at).await {
                     Ok(r) if r.status == 200 => {
                         let now = Instant::now();
                         let ids = r.changed_ids();
@@ -825,7 +833,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                     }
                     Ok(r) if r.status == 409 => {
                         // Must refetch: start over.
-                        match b.snapshot(&token, &Feed::tag(&tag)).await {
+                        match b.snapshot(&token, &feed).await {
                             Ok(r) => at = r,
                             Err(_) => return,
                         }

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The issue-6 benchmark report: every runfeed-bench scenario at the sizes of the targets, against
+# The benchmark report: every runfeed-bench scenario at the sizes of the targets, against
 # a release `runfeed serve` on a fresh database, and (optionally) the same held/fan-out scenarios
 # against a BASELINE runfeed binary in the same run (before/after). Prints each table and
 # writes JSON under $BENCH_OUT (default target/bench-report). Takes ~15 minutes.
 #   bash scripts/bench-report.sh
 #   BASELINE_BIN=/path/to/older/runfeed bash scripts/bench-report.sh
 # Knobs (env): HELD_N (15000), FANOUT_F ("2000 10000"), CHURN_RATE (2000), CHURN_ENVS (1000),
-# CHURN_HELD (10000), CHURN_S (20), CHURN_WINDOWS ("250"), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
+# CHURN_HELD (10000), CHURN_S (20), CHURN_RUNS (10), CHURN_KIND (tag|run), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
 # IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle").
 set -uo pipefail
 
@@ -98,14 +98,16 @@ if want fanout; then
   done
 fi
 if want churn; then
-  # The replica gate is off here (no distinct replica), as the target asks. CHURN_WINDOWS lists
-  # env wake coalesce windows (ms) to run it with: the default 250, and e.g. 0.
-  for w in ${CHURN_WINDOWS:-250}; do
-    start_server "churn-w$w" "$BIN/runfeed" RUNFEED_ROUTER__COALESCE_CEILING_MS="$w" &&
-      bench "churn-w$w" churn --rate "${CHURN_RATE:-2000}" --envs "${CHURN_ENVS:-1000}" --runs 10 \
-        --held "${CHURN_HELD:-10000}" --duration-s "${CHURN_S:-20}"
+  # The replica gate is off here (no distinct replica). CHURN_KIND: what each held feed follows
+  # (tag: one run's tag; run: the run itself). The baseline binary, if given, runs the same load.
+  churn_args=(--rate "${CHURN_RATE:-2000}" --envs "${CHURN_ENVS:-1000}" --runs "${CHURN_RUNS:-10}"
+    --held "${CHURN_HELD:-10000}" --duration-s "${CHURN_S:-20}" --kind "${CHURN_KIND:-tag}")
+  start_server churn "$BIN/runfeed" && bench churn-runfeed churn "${churn_args[@]}"
+  stop_server
+  if [ -n "${BASELINE_BIN:-}" ]; then
+    start_server churn-baseline "$BASELINE_BIN" && bench churn-baseline churn "${churn_args[@]}"
     stop_server
-  done
+  fi
 fi
 if want stampede; then
   start_server stampede "$BIN/runfeed" && bench stampede stampede --k "${STAMPEDE_K:-1000}"

@@ -1,9 +1,10 @@
 //! Natural batching of change records across environments: the hydrate stage of the change
 //! path.
 //!
-//! Records are sequenced, buffered and matched against the held feeds the moment they arrive
-//! ([`super::Inner::arrive`]); an arrival with matches waits here for its hydrate. When no
-//! hydrate is in flight, the first arrival starts one AT ONCE: an idle router adds no delay.
+//! Change records queue here as they arrive ([`super::Inner::arrive`]). When no hydrate is in
+//! flight, the first arrival starts one AT ONCE: an idle router adds no delay. A batch routes
+//! its arrivals as it starts ([`super::Inner::route`]: sequence, buffer, match against the feeds
+//! held then), so a feed that registers while records wait is simply matched.
 //! Arrivals that come while a hydrate is in flight queue up and go together in the next one,
 //! which starts the moment the previous one ends: under load, batches grow by themselves (a
 //! burst of records on one run costs one hydrate per batch, not one per record). A queued
@@ -27,13 +28,24 @@ use tokio::time::Instant;
 
 use super::{Env, Inner, Slot};
 use crate::changes::ChangeRecord;
-use crate::protocol::{ColumnSet, RunId};
+use crate::protocol::{ColumnSet, EnvId, RunId};
 
 /// Most hydrate batches in flight at once (only the ceiling starts more than one).
 pub const MAX_IN_FLIGHT: usize = 4;
 
-/// Records of one environment, sequenced and matched on arrival, waiting for their hydrate.
+/// Records of one environment waiting for their batch.
 pub(super) struct Arrival {
+    pub env_id: EnvId,
+    pub records: Vec<ChangeRecord>,
+    /// 0 for a first pass; > 0 for a stale re-hydrate (see [`super::tripwire`]).
+    pub attempt: u32,
+    /// When its records arrived (the read-your-writes gate waits for commits before this).
+    pub arrived: Instant,
+}
+
+/// An arrival routed as its batch started ([`super::Inner::route`]): sequenced, buffered,
+/// matched against the feeds held then, and in its environment's in-flight set until delivered.
+pub(super) struct Routed {
     pub env: Arc<Env>,
     pub records: Vec<ChangeRecord>,
     /// The first sequence of its records (its key in the environment's in-flight set).
@@ -49,8 +61,9 @@ pub(super) struct Arrival {
 }
 
 impl Arrival {
+    /// Its weight toward [`BatchLimits::max_runs`] (an upper bound on the runs it adds).
     fn runs(&self) -> usize {
-        self.groups.values().map(BTreeSet::len).sum()
+        self.records.len()
     }
 }
 
@@ -141,7 +154,13 @@ async fn dispatch(
             if !(running.is_empty() || (overdue && running.len() < MAX_IN_FLIGHT)) {
                 break;
             }
-            let batch = take_batch(&mut queue, limits.max_runs.max(1));
+            let batch: Vec<Routed> = take_batch(&mut queue, limits.max_runs.max(1))
+                .into_iter()
+                .filter_map(|arrival| inner.route(arrival))
+                .collect();
+            if batch.is_empty() {
+                continue; // no held feed wanted any of it
+            }
             inner
                 .stats
                 .coalesced_batches

@@ -39,7 +39,7 @@ use crate::protocol::encode::serialize_row;
 use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::store::RunStore;
 use crate::telemetry::metrics::Metrics;
-use batch::{Arrival, BatchLimits, Batcher};
+use batch::{Arrival, BatchLimits, Batcher, Routed};
 
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
@@ -680,10 +680,9 @@ impl Inner {
         }
     }
 
-    /// Records of `env_id` arrived: sequence them, buffer them for replay and match them
-    /// against the held feeds now (under the environment's lock, no awaits), then queue the
-    /// matched runs for the hydrate stage ([`batch`]). `attempt` > 0: a re-hydrate of records
-    /// the stale tripwire withheld (or an echo pass after giving up), re-sequenced as new.
+    /// Records of `env_id` arrived: queue them for the hydrate stage ([`batch`]), which routes
+    /// them when their batch starts — at once when no hydrate is in flight. `attempt` > 0: a
+    /// re-hydrate of records the stale tripwire withheld (or an echo pass after giving up).
     fn arrive(
         self: &Arc<Self>,
         env_id: &EnvId,
@@ -691,10 +690,32 @@ impl Inner {
         attempt: u32,
         arrived: tokio::time::Instant,
     ) {
-        let Some(env) = self.env(env_id) else { return };
+        if !lock(&self.envs).contains_key(env_id) {
+            return;
+        }
+        if let Some(batcher) = self.batcher.get() {
+            batcher.push(Arrival {
+                env_id: env_id.clone(),
+                records,
+                attempt,
+                arrived,
+            });
+        }
+    }
+
+    /// Routes an arrival as its batch starts: sequences its records, buffers them for replay
+    /// and matches them against the feeds held NOW (under the environment's lock, no awaits).
+    /// `None` when no held feed wants them (they stay replayable; nothing to hydrate).
+    ///
+    /// Records are sequenced here and not on arrival: a feed that registers while its records
+    /// wait for the batch is matched when the batch starts, instead of replaying them itself
+    /// with a hydrate of its own.
+    fn route(&self, arrival: Arrival) -> Option<Routed> {
+        let env = self.env(&arrival.env_id)?;
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let window = Duration::from_millis(self.cfg.replay_window_ms);
         let now = Instant::now();
+        let records = arrival.records;
         let mut state = lock(&env.state);
         let first_seq = state.last_seq + 1;
         let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
@@ -730,23 +751,20 @@ impl Inner {
             }
         }
         if matches.is_empty() {
-            // Routed: no held feed wants these records (they stay replayable).
-            return;
+            return None;
         }
         let last = state.last_seq;
         state.in_flight.insert(first_seq, last);
         drop(state);
-        if let Some(batcher) = self.batcher.get() {
-            batcher.push(Arrival {
-                env,
-                records,
-                first_seq,
-                matches,
-                groups,
-                attempt,
-                arrived,
-            });
-        }
+        Some(Routed {
+            env,
+            records,
+            first_seq,
+            matches,
+            groups,
+            attempt: arrival.attempt,
+            arrived: arrival.arrived,
+        })
     }
 
     /// Hydrates one batch of arrivals (any environments): waits for the read-your-writes gate,
@@ -754,7 +772,7 @@ impl Inner {
     /// set, lets the tripwire withhold stale rows, delivers to the matched feeds' inboxes, marks
     /// the arrivals routed, then wakes the feeds (so a woken feed's response cursor already
     /// covers its arrival and its next poll does not replay it).
-    async fn hydrate_batch(self: Arc<Self>, arrivals: Vec<Arrival>) {
+    async fn hydrate_batch(self: Arc<Self>, arrivals: Vec<Routed>) {
         // Whatever happens below, every arrival leaves the in-flight set.
         struct Done(Arc<Env>, u64);
         impl Drop for Done {

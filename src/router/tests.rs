@@ -670,12 +670,12 @@ async fn rtr_16_records_arriving_during_a_hydrate_go_together_in_the_next() {
     let (gate_in, release) = h.store.gate_next();
     h.push(full("r1", &["t"]));
     entered(gate_in).await; // the first hydrate is in flight
-    h.push(full("lead", &["other"])); // no candidate: never queued
+    h.push(full("lead", &["other"])); // queued too; no candidate when routed
     h.push(full("r2", &["t"]));
     h.push(full("r1", &["t"]));
     h.push(full("r2", &["t"]));
-    wait_until("three arrivals queued", || {
-        load(&h.router.stats().coalesce_waits) == 3
+    wait_until("four arrivals queued", || {
+        load(&h.router.stats().coalesce_waits) == 4
     })
     .await;
     let _ = release.send(());

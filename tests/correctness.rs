@@ -1,0 +1,337 @@
+//! Regression tests for what the randomized delivery checker (`runfeed-bench check`, README
+//! "Correctness checker") found. Each test pins one rule of the checker's properties in a small
+//! deterministic scenario and is named for that rule.
+//!
+//! The rules (README "Correctness checker"): 1 monotonic, 2 fresh start, 3 convergent,
+//! 4 timely, 5 isolated, 6 no server errors.
+//!
+//! Every test owns its server and database (harness `tests/common/mod.rs`); every await that
+//! could hang is bounded.
+
+mod common;
+
+use common::*;
+use runfeed_dev::fixtures::RunSpec;
+
+fn run_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
+}
+
+fn tag_url(tags: &str) -> Url {
+    Url::new("/realtime/v1/runs").q("tags", tags)
+}
+
+fn batch_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
+}
+
+/// The `updatedAt` of run `id` in a response (panics when the row is absent).
+fn updated_at(r: &Resp, id: &str) -> String {
+    r.row(id)
+        .unwrap_or_else(|| panic!("no row for {id} in {}", r.text))["value"]["updatedAt"]
+        .as_str()
+        .expect("updatedAt is a string")
+        .to_string()
+}
+
+fn ts(ms: i64) -> String {
+    runfeed::protocol::encode::format_timestamp_ms(ms).expect("timestamp")
+}
+
+/// Makes `srv` serve `env` with a confirmed change-stream subscription (an unrelated snapshot,
+/// then the router's cursor has an epoch), so the scenarios below do not depend on when the
+/// subscription is confirmed.
+async fn confirm_subscription(
+    srv: &TestServer,
+    base: &str,
+    router: &runfeed::router::Router,
+    env_id: &str,
+    h: &[(String, String)],
+) {
+    let other = Url::new("/realtime/v1/runs").q("tags", "unrelated");
+    srv.fetch_at(base, &other.snapshot(), h)
+        .await
+        .assert_status(200);
+    wait_until(WAIT, "subscription confirmed", || {
+        router.touch(env_id).epoch != 0
+    })
+    .await;
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Run,
+    Tag,
+    Batch,
+}
+
+/// The stale-snapshot scenario on one feed kind (checker property 2, "fresh start"):
+///
+/// 1. subscriber A takes a snapshot (this fills the server's read cache for the feed),
+/// 2. A holds a live poll; the run changes and its change record is published,
+/// 3. A's poll answers with the new version: the server has received the record,
+/// 4. subscriber B then asks for a snapshot of the same feed.
+///
+/// B's snapshot must carry the new version (or a newer one), never the one before it, and its
+/// offset must not be behind it. The read caches (`caches.run_cache_ttl_ms`,
+/// `caches.runset_cache_ttl_ms`) are raised to 60 s so the scenario does not depend on timing:
+/// with the defaults (250 ms / 1 s) the window is the same, only shorter.
+async fn snapshot_after_an_announced_version(kind: Kind) {
+    let srv = TestServer::start_with(10_000, |c| {
+        c.caches.run_cache_ttl_ms = 60_000;
+        c.caches.runset_cache_ttl_ms = 60_000;
+        c.router.env_wake_coalesce_window_ms = 0;
+    })
+    .await;
+    let env = srv.env().await;
+    let tags = ["fresh", "start"];
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+                batch_id: Some(batch_id.clone()),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let url = match kind {
+        Kind::Run => run_url(&run.friendly_id),
+        Kind::Tag => tag_url("fresh,start"),
+        Kind::Batch => batch_url(&batch_fid),
+    };
+    let h = modern(&env.api_key);
+    confirm_subscription(&srv, &srv.base, &srv.running().router, &env.env_id, &h).await;
+
+    // 1. A's snapshot: v0.
+    let a = srv.fetch(&url.snapshot(), &h).await;
+    a.assert_status(200);
+    assert_eq!(updated_at(&a, &run.id), ts(run.updated_at_ms));
+    srv.wait_subscribed(&env.env_id).await;
+
+    // 2.–3. A's live poll receives v1 once the record is published.
+    let poll = srv.fetch(
+        &url.live(&a.handle(), &a.offset(), a.cursor().as_deref()),
+        &h,
+    );
+    let change = async {
+        srv.wait_held("A's live poll held", |h| h.0 + h.1 + h.2 == 1)
+            .await;
+        srv.change(&env, &run.id, &tags, Some(&batch_id), "EXECUTING")
+            .await
+    };
+    let (live, v1) = within(WAIT, "A's live poll", async { tokio::join!(poll, change) }).await;
+    live.assert_status(200);
+    assert_eq!(
+        updated_at(&live, &run.id),
+        ts(v1),
+        "A's live poll delivers v1: {}",
+        live.text
+    );
+
+    // 4. B subscribes after the server delivered v1: its snapshot must not start at v0.
+    let b = srv.fetch(&url.snapshot(), &h).await;
+    b.assert_status(200);
+    assert_eq!(
+        updated_at(&b, &run.id),
+        ts(v1),
+        "{kind:?} feed: a new subscriber's snapshot is older than a version the server already \
+         delivered (v0 {} < v1 {v1})",
+        run.updated_at_ms
+    );
+    assert!(
+        b.offset_ms() >= v1,
+        "{kind:?} feed: snapshot offset {} is behind the version it carries ({v1})",
+        b.offset()
+    );
+}
+
+/// Property 2 (fresh start), run feed: a snapshot (`offset=-1`) is never older than a version
+/// for which the server already received (here: delivered) a change record before the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: run-feed snapshots are served from the run read cache, which change records do not invalidate"]
+async fn a_snapshot_is_never_older_than_a_version_already_announced_run_feed() {
+    snapshot_after_an_announced_version(Kind::Run).await;
+}
+
+/// Property 2 (fresh start), tag feed (contains-all filter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: tag-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
+async fn a_snapshot_is_never_older_than_a_version_already_announced_tag_feed() {
+    snapshot_after_an_announced_version(Kind::Tag).await;
+}
+
+/// Property 2 (fresh start), batch feed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: batch-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
+async fn a_snapshot_is_never_older_than_a_version_already_announced_batch_feed() {
+    snapshot_after_an_announced_version(Kind::Batch).await;
+}
+
+/// The new-run variant of the stale snapshot (checker property 2, "fresh start"): a run created
+/// and announced before a snapshot request, and already delivered to a live poll, is in the
+/// snapshot. The cached read of the feed predates the run, so a cache that change records do not
+/// invalidate leaves it out.
+async fn snapshot_includes_an_announced_new_run(kind: Kind) {
+    let srv = TestServer::start_with(10_000, |c| {
+        c.caches.runset_cache_ttl_ms = 60_000;
+        c.router.env_wake_coalesce_window_ms = 0;
+    })
+    .await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let spec = || RunSpec {
+        tags: Some(vec!["fresh".to_string()]),
+        batch_id: Some(batch_id.clone()),
+        ..RunSpec::default()
+    };
+    let first = srv.run(&env, spec()).await;
+    let url = match kind {
+        Kind::Tag => tag_url("fresh"),
+        Kind::Batch => batch_url(&batch_fid),
+        Kind::Run => unreachable!("a run feed carries one run"),
+    };
+    let h = modern(&env.api_key);
+    confirm_subscription(&srv, &srv.base, &srv.running().router, &env.env_id, &h).await;
+    let a = srv.fetch(&url.snapshot(), &h).await;
+    a.assert_status(200);
+    assert!(a.row(&first.id).is_some(), "{}", a.text);
+    srv.wait_subscribed(&env.env_id).await;
+
+    let poll = srv.fetch(
+        &url.live(&a.handle(), &a.offset(), a.cursor().as_deref()),
+        &h,
+    );
+    let create = async {
+        srv.wait_held("A's live poll held", |h| h.1 + h.2 == 1)
+            .await;
+        let second = srv.run(&env, spec()).await;
+        srv.publish(&TestServer::record(
+            &env,
+            &second.id,
+            &["fresh"],
+            Some(&batch_id),
+            second.updated_at_ms,
+        ))
+        .await;
+        second
+    };
+    let (live, second) = within(WAIT, "A's live poll", async { tokio::join!(poll, create) }).await;
+    assert!(
+        live.row(&second.id).is_some(),
+        "A's live poll delivers the new run: {}",
+        live.text
+    );
+
+    let b = srv.fetch(&url.snapshot(), &h).await;
+    b.assert_status(200);
+    assert!(
+        b.row(&second.id).is_some(),
+        "{kind:?} feed: a new subscriber's snapshot lacks a run the server already delivered: {}",
+        b.text
+    );
+}
+
+/// Property 2 (fresh start), tag feed: a run created and announced before the request is in the
+/// snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: tag-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
+async fn a_snapshot_includes_a_run_already_announced_tag_feed() {
+    snapshot_includes_an_announced_new_run(Kind::Tag).await;
+}
+
+/// Property 2 (fresh start), batch feed: a batch member created and announced before the request
+/// is in the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: batch-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
+async fn a_snapshot_includes_a_run_already_announced_batch_feed() {
+    snapshot_includes_an_announced_new_run(Kind::Batch).await;
+}
+
+/// The hop regression (checker property 1, "monotonic"): a client's snapshot on instance A
+/// carries v1; its next live poll lands on instance B, whose read cache for the feed still holds
+/// v0 (another client's snapshot before the write) and whose change stream never carried v1 (the
+/// publish was lost). B does not know what the client has (the snapshot recorded no versions
+/// with its shared replay cursor), so whatever it answers — at once from its cold re-check or
+/// after the hold from its backstop — must not carry the run at v0.
+async fn hop_after_a_fresher_snapshot(kind: Kind) {
+    let srv = TestServer::start_with(2_000, |c| {
+        c.caches.run_cache_ttl_ms = 60_000;
+        c.caches.runset_cache_ttl_ms = 60_000;
+    })
+    .await;
+    let peer = srv.peer(|_| {}).await;
+    let env = srv.env().await;
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                tags: Some(vec!["hop".to_string()]),
+                batch_id: Some(batch_id.clone()),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    let url = match kind {
+        Kind::Run => run_url(&run.friendly_id),
+        Kind::Tag => tag_url("hop"),
+        Kind::Batch => batch_url(&batch_fid),
+    };
+    let h = modern(&env.api_key);
+
+    // Both instances serve the environment, with confirmed subscriptions.
+    confirm_subscription(&srv, &peer.base, &peer.running.router, &env.env_id, &h).await;
+    confirm_subscription(&srv, &srv.base, &srv.running().router, &env.env_id, &h).await;
+
+    // 1. Another client's snapshot on B: B's read cache holds v0.
+    let warm = srv.fetch_at(&peer.base, &url.snapshot(), &h).await;
+    assert_eq!(updated_at(&warm, &run.id), ts(run.updated_at_ms));
+    // 2. The run changes; its change record is lost.
+    let v1 = srv.set_status(&run.id, "EXECUTING").await;
+    // 3. Our client's snapshot on A reads v1.
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert_eq!(updated_at(&snap, &run.id), ts(v1), "{}", snap.text);
+    // 4. Its live poll lands on B.
+    let hop = srv
+        .fetch_at(
+            &peer.base,
+            &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
+            &h,
+        )
+        .await;
+    hop.assert_status(200);
+    if let Some(row) = hop.row(&run.id) {
+        assert_eq!(
+            row["value"]["updatedAt"],
+            ts(v1),
+            "{kind:?} feed: the hop sent the run at an older version than the client has \
+             (client v1 {v1}, sent {}): {}",
+            row["value"]["updatedAt"],
+            hop.text
+        );
+    }
+    drop(peer);
+}
+
+/// Property 1 (monotonic), tag feed: a hop never sends an older version than the client has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: a hop's cold re-check or backstop uses the other instance's stale run-set cache, and the snapshot's shared cursor carries no versions to diff against"]
+async fn a_hop_never_sends_a_version_older_than_the_client_has_tag_feed() {
+    hop_after_a_fresher_snapshot(Kind::Tag).await;
+}
+
+/// Property 1 (monotonic), batch feed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails today: a hop's cold re-check or backstop uses the other instance's stale run-set cache, and the snapshot's shared cursor carries no versions to diff against"]
+async fn a_hop_never_sends_a_version_older_than_the_client_has_batch_feed() {
+    hop_after_a_fresher_snapshot(Kind::Batch).await;
+}
+
+/// Property 1 (monotonic), run feed: passes today (a run feed without state diffs against the
+/// offset's watermark, so the older cached row is not sent); kept beside the failing variants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hop_never_sends_a_version_older_than_the_client_has_run_feed() {
+    hop_after_a_fresher_snapshot(Kind::Run).await;
+}

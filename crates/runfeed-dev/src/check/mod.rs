@@ -85,6 +85,10 @@ pub struct CheckArgs {
     /// Reader slots (each runs one subscription at a time).
     #[arg(long, default_value_t = 24)]
     pub readers: usize,
+    /// A subscription lasts this long, s (uniform between the two; then the slot starts
+    /// another). Shorter lifetimes mean more snapshots.
+    #[arg(long, value_delimiter = ',', default_value = "2,12")]
+    pub sub_seconds: Vec<f64>,
     /// Share of reader slots that use the real npm clients (`tests/e2e/check-reader.mjs`).
     #[arg(long, default_value_t = 0.1)]
     pub npm_fraction: f64,
@@ -159,6 +163,9 @@ pub struct CheckArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write the writers' log and every subscription's log as JSON to this file (for analysis).
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
     /// Minimal histories printed per property.
     #[arg(long, default_value_t = 2)]
     pub explain: usize,
@@ -416,7 +423,11 @@ async fn check_with(
             abort: args.abort_rate,
             pause: args.pause_rate,
             foreign: args.foreign_rate,
-            lifetime_s: (2.0, 12.0),
+            lifetime_s: match args.sub_seconds.as_slice() {
+                [a, b, ..] if a < b => (*a, *b),
+                [a, ..] => (*a, *a + 0.001),
+                [] => (2.0, 12.0),
+            },
             hold_ms: hold,
         },
         churn_until,
@@ -470,6 +481,11 @@ async fn check_with(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
+    if let Some(path) = &args.dump {
+        let dump = serde_json::json!({ "history": &history, "subs": &subs, "bounds": &bounds });
+        std::fs::write(path, serde_json::to_string(&dump)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
     let outcome = props::check(&history, &subs, &bounds, &clock, end);
     let figures = report::figures(
         seed,
@@ -587,6 +603,13 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
     if let Some(ctl) = ctx.replica {
         delay_now = ctl.delay_ms().await.ok();
     }
+    if let Some(d) = delay_now {
+        ctx.history
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replica_delays
+            .push((ctx.clock.now(), d));
+    }
     let plan = std::mem::take(&mut ctx.plan);
     for (at, kind) in plan {
         let wait = at - ctx.clock.now();
@@ -636,9 +659,15 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
                     let next = ctx.delays.choose(&mut rng).copied().unwrap_or(300);
                     let before = delay_now;
                     delay_now = Some(next);
-                    ctl.set_delay_ms(next)
-                        .await
-                        .map(|()| format!("apply delay {before:?} → {next} ms"))
+                    let set = ctl.set_delay_ms(next).await;
+                    if set.is_ok() {
+                        ctx.history
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .replica_delays
+                            .push((ctx.clock.now(), next));
+                    }
+                    set.map(|()| format!("apply delay {} → {next} ms", before.unwrap_or(0)))
                 }
                 None => Ok("skipped (no replica)".to_string()),
             },

@@ -241,6 +241,8 @@ pub struct History {
     pub faults: Vec<FaultWindow>,
     /// When the last write (and late publish) finished.
     pub writes_stopped: Ms,
+    /// The replica's apply delay over time: (from, delay ms); empty without a replica.
+    pub replica_delays: Vec<(Ms, u64)>,
 }
 
 impl History {
@@ -261,6 +263,16 @@ impl History {
     /// Versions committed in total.
     pub fn version_count(&self) -> usize {
         self.runs.iter().map(|r| r.versions.len()).sum()
+    }
+
+    /// The replica's apply delay in effect at `t`, ms (0 without a replica).
+    pub fn replica_delay_at(&self, t: Ms) -> u64 {
+        self.replica_delays
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= t)
+            .or(self.replica_delays.first())
+            .map_or(0, |(_, d)| *d)
     }
 
     /// Whether `t` lies in an outage window widened by `margin` ms on both sides.

@@ -68,7 +68,8 @@ pub struct Bounds {
     /// Fresh start: a version must have been announced at least this long before the request
     /// to be required in the snapshot (0 without a replica; the replica-lag bound with one).
     pub fresh_slack_ms: Ms,
-    /// Timely: the delivery bound for announced versions (1 000).
+    /// Timely: the delivery bound for announced versions (1 000), plus the replica's apply
+    /// delay in effect when the version was announced.
     pub timely_ms: Ms,
     /// Timely: the share of samples that must be within `timely_ms` (0.99).
     pub timely_quantile: f64,
@@ -647,7 +648,8 @@ fn timely(
     for (run, r) in h.runs.iter().enumerate() {
         for (i, v) in r.versions.iter().enumerate() {
             let (from, bound, lost) = match v.announced() {
-                Some(a) => (a, b.timely_ms, false),
+                // Nothing can be delivered before the replica applied it.
+                Some(a) => (a, b.timely_ms + h.replica_delay_at(a) as Ms, false),
                 None => (v.committed, b.lost_ms, true),
             };
             // Superseded: the next version was committed before this one's bound ran out.

@@ -50,6 +50,8 @@ pub struct Figures {
     pub snapshots_checked: usize,
     pub rows_checked: usize,
     pub timely_samples: usize,
+    /// Samples over the bound (counted or tolerated by the quantile's budget).
+    pub timely_late: usize,
     pub timely_excused: usize,
     pub timely_excused_outage: usize,
     pub timely_p50_ms: Option<f64>,
@@ -149,6 +151,11 @@ pub fn figures(
     f.snapshots_checked = o.snapshots;
     f.rows_checked = o.rows;
     f.timely_samples = o.timely_samples.len();
+    f.timely_late = outcome
+        .violations
+        .iter()
+        .filter(|v| v.property == Property::Timely && v.kind == "late")
+        .count();
     f.timely_excused = o.timely_excused;
     f.timely_excused_outage = o.timely_excused_outage;
     f.timely_p50_ms = quantile(&o.timely_samples, 0.5);
@@ -222,13 +229,14 @@ pub fn summary(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "  snapshots checked {}, rows checked {}; timely: {} samples (p50 {}, p99 {}, max {}), {} excused ({} by outages), {} lost-publish samples; converged: {} subscriptions (p50 {}, max {} after writes stopped)",
+        "  snapshots checked {}, rows checked {}; timely: {} samples (p50 {}, p99 {}, max {}; {} over the bound), {} excused ({} by outages), {} lost-publish samples; converged: {} subscriptions (p50 {}, max {} after writes stopped)",
         f.snapshots_checked,
         f.rows_checked,
         f.timely_samples,
         ms(f.timely_p50_ms),
         ms(f.timely_p99_ms),
         ms(f.timely_max_ms),
+        f.timely_late,
         f.timely_excused,
         f.timely_excused_outage,
         f.lost_samples,

@@ -479,3 +479,169 @@ async fn a_late_record_with_older_tags_never_hides_a_run_that_joined_a_tag_feed_
 async fn a_partial_record_after_a_full_one_never_hides_a_run_that_joined_a_tag_feed() {
     records_hiding_a_tag_join(1_000, true, true).await;
 }
+
+/// The replica's base URL (`scripts/replica.sh start` → `RUNFEED_TEST_REPLICA_URL`, as
+/// `tests/replica.rs` uses it); tests that need it print a notice and pass without it.
+fn replica_base() -> Option<String> {
+    std::env::var("RUNFEED_TEST_REPLICA_URL")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// Polls `sql` (a `bool` query) on `pool` every 20 ms until it returns true.
+async fn wait_sql(pool: &sqlx::PgPool, what: &str, sql: &str, bind: Option<&str>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut q = sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(sql.to_string()));
+        if let Some(b) = bind {
+            q = q.bind(b.to_string());
+        }
+        if q.fetch_one(pool).await.unwrap_or(false) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never true within {WAIT:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Property 6 (no server errors), with a read replica (found by the checker as two 503s for
+/// `env_by_api_key` on a lagging replica: "canceling statement due to conflict with recovery").
+/// A hot standby cancels queries that conflict with the WAL it replays; that is a normal,
+/// transient condition of a replica, and the request must still be answered (a retry on the
+/// replica or the primary), not turned into a 503.
+///
+/// The conflict is made deterministic with locks: the primary holds `ACCESS EXCLUSIVE` on
+/// `"Project"` (replayed: the replica's startup process holds it), runfeed's key lookup on the
+/// replica locks `"RuntimeEnvironment"` and waits for `"Project"`, then the primary takes (and
+/// commits) `ACCESS EXCLUSIVE` on `"RuntimeEnvironment"`: the startup process and the lookup wait
+/// for each other, and after `deadlock_timeout` the lookup fails ("deadlock detected", the
+/// lock form of a recovery conflict). The primary's lock on `"Project"` is released right
+/// after, so a retry succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "fails today: a replica query cancelled by a recovery conflict is answered 503 (store error) instead of being retried"]
+async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
+    let Some(base) = replica_base() else {
+        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
+        return;
+    };
+    let replica_base_url = base.clone();
+    let srv = TestServer::start_with(5_000, move |c| {
+        let name = runfeed::store::setup::database_name(&c.database.url).expect("db name");
+        c.database.replica_url = Some(runfeed_dev::fixtures::database_url(
+            &replica_base_url,
+            &name,
+        ));
+    })
+    .await;
+    let replica_url = srv
+        .config
+        .database
+        .replica_url
+        .clone()
+        .expect("replica url");
+    // The test database and its rows on the replica.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let replica = loop {
+        let connect = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&replica_url);
+        if let Ok(Ok(pool)) = tokio::time::timeout(Duration::from_secs(5), connect).await {
+            if sqlx::query("SELECT 1 FROM \"Project\" LIMIT 0")
+                .execute(&pool)
+                .await
+                .is_ok()
+            {
+                break pool;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no test database on the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    wait_sql(
+        &replica,
+        "the run replayed",
+        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
+        Some(&run.id),
+    )
+    .await;
+
+    // A: ACCESS EXCLUSIVE on "Project", held open (the replica's startup process holds it).
+    let mut a = srv.pool().begin().await.expect("begin A");
+    sqlx::query(r#"LOCK TABLE "Project" IN ACCESS EXCLUSIVE MODE"#)
+        .execute(&mut *a)
+        .await
+        .expect("lock Project");
+    wait_sql(
+        &replica,
+        "the Project lock replayed",
+        r#"SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'relation' AND mode = 'AccessExclusiveLock' AND relation = '"Project"'::regclass)"#,
+        None,
+    )
+    .await;
+
+    // The request: its key lookup (a key no cache has seen) blocks on the replica.
+    let url = format!(
+        "{}{}",
+        srv.base,
+        run_url(&run.friendly_id).snapshot().render()
+    );
+    let http = srv.http.clone();
+    let key = env.api_key.clone();
+    let request = tokio::spawn(async move {
+        let mut req = http.get(&url);
+        for (k, v) in modern(&key) {
+            req = req.header(k, v);
+        }
+        let resp = req.send().await.expect("send");
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap_or_default())
+    });
+    let blocked = r#"SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = 'runfeed' AND datname = current_database() AND wait_event_type = 'Lock')"#;
+    wait_sql(
+        &replica,
+        "runfeed's lookup waits on the replica",
+        blocked,
+        None,
+    )
+    .await;
+
+    // B: ACCESS EXCLUSIVE on "RuntimeEnvironment" (committed): replaying it, the startup process
+    // waits for the lookup, which waits for the startup process; after deadlock_timeout (1 s by
+    // default) the lookup fails with "deadlock detected" (counted in pg_stat_database).
+    let deadlocks = r#"SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"#;
+    let before: i64 = sqlx::query_scalar(deadlocks)
+        .fetch_one(&replica)
+        .await
+        .expect("pg_stat_database.deadlocks");
+    let mut b = srv.pool().begin().await.expect("begin B");
+    sqlx::query(r#"LOCK TABLE "RuntimeEnvironment" IN ACCESS EXCLUSIVE MODE"#)
+        .execute(&mut *b)
+        .await
+        .expect("lock RuntimeEnvironment");
+    b.commit().await.expect("commit B");
+    wait_sql(
+        &replica,
+        "the replica broke the deadlock with the lookup",
+        &format!("SELECT ({deadlocks}) > {before}"),
+        None,
+    )
+    .await;
+    a.commit().await.expect("commit A");
+
+    let (status, body) = within(WAIT, "the request", request)
+        .await
+        .expect("request task");
+    assert_eq!(
+        status, 200,
+        "a recovery conflict on the replica surfaced as {status}: {body}"
+    );
+}

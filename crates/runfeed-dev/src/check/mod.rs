@@ -410,6 +410,7 @@ async fn check_with(
     let start = clock.now();
     let churn_until = start + churn_ms;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stop_rx_sampler = stop_rx.clone();
     let readers = Arc::new(readers::Readers::new(
         clock,
         world.history.clone(),
@@ -449,6 +450,27 @@ async fn check_with(
         redis: own_redis,
         seed,
     });
+    // With a replica: sample its replay lag every 50 ms until the check ends.
+    let sampler = replica_ctl.cloned().map(|ctl| {
+        let history = world.history.clone();
+        let mut stop = stop_rx_sampler.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Ok(lag) = ctl.replay_lag_ms().await {
+                    let at = clock.now();
+                    history
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .replica_lag
+                        .push((at, lag));
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    _ = stop.changed() => break,
+                }
+            }
+        })
+    });
     // Our Redis lives until the end of the check (dropping it kills it).
     let (_redis, ()) = tokio::join!(faults, world.write_until(churn_until, seed));
     let writes_stopped = world
@@ -469,6 +491,9 @@ async fn check_with(
     let end = clock.now();
     let _ = stop_tx.send(true);
     let subs = readers_task.await.unwrap_or_default();
+    if let Some(sampler) = sampler {
+        let _ = sampler.await;
+    }
     world.verify_log().await?;
     {
         let mut guard = instances.lock().await;

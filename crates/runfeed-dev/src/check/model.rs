@@ -243,6 +243,8 @@ pub struct History {
     pub writes_stopped: Ms,
     /// The replica's apply delay over time: (from, delay ms); empty without a replica.
     pub replica_delays: Vec<(Ms, u64)>,
+    /// Sampled replay lag of the replica: (when, lag ms); empty without a replica.
+    pub replica_lag: Vec<(Ms, f64)>,
 }
 
 impl History {
@@ -273,6 +275,17 @@ impl History {
             .find(|(from, _)| *from <= t)
             .or(self.replica_delays.first())
             .map_or(0, |(_, d)| *d)
+    }
+
+    /// When a commit made at `committed` had been replayed on the replica, per the lag samples:
+    /// the first sample at `t` with `t − lag(t) ≥ committed` (`None` without samples, or when
+    /// no sample shows it replayed).
+    pub fn replica_visible_at(&self, committed: Ms) -> Option<Ms> {
+        let start = self.replica_lag.partition_point(|(t, _)| *t < committed);
+        self.replica_lag[start..]
+            .iter()
+            .find(|(t, lag)| t - lag >= committed)
+            .map(|(t, _)| *t)
     }
 
     /// Whether `t` lies in an outage window widened by `margin` ms on both sides.

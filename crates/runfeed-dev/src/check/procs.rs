@@ -303,7 +303,9 @@ async fn ping(port: u16) -> bool {
     )
 }
 
-/// Controls a streaming replica's apply delay (`recovery_min_apply_delay`).
+/// Controls a streaming replica's apply delay (`recovery_min_apply_delay`) and samples how far
+/// its replay trails.
+#[derive(Clone)]
 pub struct ReplicaControl {
     pool: sqlx::PgPool,
 }
@@ -341,6 +343,21 @@ impl ReplicaControl {
         .fetch_one(&self.pool)
         .await?;
         Ok(ms.parse().unwrap_or(0))
+    }
+
+    /// How far replay trails now, ms: the replica's `now()` minus the commit time of the last
+    /// replayed transaction (`pg_last_xact_replay_timestamp()`); meaningful while the primary
+    /// commits continuously (the writers do).
+    ///
+    /// # Errors
+    /// When the query fails.
+    pub async fn replay_lag_ms(&self) -> anyhow::Result<f64> {
+        let lag: Option<f64> = sqlx::query_scalar(
+            "SELECT (EXTRACT(EPOCH FROM (now() - pg_last_xact_replay_timestamp())) * 1000)::float8",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(lag.unwrap_or(0.0).max(0.0))
     }
 
     /// Sets `recovery_min_apply_delay` (ALTER SYSTEM + `pg_reload_conf()`).

@@ -68,8 +68,9 @@ pub struct Bounds {
     /// Fresh start: a version must have been announced at least this long before the request
     /// to be required in the snapshot (0 without a replica; the replica-lag bound with one).
     pub fresh_slack_ms: Ms,
-    /// Timely: the delivery bound for announced versions (1 000), plus the replica's apply
-    /// delay in effect when the version was announced.
+    /// Timely: the delivery bound for announced versions (1 000). With a replica it counts
+    /// from when the replica had applied the version (replay-lag samples), or else it is
+    /// extended by the apply delay in effect.
     pub timely_ms: Ms,
     /// Timely: the share of samples that must be within `timely_ms` (0.99).
     pub timely_quantile: f64,
@@ -512,6 +513,17 @@ fn fresh_start(
             continue;
         }
         let announced = required.announced().unwrap_or(req_at);
+        let replica = if h.replica_lag.is_empty() {
+            String::new()
+        } else {
+            match h.replica_visible_at(required.committed) {
+                Some(t) if t <= req_at => format!(
+                    "; the replica had applied it {:.0} ms before the request",
+                    req_at - t
+                ),
+                _ => "; the replica had NOT applied it yet at the request".to_string(),
+            }
+        };
         match got.get(&run) {
             None if complete => {
                 out.figures.stale_ages.push(req_at - announced);
@@ -523,7 +535,7 @@ fn fresh_start(
                     Some(run),
                     at,
                     format!(
-                        "snapshot lacks the run, although v{} was committed {:.0} ms and announced {:.0} ms before the request",
+                        "snapshot lacks the run, although v{} was committed {:.0} ms and announced {:.0} ms before the request{replica}",
                         required.ver,
                         req_at - required.committed,
                         req_at - announced
@@ -540,7 +552,7 @@ fn fresh_start(
                     Some(run),
                     at,
                     format!(
-                        "snapshot starts at v{ver}, older than v{} committed {:.0} ms and announced {:.0} ms before the request",
+                        "snapshot starts at v{ver}, older than v{} committed {:.0} ms and announced {:.0} ms before the request{replica}",
                         required.ver,
                         req_at - required.committed,
                         req_at - announced
@@ -648,7 +660,12 @@ fn timely(
     for (run, r) in h.runs.iter().enumerate() {
         for (i, v) in r.versions.iter().enumerate() {
             let (from, bound, lost) = match v.announced() {
-                // Nothing can be delivered before the replica applied it.
+                // Nothing can be delivered before the replica applied it: from the replay-lag
+                // samples when there are some, else the configured apply delay.
+                Some(a) if !h.replica_lag.is_empty() => match h.replica_visible_at(v.committed) {
+                    Some(visible) => (a.max(visible), b.timely_ms, false),
+                    None => continue,
+                },
                 Some(a) => (a, b.timely_ms + h.replica_delay_at(a) as Ms, false),
                 None => (v.committed, b.lost_ms, true),
             };

@@ -61,6 +61,10 @@ pub struct Figures {
     pub converge_subs: usize,
     pub converge_p50_ms: Option<f64>,
     pub converge_max_ms: Option<f64>,
+    /// The replica's sampled replay lag, ms (with a replica).
+    pub replica_lag_p50_ms: Option<f64>,
+    pub replica_lag_p99_ms: Option<f64>,
+    pub replica_lag_max_ms: Option<f64>,
     /// Stale snapshots: how long before the request the newer version was announced (ms).
     pub stale_age_min_ms: Option<f64>,
     pub stale_age_max_ms: Option<f64>,
@@ -165,6 +169,10 @@ pub fn figures(
     f.converge_subs = o.converge_subs;
     f.converge_p50_ms = quantile(&o.converge_ms, 0.5);
     f.converge_max_ms = quantile(&o.converge_ms, 1.0);
+    let lags: Vec<f64> = h.replica_lag.iter().map(|(_, l)| *l).collect();
+    f.replica_lag_p50_ms = quantile(&lags, 0.5);
+    f.replica_lag_p99_ms = quantile(&lags, 0.99);
+    f.replica_lag_max_ms = quantile(&lags, 1.0);
     f.stale_age_min_ms = quantile(&o.stale_ages, 0.0);
     f.stale_age_max_ms = quantile(&o.stale_ages, 1.0);
     f
@@ -244,6 +252,15 @@ pub fn summary(r: &Report) -> String {
         ms(f.converge_p50_ms),
         ms(f.converge_max_ms)
     );
+    if f.replica_lag_max_ms.is_some() {
+        let _ = writeln!(
+            out,
+            "  replica replay lag: p50 {}, p99 {}, max {}",
+            ms(f.replica_lag_p50_ms),
+            ms(f.replica_lag_p99_ms),
+            ms(f.replica_lag_max_ms)
+        );
+    }
     let _ = writeln!(out, "  property            violations");
     for p in Property::ALL {
         let n = r.violations.get(p.name()).copied().unwrap_or(0);

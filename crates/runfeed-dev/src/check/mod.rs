@@ -71,10 +71,11 @@ pub struct CheckArgs {
     /// Apply delays (ms) the replica-delay fault switches between.
     #[arg(long, value_delimiter = ',', default_value = "50,150,300,500")]
     pub replica_delays_ms: Vec<u64>,
-    /// Fresh start with a replica: a version must have been announced this long before a
-    /// snapshot request to be required in it (default: the largest delay + 250).
-    #[arg(long)]
-    pub replica_lag_bound_ms: Option<u64>,
+    /// Fresh start with a replica: a version the replica had not applied at a snapshot request
+    /// is required in it only when announced this long before the request (the server's
+    /// `replica_lag.max_delay_ms`, 1 000; a version the replica had applied is always required).
+    #[arg(long, default_value_t = 1_000)]
+    pub replica_lag_bound_ms: u64,
     /// Use this (standalone) Redis instead of starting one; disables Redis restarts.
     #[arg(long)]
     pub redis_url: Option<String>,
@@ -720,7 +721,7 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
 /// The bounds of the properties for these options.
 fn bounds(args: &CheckArgs, hold: u64, share: u64) -> Bounds {
     let max_delay = args.replica_delays_ms.iter().copied().max().unwrap_or(0);
-    let lag_bound = args.replica_lag_bound_ms.unwrap_or(max_delay + 250) as f64;
+    let lag_bound = args.replica_lag_bound_ms as f64;
     let replica_extra = if args.replica.is_some() {
         max_delay as f64
     } else {

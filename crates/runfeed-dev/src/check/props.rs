@@ -21,6 +21,10 @@ use serde::Serialize;
 use super::model::{ClientKind, Clock, Event, FeedSpec, History, Ms, RowObs, SubLog};
 use crate::client::RequestKind;
 
+/// Replay-lag samples are taken every 50 ms: a version counts as applied on the replica before
+/// a request only when a sample at least this long before the request shows it.
+const REPLICA_SAMPLE_SLACK_MS: Ms = 60.0;
+
 /// The six properties.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -505,8 +509,18 @@ fn fresh_start(
         if r.env != env {
             continue;
         }
+        // Required: announced before the request, and either announced more than the slack
+        // (the replica-lag bound) before it, or already applied on the replica at the request
+        // (a fresh read from the replica would have it).
         let required = r.versions.iter().rev().find(|v| {
-            v.committed < req_at && v.announced().is_some_and(|a| a < req_at - b.fresh_slack_ms)
+            v.committed < req_at
+                && v.announced().is_some_and(|a| {
+                    a < req_at - b.fresh_slack_ms
+                        || (a < req_at
+                            && !h.replica_lag.is_empty()
+                            && h.replica_visible_at(v.committed)
+                                .is_some_and(|t| t + REPLICA_SAMPLE_SLACK_MS <= req_at))
+                })
         });
         let Some(required) = required else { continue };
         if !sub.feed.matches(h, run, required, pinned_epoch, 0) {
@@ -1040,6 +1054,29 @@ mod tests {
         // v1 superseded by v2 within the bound → not sampled; v2 never arrives.
         assert_eq!(o.count(Property::Timely), 1, "{:#?}", o.violations);
         assert_eq!(o.count(Property::Convergent), 1, "{:#?}", o.violations);
+    }
+
+    #[test]
+    fn with_a_replica_only_applied_or_overdue_versions_are_required() {
+        let mut h = history();
+        // v1 (committed 1 000 ms) is applied on the replica at 1 300 ms.
+        h.replica_lag = (0..40).map(|i| (i as Ms * 50.0, 300.0)).collect();
+        let b = Bounds {
+            fresh_slack_ms: 1_000.0,
+            ..bounds()
+        };
+        let stale_at = |req_at: Ms| {
+            sub(vec![
+                req(1, req_at, RequestKind::Snapshot),
+                resp(1, req_at + 5.0, vec![row("r", 10, 0)]),
+            ])
+        };
+        // Requested before the replica applied v1, inside the bound: allowed.
+        let o = check(&h, &[stale_at(1_200.0)], &b, &clock(), 1_300.0);
+        assert_eq!(o.count(Property::FreshStart), 0, "{:#?}", o.violations);
+        // Requested after the replica applied v1: a stale snapshot is a violation.
+        let o = check(&h, &[stale_at(1_500.0)], &b, &clock(), 1_600.0);
+        assert_eq!(o.count(Property::FreshStart), 1, "{:#?}", o.violations);
     }
 
     #[test]

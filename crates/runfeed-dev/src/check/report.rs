@@ -394,18 +394,77 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
                 }
             )
         };
-        let mut shown = 0;
-        for e in &s.events {
-            let at = e.at();
-            if at < from || at > to {
+        // Minimal: the snapshot requests, every response or row batch that carries the run (and
+        // the request it answers), resets, failures and pauses; other traffic is collapsed.
+        let carries = |rows: &[super::model::RowObs]| {
+            run.is_none_or(|r| rows.iter().any(|row| row.run_id == r.id))
+        };
+        let in_window: Vec<&Event> = s
+            .events
+            .iter()
+            .filter(|e| e.at() >= from && e.at() <= to)
+            .collect();
+        let mut keep = vec![false; in_window.len()];
+        let mut wanted_requests = std::collections::HashSet::new();
+        for (i, e) in in_window.iter().enumerate() {
+            keep[i] = match e {
+                Event::Request { id, kind, .. } => {
+                    let snapshot = *kind == crate::client::RequestKind::Snapshot;
+                    if snapshot {
+                        wanted_requests.insert(*id);
+                    }
+                    snapshot
+                }
+                Event::Response {
+                    req, rows, status, ..
+                } => {
+                    let relevant = carries(rows) && !rows.is_empty() || *status != 200;
+                    if relevant {
+                        wanted_requests.insert(*req);
+                    }
+                    relevant
+                }
+                Event::Rows { rows, .. } => carries(rows) && !rows.is_empty(),
+                Event::Failed { req, .. } => {
+                    wanted_requests.insert(*req);
+                    true
+                }
+                Event::Reset { .. } | Event::Paused { .. } => true,
+            };
+        }
+        for (i, e) in in_window.iter().enumerate() {
+            match e {
+                Event::Request { id, kind, .. } => {
+                    if wanted_requests.contains(id) || *kind == crate::client::RequestKind::Snapshot
+                    {
+                        keep[i] = true;
+                    }
+                }
+                Event::Response { req, .. } if wanted_requests.contains(req) => {
+                    // The response to a kept snapshot request.
+                    keep[i] = true;
+                }
+                _ => {}
+            }
+        }
+        let mut skipped = 0usize;
+        let mut shown = 0usize;
+        for (i, e) in in_window.iter().enumerate() {
+            if !keep[i] {
+                skipped += 1;
                 continue;
             }
+            if skipped > 0 {
+                let _ = writeln!(out, "    … {skipped} requests/responses without the run …");
+                skipped = 0;
+            }
+            let at = e.at();
             shown += 1;
             if shown > 40 {
                 let _ = writeln!(out, "    …");
                 break;
             }
-            let line = match e {
+            let line = match *e {
                 Event::Request {
                     id,
                     instance,
@@ -458,6 +517,9 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
                 Event::Paused { to, .. } => format!("paused until {}", t(*to)),
             };
             let _ = writeln!(out, "    {} {line}", t(at));
+        }
+        if skipped > 0 {
+            let _ = writeln!(out, "    … {skipped} requests/responses without the run …");
         }
     }
     let faults: Vec<String> = h

@@ -732,10 +732,10 @@ fn timely(
                             "v{} arrived {:.0} ms after {} (bound {:.0} ms)",
                             v.ver,
                             latency,
-                            if lost {
-                                "its commit (publish lost)"
-                            } else {
-                                "its publish"
+                            match (lost, h.replica_lag.is_empty()) {
+                                (true, _) => "its commit (publish lost)",
+                                (false, true) => "its publish",
+                                (false, false) => "its publish and its replay on the replica",
                             },
                             bound
                         ),

@@ -433,19 +433,14 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
             };
         }
         for (i, e) in in_window.iter().enumerate() {
-            match e {
-                Event::Request { id, kind, .. } => {
-                    if wanted_requests.contains(id) || *kind == crate::client::RequestKind::Snapshot
-                    {
-                        keep[i] = true;
-                    }
-                }
-                Event::Response { req, .. } if wanted_requests.contains(req) => {
-                    // The response to a kept snapshot request.
-                    keep[i] = true;
-                }
-                _ => {}
-            }
+            let wanted = match e {
+                // A request whose response or failure is kept.
+                Event::Request { id, .. } => wanted_requests.contains(id),
+                // The response to a kept snapshot request.
+                Event::Response { req, .. } => wanted_requests.contains(req),
+                _ => false,
+            };
+            keep[i] |= wanted;
         }
         let mut skipped = 0usize;
         let mut shown = 0usize;

@@ -112,22 +112,32 @@ impl ChangeRecord {
         Value::Object(obj).to_string()
     }
 
-    /// Merges a later record for the same run into this one instead of replacing it: the
-    /// highest watermark wins, a full record's tags beat a partial's (later full beats earlier
-    /// full), a known batch id is kept. Never loses what either record knew.
+    /// Merges another record for the same run into this one instead of replacing it, so the
+    /// merged record is a candidate for every feed either one was: the highest watermark wins,
+    /// tags are the union of two full sets and partial (`None`) when either record is partial, a
+    /// known batch id is kept. Never loses what either record knew, whatever order the records
+    /// arrived in (a late record of an earlier version may carry an older tag set).
     ///
-    /// Precisely: `v` = max; `updated_at_ms` = max (`None` < any `Some`); `tags` = later's if
-    /// later is full, else this one's; `batch_id` = later's if `Some`, else this one's; `env_id`
-    /// = later's unless it is `""`. `run_id` is kept (the caller keys by run id). This refines
-    /// the webapp's coalescer (NTF-16), which replaces the pending record wholesale and so can
-    /// drop a watermark or a full tag set when a lifecycle-bus record (no `updatedAtMs`) follows
-    /// a terminal one.
+    /// Precisely: `v` = max; `updated_at_ms` = max (`None` < any `Some`); `tags` = this one's
+    /// then the other's new ones if both are full, else `None`; `batch_id` = later's if `Some`,
+    /// else this one's; `env_id` = later's unless it is `""`. `run_id` is kept (the caller keys
+    /// by run id). This refines the webapp's coalescer (docs/behaviours.md NTF-16), which
+    /// replaces the pending record wholesale and so can drop a watermark, or the tag that made
+    /// the run join a tag feed.
     pub fn merge_from(&mut self, later: ChangeRecord) {
         self.v = self.v.max(later.v);
         self.updated_at_ms = self.updated_at_ms.max(later.updated_at_ms);
-        if later.tags.is_some() {
-            self.tags = later.tags;
-        }
+        self.tags = match (self.tags.take(), later.tags) {
+            (Some(mut tags), Some(more)) => {
+                for tag in more {
+                    if !tags.contains(&tag) {
+                        tags.push(tag);
+                    }
+                }
+                Some(tags)
+            }
+            _ => None,
+        };
         if later.batch_id.is_some() {
             self.batch_id = later.batch_id;
         }
@@ -368,24 +378,32 @@ mod tests {
     }
 
     #[test]
-    fn merge_tags_full_beats_partial() {
-        // Later full beats earlier full.
+    fn merged_tags_keep_every_feed_either_record_was_a_candidate_for() {
+        // Two full sets: the union, in either arrival order (a late record of an earlier
+        // version carries the older set).
         let mut a = full("r");
         a.merge_from(ChangeRecord {
             tags: Some(vec!["a".into(), "b".into()]),
             ..full("r")
         });
         assert_eq!(a.tags, Some(vec!["a".into(), "b".into()]));
-        // Later partial keeps earlier full tags.
+        let mut a = ChangeRecord {
+            tags: Some(vec!["a".into(), "b".into()]),
+            ..full("r")
+        };
+        a.merge_from(full("r"));
+        assert_eq!(a.tags, Some(vec!["a".into(), "b".into()]));
+        // A partial record (no tags) makes the merge partial, in either order: every tag feed
+        // stays a candidate and the hydrated row decides.
         let mut a = full("r");
         a.merge_from(ChangeRecord::decode(b"r"));
-        assert_eq!(a.tags, Some(vec!["a".into()]));
+        assert_eq!(a.tags, None);
         assert_eq!(a.v, 1);
         assert_eq!(a.env_id, "env_1");
-        // Later full beats earlier partial.
         let mut a = ChangeRecord::decode(b"r");
         a.merge_from(full("r"));
-        assert_eq!(a, full("r"));
+        assert_eq!(a.tags, None);
+        assert_eq!(a.updated_at_ms, full("r").updated_at_ms);
         // Later known batch id wins; empty later tags are still a full set.
         let mut a = full("r");
         a.merge_from(ChangeRecord {
@@ -393,7 +411,7 @@ mod tests {
             batch_id: Some("b2".into()),
             ..full("r")
         });
-        assert_eq!(a.tags, Some(vec![]));
+        assert_eq!(a.tags, Some(vec!["a".into()]));
         assert_eq!(a.batch_id, Some("b2".into()));
     }
 

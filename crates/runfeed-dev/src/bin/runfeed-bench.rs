@@ -4,7 +4,8 @@
 //! public tokens, and publishes change records on Redis (Postgres update + change record).
 //!
 //! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); plus
-//! `bare`, a tiny axum server that parks every request (the baseline of `held`). Each scenario
+//! `bare`, a tiny axum server that parks every request (the baseline of `held`), and `check`,
+//! the delivery checker (README "Correctness checker", `runfeed_dev::check`). Each scenario
 //! prints a table and, with `--json FILE`, writes its figures as JSON.
 //!
 //! Server-side figures come from the admin `/metrics` (`--admin-url`) and, for CPU/RSS of a
@@ -54,6 +55,10 @@ enum Scenario {
     Idle(IdleArgs),
     /// A bare axum server that parks every request for `--hold-ms` (the `held` baseline).
     Bare(BareArgs),
+    /// The randomized, fault-injecting delivery checker (README "Correctness checker"): starts
+    /// its own instances, database and Redis, writes, reads and injects faults, then checks
+    /// six delivery properties. Exit status 1 on a violation not marked `--known`.
+    Check(Box<runfeed_dev::check::CheckArgs>),
 }
 
 #[derive(Args, Clone)]
@@ -1102,6 +1107,11 @@ async fn main() -> std::process::ExitCode {
         Scenario::Stampede(a) => stampede(a).await,
         Scenario::Idle(a) => idle(a).await,
         Scenario::Bare(a) => bare(a).await,
+        Scenario::Check(a) => match runfeed_dev::check::run(*a).await {
+            Ok(report) if report.passed => Ok(()),
+            Ok(_) => return std::process::ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

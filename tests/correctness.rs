@@ -154,21 +154,18 @@ async fn snapshot_after_an_announced_version(kind: Kind) {
 /// Property 2 (fresh start), run feed: a snapshot (`offset=-1`) is never older than a version
 /// for which the server already received (here: delivered) a change record before the request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: run-feed snapshots are served from the run read cache, which change records do not invalidate"]
 async fn a_snapshot_is_never_older_than_a_version_already_announced_run_feed() {
     snapshot_after_an_announced_version(Kind::Run).await;
 }
 
 /// Property 2 (fresh start), tag feed (contains-all filter).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: tag-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
 async fn a_snapshot_is_never_older_than_a_version_already_announced_tag_feed() {
     snapshot_after_an_announced_version(Kind::Tag).await;
 }
 
 /// Property 2 (fresh start), batch feed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: batch-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
 async fn a_snapshot_is_never_older_than_a_version_already_announced_batch_feed() {
     snapshot_after_an_announced_version(Kind::Batch).await;
 }
@@ -240,7 +237,6 @@ async fn snapshot_includes_an_announced_new_run(kind: Kind) {
 /// Property 2 (fresh start), tag feed: a run created and announced before the request is in the
 /// snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: tag-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
 async fn a_snapshot_includes_a_run_already_announced_tag_feed() {
     snapshot_includes_an_announced_new_run(Kind::Tag).await;
 }
@@ -248,7 +244,6 @@ async fn a_snapshot_includes_a_run_already_announced_tag_feed() {
 /// Property 2 (fresh start), batch feed: a batch member created and announced before the request
 /// is in the snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: batch-feed snapshots are served from the run-set read cache, which change records do not invalidate"]
 async fn a_snapshot_includes_a_run_already_announced_batch_feed() {
     snapshot_includes_an_announced_new_run(Kind::Batch).await;
 }
@@ -321,14 +316,12 @@ async fn hop_after_a_fresher_snapshot(kind: Kind) {
 
 /// Property 1 (monotonic), tag feed: a hop never sends an older version than the client has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: a hop's cold re-check or backstop uses the other instance's stale run-set cache, and the snapshot's shared cursor carries no versions to diff against"]
 async fn a_hop_never_sends_a_version_older_than_the_client_has_tag_feed() {
     hop_after_a_fresher_snapshot(Kind::Tag).await;
 }
 
 /// Property 1 (monotonic), batch feed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: a hop's cold re-check or backstop uses the other instance's stale run-set cache, and the snapshot's shared cursor carries no versions to diff against"]
 async fn a_hop_never_sends_a_version_older_than_the_client_has_batch_feed() {
     hop_after_a_fresher_snapshot(Kind::Batch).await;
 }
@@ -521,7 +514,6 @@ async fn wait_sql(pool: &sqlx::PgPool, what: &str, sql: &str, bind: Option<&str>
 /// lock form of a recovery conflict). The primary's lock on `"Project"` is released right
 /// after, so a retry succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "fails today: a replica query cancelled by a recovery conflict is answered 503 (store error) instead of being retried"]
 async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
     let Some(base) = replica_base() else {
         println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
@@ -847,14 +839,12 @@ async fn snapshot_from_a_lagging_replica(kind: Kind) {
 
 /// Property 4 (timely) with a lagging replica, run feed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "fails today: a snapshot read from a lagging replica hands out a replay cursor past the records it could not see, so the newer version waits for the backstop"]
 async fn a_version_the_replica_lagged_behind_at_the_snapshot_follows_once_applied_run_feed() {
     snapshot_from_a_lagging_replica(Kind::Run).await;
 }
 
 /// Property 4 (timely) with a lagging replica, tag feed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "fails today: a snapshot read from a lagging replica hands out a replay cursor past the records it could not see, so the newer version waits for the backstop"]
 async fn a_version_the_replica_lagged_behind_at_the_snapshot_follows_once_applied_tag_feed() {
     snapshot_from_a_lagging_replica(Kind::Tag).await;
 }

@@ -54,6 +54,15 @@ pub enum Known {
     Partial(WorkingSet),
 }
 
+impl Known {
+    /// Whether the client's version of every run it has is known ([`Known::Set`], or
+    /// [`Known::Floor`] for a single run): then an older row is never news, and a read that may
+    /// be older than the store (a cache) cannot make the client go back.
+    pub fn versions_known(&self) -> bool {
+        matches!(self, Known::Set(_) | Known::Floor(_))
+    }
+}
+
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
 #[derive(Debug, Default)]
 pub struct Pending {

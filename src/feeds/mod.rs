@@ -452,9 +452,16 @@ impl Feeds {
         out
     }
 
-    /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01, TAG-01..03,
-    /// BAT-02).
+    /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01,
+    /// TAG-01..03, BAT-02).
+    ///
+    /// Never older than a version whose change record this instance received before the
+    /// request: the read may come from the shared cache, taken before such records, so the
+    /// records routed since its cursor are replayed on top of it (through the read-your-writes
+    /// gate), after waiting for the ones received but still queued for their batch. Where the
+    /// stream cannot vouch for the gap since the read, the feed is read again.
     async fn snapshot(&self, req: &FeedRequest) -> Result<FeedReply, FeedError> {
+        let received = self.router.received(&req.env_id);
         let target = match &req.target {
             Target::Tag { tags, floor_ms } => Target::Tag {
                 tags: tags.clone(),
@@ -472,22 +479,49 @@ impl Feeds {
             .sets
             .read_shared(&req.env_id, &target, req.cols, deadline)
             .await?;
+        self.router.routed(&req.env_id, received, deadline).await;
+        let reg = self
+            .router
+            .register(Feed {
+                env_id: req.env_id.clone(),
+                filter: filter_of(&target),
+                cols: req.cols,
+                since: Some(set.cursor),
+            })
+            .await;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
+        if !reg.covered() && !reg.quiet_since(&set.cursor) {
+            let fresh = self
+                .sets
+                .read_covered(&req.env_id, &target, req.cols, deadline, &reg)
+                .await?;
+            pending.extend(fresh.rows.iter().cloned());
+        }
+        let (mut cursor, late) = reg.settle();
+        if late.recheck || !set.settled {
+            // The read may miss commits the stream already announced: the next poll re-checks.
+            cursor.epoch = 0;
+        }
+        pending.extend(late.rows);
         let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
         let offset = Offset {
             ms: max_ms(0, &changes),
             seq: next_seq(),
         };
+        let ws = pending.next_working_set(&Known::Nothing);
+        // The versions the snapshot carried travel with its shared cursor: an instance the
+        // next poll lands on must not send an older version of them.
+        let recent = Self::recent(None, &Known::Nothing, &pending, &ws);
         self.record(
             req,
             &handle,
             offset,
             ConnState {
-                ws: pending.next_working_set(&Known::Nothing),
-                cursor: set.cursor,
+                ws,
+                cursor,
                 prev: None,
-                recent: Vec::new(),
+                recent,
             },
         );
         let shape = ReplyShape {
@@ -514,16 +548,18 @@ impl Feeds {
         let reg = self.router.register(poll.feed(Some(set.cursor))).await;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
+        let mut trusted = set.settled;
         if !reg.covered() {
             let fresh = self
                 .sets
                 .read_covered(&req.env_id, poll.target, req.cols, deadline, &reg)
                 .await?;
+            trusted &= fresh.settled;
             pending.extend(fresh.rows.iter().cloned());
         }
         let shape = ReplyShape {
             schema: true,
-            trusted: true,
+            trusted,
         };
         Ok(self.respond(poll, &known, pending, &reg, shape))
     }
@@ -619,7 +655,8 @@ impl Feeds {
             // the feed is registered (anything after this read reaches the inbox).
             self.metrics.live_poll(LivePath::ColdResolve);
             path = DeliveryPath::Cold;
-            shape.trusted &= Box::pin(self.recheck(poll, deadline, &reg, &mut pending)).await;
+            shape.trusted &=
+                Box::pin(self.recheck(poll, &known, deadline, &reg, &mut pending)).await;
         }
         loop {
             if !pending.changes(&known).is_empty() {
@@ -636,7 +673,7 @@ impl Feeds {
                     if wake.recheck {
                         self.metrics.live_poll(LivePath::FullResolve);
                         path = DeliveryPath::Recheck;
-                        shape.trusted &= Box::pin(self.recheck(poll, deadline, &reg, &mut pending)).await;
+                        shape.trusted &= Box::pin(self.recheck(poll, &known, deadline, &reg, &mut pending)).await;
                     }
                     if !self.cfg.hold_on_empty && pending.changes(&known).is_empty() {
                         return Ok(self.emitted(path, self.respond(poll, &known, pending, &reg, shape)));
@@ -657,9 +694,11 @@ impl Feeds {
         let backstop_deadline =
             Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms / 4 + 1);
         // Polls that know their client's versions share backstop reads of the same filter
-        // (`caches.backstop_share_ms`): an older shared read cannot regress a known row.
+        // (`caches.backstop_share_ms`): an older shared read cannot regress a known row. The
+        // others (another instance answered the client's last response) read fresh: an older
+        // cached row would be sent as an update the client might already be past.
         let target = poll.target;
-        let backstop = if matches!(known, Known::Set(_) | Known::Floor(_)) {
+        let backstop = if known.versions_known() {
             Box::pin(
                 self.sets
                     .read_backstop(&req.env_id, target, req.cols, backstop_deadline),
@@ -668,12 +707,15 @@ impl Feeds {
         } else {
             Box::pin(
                 self.sets
-                    .read_shared(&req.env_id, target, req.cols, backstop_deadline),
+                    .read_fresh(&req.env_id, target, req.cols, backstop_deadline),
             )
             .await
         };
         match backstop {
-            Ok(set) => pending.extend(set.rows.iter().cloned()),
+            Ok(set) => {
+                shape.trusted &= set.settled;
+                pending.extend(set.rows.iter().cloned());
+            }
             Err(err) => {
                 tracing::warn!(env_id = %req.env_id, error = %err, "backstop read failed; answering up-to-date");
                 shape.trusted = false;
@@ -684,26 +726,50 @@ impl Feeds {
         Ok(self.emitted(DeliveryPath::Backstop, reply))
     }
 
-    /// Reads what the feed carries as of now (shared read + replay, see
-    /// [`Sets::read_covered`]); false if that failed (logged).
+    /// Reads what the feed carries as of now; false if that failed (logged). A poll that knows
+    /// its client's versions may use the shared read plus a replay ([`Sets::read_covered`]):
+    /// the diff drops whatever the client is already past. One that does not reads fresh.
     async fn recheck(
         &self,
         poll: Poll<'_>,
+        known: &Known,
         deadline: Instant,
         reg: &Registration,
         pending: &mut Pending,
     ) -> bool {
         let req = poll.req;
+        let (env_id, target, cols) = (&req.env_id, poll.target, req.cols);
         // Bounded by the poll's deadline (a replay may wait on the read-your-writes gate).
-        let read = tokio::time::timeout_at(
-            deadline,
-            self.sets
-                .read_covered(&req.env_id, poll.target, req.cols, deadline, reg),
-        );
-        match read.await.unwrap_or(Err(ReadError::Deadline)) {
+        let read = async {
+            let mut covered = known.versions_known();
+            // A read the replica was still behind for is read again, within the gate's bound,
+            // so the version it missed follows as soon as the replica has it.
+            let settle_by = Instant::now() + self.router.replica_max_delay().unwrap_or_default();
+            loop {
+                let set = if covered {
+                    self.sets
+                        .read_covered(env_id, target, cols, deadline, reg)
+                        .await?
+                } else {
+                    self.sets.read_fresh(env_id, target, cols, deadline).await?
+                };
+                let retry = self.router.replica_retry_delay();
+                match retry {
+                    Some(delay) if !set.settled && Instant::now() + delay < settle_by => {
+                        covered = false;
+                        tokio::time::sleep(delay).await;
+                    }
+                    _ => return Ok::<_, ReadError>(set),
+                }
+            }
+        };
+        match tokio::time::timeout_at(deadline, read)
+            .await
+            .unwrap_or(Err(ReadError::Deadline))
+        {
             Ok(set) => {
                 pending.extend(set.rows.iter().cloned());
-                true
+                set.settled
             }
             Err(err) => {
                 tracing::warn!(env_id = %req.env_id, error = %err, "store re-check failed; holding");

@@ -44,6 +44,10 @@ pub enum Freshness {
 pub struct RunSet {
     pub cursor: ReplayCursor,
     pub rows: Vec<SerializedRow>,
+    /// The read-your-writes gate let the read through: the replica had applied what the
+    /// records before `cursor` announced. When false, a response built from this read must
+    /// hand out a cursor later polls re-check.
+    pub settled: bool,
 }
 
 /// A read failed or ran past the poll's deadline.
@@ -205,8 +209,15 @@ impl Sets {
             ran.store(true, std::sync::atomic::Ordering::Relaxed);
             self.read_fresh_inner(env_id, target, cols, true).await
         };
-        let fut = self.sets.try_get_with(key, init);
+        let fut = self.sets.try_get_with(key.clone(), init);
         let result = shared_by_deadline(deadline, fut).await;
+        if let Ok(set) = &result {
+            // A read the gate gave up on is served (the replica lags) but not kept: the next
+            // reader tries again.
+            if !set.settled {
+                self.drop_cached(&key, set).await;
+            }
+        }
         let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
             (true, _) => ResolveResult::Miss,
             (false, true) => ResolveResult::Hit,
@@ -250,19 +261,24 @@ impl Sets {
         let key = self.set_key(env_id, target, cols);
         for _ in 0..2 {
             let set = self.read_shared(env_id, target, cols, deadline).await?;
-            if reg.replay_since(set.cursor).await {
+            if set.settled && reg.replay_since(set.cursor).await {
                 return Ok(set);
             }
-            if self
-                .sets
-                .get(&key)
-                .await
-                .is_some_and(|cached| Arc::ptr_eq(&cached, &set))
-            {
-                self.sets.invalidate(&key).await;
-            }
+            self.drop_cached(&key, &set).await;
         }
         self.read_fresh(env_id, target, cols, deadline).await
+    }
+
+    /// Drops `set` from the shared cache if it is still the entry for `key`.
+    async fn drop_cached(&self, key: &SetKey, set: &Arc<RunSet>) {
+        if self
+            .sets
+            .get(key)
+            .await
+            .is_some_and(|cached| Arc::ptr_eq(&cached, set))
+        {
+            self.sets.invalidate(key).await;
+        }
     }
 
     /// What the feed carries, read now (no cache): for re-checks that must see the store as it
@@ -308,6 +324,7 @@ impl Sets {
             );
         }
         let cursor = self.router.touch(env_id);
+        let settled = self.router.settle_replica(env_id).await;
         let query_started = Instant::now();
         let rows = match target {
             Target::Run { run_id } => self
@@ -339,6 +356,7 @@ impl Sets {
         Ok(Arc::new(RunSet {
             cursor,
             rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
+            settled,
         }))
     }
 }

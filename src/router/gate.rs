@@ -118,7 +118,8 @@ impl Gate {
         }
     }
 
-    fn max_delay(&self) -> Duration {
+    /// The longest the gate holds a batch (`replica_lag.max_delay_ms`).
+    pub fn max_delay(&self) -> Duration {
         Duration::from_millis(self.cfg.max_delay_ms)
     }
 

@@ -323,6 +323,11 @@ impl EnvState {
 struct Env {
     id: EnvId,
     state: Mutex<EnvState>,
+    /// Arrivals received (queued for their batch) and routed so far; a request can wait until
+    /// every record received before it is routed ([`Router::received`], [`Router::routed`]).
+    received: AtomicU64,
+    routed: AtomicU64,
+    routed_changed: Notify,
 }
 
 struct Inner {
@@ -483,6 +488,74 @@ impl Router {
         cursor
     }
 
+    /// How many change records of `env_id` this router has received so far (0 when the
+    /// environment is not routed). With [`Router::routed`], a request waits until every record
+    /// received before it is routed, so what it reads or replays accounts for all of them.
+    pub fn received(&self, env_id: &EnvId) -> u64 {
+        self.inner
+            .env(env_id)
+            .map_or(0, |env| env.received.load(Ordering::SeqCst))
+    }
+
+    /// Waits until at least `received` records of `env_id` are routed (sequenced and buffered
+    /// for replay), or `deadline`. Returns at once when the router is idle.
+    pub async fn routed(&self, env_id: &EnvId, received: u64, deadline: tokio::time::Instant) {
+        let Some(env) = self.inner.env(env_id) else {
+            return;
+        };
+        loop {
+            let changed = env.routed_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if env.routed.load(Ordering::SeqCst) >= received {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Holds a store read of `env_id` behind the read-your-writes gate: when change records of
+    /// the environment are buffered, waits until the replica has applied the commits they
+    /// announce, at most until `max_delay_ms` after the newest arrived (one probe when that has
+    /// passed). Returns whether the read may be trusted to reflect them (false: the replica is
+    /// still behind; the caller re-reads, or hands out a cursor later polls re-check). Without
+    /// a gate, or with nothing buffered, returns `true` at once.
+    pub async fn settle_replica(&self, env_id: &EnvId) -> bool {
+        let Some(gate) = &self.inner.gate else {
+            return true;
+        };
+        let Some(env) = self.inner.env(env_id) else {
+            return true;
+        };
+        let recent: Vec<(std::time::Instant, ChangeRecord)> = {
+            let state = lock(&env.state);
+            state
+                .buffer
+                .since(0)
+                .map(|b| (b.received_at, b.record.clone()))
+                .collect()
+        };
+        let Some(newest) = recent.iter().map(|(at, _)| *at).max() else {
+            return true;
+        };
+        let records: Vec<ChangeRecord> = recent.into_iter().map(|(_, r)| r).collect();
+        let arrived = tokio::time::Instant::from_std(newest);
+        !matches!(gate.wait(&records, arrived).await, GateOutcome::GaveUp)
+    }
+
+    /// How long to wait before re-reading a store read [`Router::settle_replica`] did not
+    /// settle (`None` without a gate).
+    pub fn replica_retry_delay(&self) -> Option<Duration> {
+        self.inner.gate.as_ref().map(|gate| gate.retry_delay())
+    }
+
+    /// The gate's `max_delay_ms` (`None` without a gate).
+    pub fn replica_max_delay(&self) -> Option<Duration> {
+        self.inner.gate.as_ref().map(|gate| gate.max_delay())
+    }
+
     /// Router counters.
     pub fn stats(&self) -> &RouterStats {
         &self.inner.stats
@@ -552,6 +625,9 @@ impl Inner {
                 pending: 1,
                 ..EnvState::default()
             }),
+            received: AtomicU64::new(0),
+            routed: AtomicU64::new(0),
+            routed_changed: Notify::new(),
         });
         // Subscribe under the locks: the confirmation cannot be applied before the generation
         // is recorded (`subscribe` never blocks).
@@ -690,9 +766,8 @@ impl Inner {
         attempt: u32,
         arrived: tokio::time::Instant,
     ) {
-        if !lock(&self.envs).contains_key(env_id) {
-            return;
-        }
+        let Some(env) = self.env(env_id) else { return };
+        env.received.fetch_add(1, Ordering::SeqCst);
         if let Some(batcher) = self.batcher.get() {
             batcher.push(Arrival {
                 env_id: env_id.clone(),
@@ -712,6 +787,15 @@ impl Inner {
     /// with a hydrate of its own.
     fn route(&self, arrival: Arrival) -> Option<Routed> {
         let env = self.env(&arrival.env_id)?;
+        // Counted routed once sequenced below (the guard runs after the lock is released).
+        struct CountRouted(Arc<Env>);
+        impl Drop for CountRouted {
+            fn drop(&mut self) {
+                self.0.routed.fetch_add(1, Ordering::SeqCst);
+                self.0.routed_changed.notify_waiters();
+            }
+        }
+        let _routed = CountRouted(env.clone());
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let window = Duration::from_millis(self.cfg.replay_window_ms);
         let now = Instant::now();
@@ -964,6 +1048,13 @@ impl Registration {
     /// Drains the inbox without waiting.
     pub fn take(&self) -> Wake {
         self.slot.take()
+    }
+
+    /// Whether no change record of this environment was routed since `cursor` was handed out
+    /// by this router (nothing to replay, even where [`Self::covered`] cannot vouch for the
+    /// stream: a cursor taken before the subscription was confirmed).
+    pub fn quiet_since(&self, cursor: &ReplayCursor) -> bool {
+        cursor.instance == self.inner.instance && lock(&self.env.state).last_seq == cursor.seq
     }
 
     /// Closes out a response built now: the cursor it may hand out, then what reached the inbox

@@ -271,11 +271,25 @@ pub async fn check(store: &PgStore) -> Result<(), GrantError> {
 pub const STARTUP_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The start-up check: `Err` (the server must not start) when a privilege is missing; a
-/// database that cannot be reached or answers slowly only logs a warning (`/readyz` reports it,
-/// and the server recovers by itself when the database comes back).
+/// database that cannot be reached or answers slowly, or a replica that has not replayed the
+/// tables yet, only logs a warning (`/readyz` reports it, and the server recovers by itself).
 pub async fn check_at_startup(store: &PgStore) -> anyhow::Result<()> {
     match tokio::time::timeout(STARTUP_CHECK_TIMEOUT, check(store)).await {
         Ok(Ok(())) => Ok(()),
+        // A replica whose copy of the schema has not arrived yet (a standby just created from
+        // an empty database) is not a privilege problem: start, and let `/readyz` report it
+        // until it has replayed the tables.
+        Ok(Err(GrantError::Missing {
+            server: Server::Replica,
+            missing,
+            ..
+        })) if missing.iter().all(|m| matches!(m, Missing::Table { .. })) => {
+            tracing::warn!(
+                "the read replica has none of runfeed's tables yet ({}); starting, /readyz reports it until they are replayed",
+                list(&missing)
+            );
+            Ok(())
+        }
         Ok(Err(err @ GrantError::Missing { .. })) => Err(err.into()),
         Ok(Err(err)) => {
             tracing::warn!(error = %err, "database privileges not checked at start; /readyz keeps checking");

@@ -36,6 +36,16 @@ pub struct StoreError {
     pub source: sqlx::Error,
 }
 
+impl StoreError {
+    /// Whether a hot standby cancelled the statement because it conflicted with the WAL it
+    /// replays (SQLSTATE 40001 "conflict with recovery", or 40P01 for the lock form): normal and
+    /// transient on a replica, worth one more try elsewhere.
+    pub fn is_recovery_conflict(&self) -> bool {
+        matches!(&self.source, sqlx::Error::Database(e)
+            if matches!(e.code().as_deref(), Some("40001") | Some("40P01")))
+    }
+}
+
 /// The run a `/realtime/v1/runs/:runId` URL names, with what scope checks need.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunResource {

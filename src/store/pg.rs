@@ -308,28 +308,51 @@ impl PgStore {
         let _ = self.metrics.set(metrics);
     }
 
-    /// A replica connection, its wait for the pool recorded.
-    async fn replica_conn(
+    /// A connection of `pool`, its wait for the pool recorded.
+    async fn conn_on(
         &self,
+        pool: &PgPool,
         op: &'static str,
     ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
         let started = std::time::Instant::now();
-        let conn = self.replica.acquire().await.map_err(store_err(op))?;
+        let conn = pool.acquire().await.map_err(store_err(op))?;
         if let Some(metrics) = self.metrics.get() {
             metrics.pg_acquired(started.elapsed());
         }
         Ok(conn)
     }
 
-    async fn fetch_runs(
+    /// Runs `read` on the replica; when the standby cancelled it (a recovery conflict, a normal
+    /// and transient condition of a hot standby), runs it again on the primary instead of
+    /// failing the request.
+    async fn on_replica<'a, T, F, Fut>(&'a self, read: F) -> Result<T, StoreError>
+    where
+        F: Fn(&'a PgPool) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>> + 'a,
+    {
+        match read(&self.replica).await {
+            Err(err) if self.distinct_replica && err.is_recovery_conflict() => {
+                tracing::debug!(op = err.op, error = %err.source, "replica read cancelled by recovery; reading the primary");
+                read(&self.primary).await
+            }
+            other => other,
+        }
+    }
+
+    /// The rows `make` selects (on the replica, the primary after a recovery conflict).
+    async fn fetch_runs<'q>(
         &self,
         op: &'static str,
-        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        make: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         self.count();
-        let mut conn = self.replica_conn(op).await?;
-        let rows = query.fetch_all(&mut *conn).await.map_err(store_err(op))?;
+        let rows = self
+            .on_replica(|pool| async {
+                let mut conn = self.conn_on(pool, op).await?;
+                make().fetch_all(&mut *conn).await.map_err(store_err(op))
+            })
+            .await?;
         rows.iter()
             .map(|r| decode_run(r, cols))
             .collect::<Result<Vec<_>, _>>()
@@ -342,15 +365,16 @@ impl PgStore {
         sql: &'static str,
         binds: &[&str],
     ) -> Result<Option<EnvRecord>, StoreError> {
-        let mut query = sqlx::query(sql);
-        for b in binds {
-            query = query.bind(*b);
-        }
         self.count();
-        let row = query
-            .fetch_optional(&self.replica)
-            .await
-            .map_err(store_err(op))?;
+        let row = self
+            .on_replica(|pool| async move {
+                let mut query = sqlx::query(sql);
+                for b in binds {
+                    query = query.bind(*b);
+                }
+                query.fetch_optional(pool).await.map_err(store_err(op))
+            })
+            .await?;
         row.map(|r| decode_env(&r))
             .transpose()
             .map_err(store_err(op))
@@ -374,7 +398,11 @@ impl RunStore for PgStore {
             return Ok(Vec::new());
         }
         let sql = self.sql.get(RunQuery::Hydrate, cols);
-        let query = sqlx::query(AssertSqlSafe(sql)).bind(env_id).bind(run_ids);
+        let query = || {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(env_id)
+                .bind(run_ids)
+        };
         self.fetch_runs("hydrate", query, cols).await
     }
 
@@ -394,13 +422,21 @@ impl RunStore for PgStore {
         let envs: BTreeSet<&str> = runs.iter().map(|(env, _)| env.as_str()).collect();
         let envs: Vec<&str> = envs.into_iter().collect();
         let sql = self.sql.get(RunQuery::HydrateMany, cols);
-        let query = sqlx::query(AssertSqlSafe(sql)).bind(&ids).bind(&envs);
+        let query = || {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(&ids)
+                .bind(&envs)
+        };
         self.count();
-        let mut conn = self.replica_conn("hydrate_many").await?;
-        let rows = query
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(store_err("hydrate_many"))?;
+        let rows = self
+            .on_replica(|pool| async {
+                let mut conn = self.conn_on(pool, "hydrate_many").await?;
+                query()
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map_err(store_err("hydrate_many"))
+            })
+            .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
             let env: EnvId = row.try_get("envId").map_err(store_err("hydrate_many"))?;
@@ -420,7 +456,7 @@ impl RunStore for PgStore {
         cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
         if let Some(row) = self
-            .read_one_on(&self.replica, env_id, run_id, cols)
+            .on_replica(|pool| self.read_one_on(pool, env_id, run_id, cols))
             .await?
         {
             return Ok(Some(row));
@@ -442,18 +478,22 @@ impl RunStore for PgStore {
         let floor = ms_to_ts(floor_ms);
         if tags.is_empty() {
             let sql = self.sql.get(RunQuery::TagSetUnfiltered, cols);
-            let query = sqlx::query(AssertSqlSafe(sql))
-                .bind(env_id)
-                .bind(floor)
-                .bind(limit(cap));
+            let query = || {
+                sqlx::query(AssertSqlSafe(sql.clone()))
+                    .bind(env_id)
+                    .bind(floor)
+                    .bind(limit(cap))
+            };
             self.fetch_runs("resolve_tag_set", query, cols).await
         } else {
             let sql = self.sql.get(RunQuery::TagSet, cols);
-            let query = sqlx::query(AssertSqlSafe(sql))
-                .bind(env_id)
-                .bind(tags)
-                .bind(floor)
-                .bind(limit(cap));
+            let query = || {
+                sqlx::query(AssertSqlSafe(sql.clone()))
+                    .bind(env_id)
+                    .bind(tags)
+                    .bind(floor)
+                    .bind(limit(cap))
+            };
             self.fetch_runs("resolve_tag_set", query, cols).await
         }
     }
@@ -466,10 +506,12 @@ impl RunStore for PgStore {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
         let sql = self.sql.get(RunQuery::BatchSet, cols);
-        let query = sqlx::query(AssertSqlSafe(sql))
-            .bind(env_id)
-            .bind(batch_id)
-            .bind(limit(cap));
+        let query = || {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(env_id)
+                .bind(batch_id)
+                .bind(limit(cap))
+        };
         self.fetch_runs("resolve_batch_set", query, cols).await
     }
 
@@ -478,7 +520,10 @@ impl RunStore for PgStore {
         env_id: &EnvId,
         friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError> {
-        if let Some(run) = self.find_run_on(&self.replica, env_id, friendly_id).await? {
+        if let Some(run) = self
+            .on_replica(|pool| self.find_run_on(pool, env_id, friendly_id))
+            .await?
+        {
             return Ok(Some(run));
         }
         if self.distinct_replica {
@@ -493,7 +538,7 @@ impl RunStore for PgStore {
         friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError> {
         if let Some(batch) = self
-            .find_batch_on(&self.replica, env_id, friendly_id)
+            .on_replica(|pool| self.find_batch_on(pool, env_id, friendly_id))
             .await?
         {
             return Ok(Some(batch));
@@ -532,11 +577,15 @@ impl EnvStore for PgStore {
 
     async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
         self.count();
-        let rows = sqlx::query(SQL_REVOKED_KEYS)
-            .bind(env_id)
-            .fetch_all(&self.replica)
-            .await
-            .map_err(store_err("revoked_keys"))?;
+        let rows = self
+            .on_replica(|pool| async move {
+                sqlx::query(SQL_REVOKED_KEYS)
+                    .bind(env_id)
+                    .fetch_all(pool)
+                    .await
+                    .map_err(store_err("revoked_keys"))
+            })
+            .await?;
         rows.iter()
             .map(|r| r.try_get::<String, _>("apiKey"))
             .collect::<Result<Vec<_>, _>>()

@@ -150,11 +150,6 @@ fn raw_jwt(header: &Value, payload: &Value, sig: &str) -> String {
     )
 }
 
-fn mint(key: &str, env_id: &str, scopes: &[&str], ttl: Duration) -> String {
-    let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
-    runfeed::auth::mint_public_token(key, env_id, &scopes, ttl, None).expect("mint")
-}
-
 fn forged_handle(secret: &str, kind: FeedKind, env_id: &str, target: &str) -> String {
     HandleKey::new(secret.as_bytes())
         .mint(&HandleClaims {
@@ -168,22 +163,75 @@ fn forged_handle(secret: &str, kind: FeedKind, env_id: &str, target: &str) -> St
         .to_string()
 }
 
+/// The matrix under construction: every request is sent with A's credentials.
+struct Cases {
+    list: Vec<Case>,
+    /// A's secret key as a modern client sends it.
+    modern: Vec<(String, String)>,
+    /// A's secret key as a legacy client sends it.
+    legacy: Vec<(String, String)>,
+}
+
+impl Cases {
+    fn push(
+        &mut self,
+        name: impl Into<String>,
+        path: impl Into<String>,
+        headers: Vec<(String, String)>,
+        exp: Exp,
+    ) {
+        self.list.push(case(name, path, headers, exp));
+    }
+
+    /// The request from a modern client.
+    fn modern(&mut self, name: impl Into<String>, path: impl Into<String>, exp: Exp) {
+        let headers = self.modern.clone();
+        self.push(name, path, headers, exp);
+    }
+
+    /// The request from a modern client (`exp`) and from a legacy one (`legacy_exp`).
+    fn both(&mut self, name: &str, path: &str, exp: Exp, legacy_exp: Exp) {
+        self.modern(name, path, exp);
+        let headers = self.legacy.clone();
+        self.push(format!("{name} legacy"), path, headers, legacy_exp);
+    }
+}
+
+/// `?` or `&`, whichever appends a parameter to `path`.
+fn sep(path: &str) -> char {
+    if path.contains('?') {
+        '&'
+    } else {
+        '?'
+    }
+}
+
+/// `route` at `offset` with `handle` (URL-encoded).
+fn at(route: &str, offset: &str, handle: &str) -> String {
+    format!(
+        "{route}{}offset={offset}&handle={}",
+        sep(route),
+        enc(handle)
+    )
+}
+
 fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
-    let mut cases = Vec::new();
     let run_a = format!("/realtime/v1/runs/{}", a.run_fid);
     let run_b = format!("/realtime/v1/runs/{}", b.run_fid);
     let tags = "/realtime/v1/runs";
     let batch_a = format!("/realtime/v1/batches/{}", a.batch_fid);
     let batch_b = format!("/realtime/v1/batches/{}", b.batch_fid);
     let ka = a.env.api_key.as_str();
-    let m = || modern(ka);
-    let l = || legacy(ka);
+    let mut cases = Cases {
+        list: Vec::new(),
+        modern: modern(ka),
+        legacy: legacy(ka),
+    };
     let routes: Vec<(&str, String)> = vec![
         ("run", run_a.clone()),
         ("tag", format!("{tags}?tags=shared")),
         ("batch", batch_a.clone()),
     ];
-    let sep = |p: &str| if p.contains('?') { '&' } else { '?' };
 
     // ---- offsets (per route, modern 400 / legacy 422) ----
     let bad_offsets = [
@@ -203,88 +251,62 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         "1_2%20",
     ];
     for (route, p) in &routes {
+        let p = p.as_str();
+        let s = sep(p);
         for o in bad_offsets {
-            let path = format!("{p}{}offset={o}&handle=h", sep(p));
-            cases.push(case(
-                format!("{route} offset={o} modern"),
+            let path = format!("{p}{s}offset={o}&handle=h");
+            cases.both(
+                &format!("{route} offset={o}"),
                 &path,
-                m(),
                 Exp::Is(400),
-            ));
-            cases.push(case(
-                format!("{route} offset={o} legacy"),
-                &path,
-                l(),
                 Exp::Is(422),
-            ));
+            );
         }
         // A valid-looking offset without a handle.
-        let path = format!("{p}{}offset=1_0", sep(p));
-        cases.push(case(
-            format!("{route} offset w/o handle modern"),
+        let path = format!("{p}{s}offset=1_0");
+        cases.both(
+            &format!("{route} offset w/o handle"),
             &path,
-            m(),
             Exp::Is(400),
-        ));
-        cases.push(case(
-            format!("{route} offset w/o handle legacy"),
-            &path,
-            l(),
             Exp::Is(422),
-        ));
+        );
         // Huge offset value (10 KiB of digits).
-        let path = format!("{p}{}offset={}_0&handle=h", sep(p), "9".repeat(10_000));
-        cases.push(case(
-            format!("{route} huge offset"),
-            &path,
-            m(),
-            Exp::Client,
-        ));
+        let path = format!("{p}{s}offset={}_0&handle=h", "9".repeat(10_000));
+        cases.modern(format!("{route} huge offset"), &path, Exp::Client);
         // Junk handle at -1 is a fresh snapshot (docs/protocol.md §4.2).
-        let path = format!("{p}{}offset=-1&handle=junk", sep(p));
-        cases.push(case(
+        cases.modern(
             format!("{route} -1 with junk handle"),
-            &path,
-            m(),
+            at(p, "-1", "junk"),
             Exp::Is(200),
-        ));
+        );
         // Junk handle at a real offset → 409 must-refetch.
-        let path = format!("{p}{}offset=1_0&handle=junk", sep(p));
-        cases.push(case(
-            format!("{route} junk handle"),
-            &path,
-            m(),
+        cases.both(
+            &format!("{route} junk handle"),
+            &at(p, "1_0", "junk"),
             Exp::Is(409),
-        ));
-        cases.push(case(
-            format!("{route} junk handle legacy"),
-            &path,
-            l(),
             Exp::Is(409),
-        ));
+        );
         // Repeated params: last value wins.
-        let path = format!("{p}{}offset=-1&offset=zzz", sep(p));
-        cases.push(case(
+        let path = format!("{p}{s}offset=-1&offset=zzz");
+        cases.modern(
             format!("{route} repeated offset last bad"),
             &path,
-            m(),
             Exp::Is(400),
-        ));
-        let path = format!("{p}{}offset=zzz&offset=-1&live=true&live=false", sep(p));
-        cases.push(case(
+        );
+        let path = format!("{p}{s}offset=zzz&offset=-1&live=true&live=false");
+        cases.modern(
             format!("{route} repeated offset last ok"),
             &path,
-            m(),
             Exp::Is(200),
-        ));
+        );
         // Odd skipColumns: unknown names are ignored (trigger forwards them to Electric).
         for sc in ["", ",,,", "id", "nope", "%22%3Bdrop", &"x,".repeat(2000)] {
-            let path = format!("{p}{}offset=-1&skipColumns={sc}", sep(p));
+            let path = format!("{p}{s}offset=-1&skipColumns={sc}");
             let name = format!(
                 "{route} skipColumns={}",
                 sc.chars().take(12).collect::<String>()
             );
-            cases.push(case(name, &path, m(), Exp::OkOr409));
+            cases.modern(name, &path, Exp::OkOr409);
         }
         // Wrong methods.
         for method in [
@@ -293,43 +315,27 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             reqwest::Method::DELETE,
             reqwest::Method::PATCH,
         ] {
-            let mut c = case(format!("{route} {method}"), p.clone(), m(), Exp::Is(405));
-            c.method = method;
-            cases.push(c);
+            cases.modern(format!("{route} {method}"), p, Exp::Is(405));
+            cases.list.last_mut().expect("just pushed").method = method;
         }
         // Credentials.
-        let jwt_b = mint(
-            &b.env.api_key,
-            &b.env.env_id,
-            &["read:all"],
-            Duration::from_secs(900),
-        );
+        let jwt_b = mint(&b.env.api_key, &b.env.env_id, &["read:all"], TOKEN_TTL);
         let expired = mint(ka, &a.env.env_id, &["read:all"], Duration::ZERO);
-        let wrong_key = mint(
-            &b.env.api_key,
-            &a.env.env_id,
-            &["read:all"],
-            Duration::from_secs(900),
-        );
+        let wrong_key = mint(&b.env.api_key, &a.env.env_id, &["read:all"], TOKEN_TTL);
         let payload = serde_json::json!({"pub": true, "sub": a.env.env_id, "scopes": ["read:all"], "exp": 4_000_000_000u64});
+        let alg = |alg: &str| serde_json::json!({ "alg": alg });
         let none = raw_jwt(
             &serde_json::json!({"alg": "none", "typ": "JWT"}),
             &payload,
             "",
         );
-        let none2 = raw_jwt(&serde_json::json!({"alg": "none"}), &payload, "AAAA");
-        let hs512 = raw_jwt(&serde_json::json!({"alg": "HS512"}), &payload, "AAAA");
-        let rs = raw_jwt(&serde_json::json!({"alg": "RS256"}), &payload, "AAAA");
-        let sub_b = raw_jwt(
-            &serde_json::json!({"alg": "HS256"}),
-            &serde_json::json!({"pub": true, "sub": b.env.env_id, "scopes": ["read:all"]}),
-            "AAAA",
-        );
-        let no_sub = raw_jwt(
-            &serde_json::json!({"alg": "HS256"}),
-            &serde_json::json!({"pub": true}),
-            "x",
-        );
+        let none2 = raw_jwt(&alg("none"), &payload, "AAAA");
+        let hs512 = raw_jwt(&alg("HS512"), &payload, "AAAA");
+        let rs = raw_jwt(&alg("RS256"), &payload, "AAAA");
+        let claims_b =
+            serde_json::json!({"pub": true, "sub": b.env.env_id, "scopes": ["read:all"]});
+        let sub_b = raw_jwt(&alg("HS256"), &claims_b, "AAAA");
+        let no_sub = raw_jwt(&alg("HS256"), &serde_json::json!({"pub": true}), "x");
         for (what, auth) in [
             ("no auth", None),
             ("empty bearer", Some("Bearer ".to_string())),
@@ -361,7 +367,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
                 let v = v.replace('\u{1}', "%01");
                 h.push(("authorization".into(), v));
             }
-            let path = format!("{p}{}offset=-1", sep(p));
+            let path = format!("{p}{s}offset=-1");
             // Auth failures are 401 (alg-none/forged/wrong key never authenticate) — except a
             // valid JWT of B, which authenticates as B: 404 on A's run/batch, 200 (B's own
             // rows) on the tag feed — checked by the leak assertion being skipped for it.
@@ -373,7 +379,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             if what == "jwt of B" && *route == "tag" {
                 continue; // B reading B's own tag feed is legitimate.
             }
-            cases.push(case(format!("{route} auth {what}"), &path, h, exp));
+            cases.push(format!("{route} auth {what}"), &path, h, exp);
         }
         // Scopes for other resources → 403.
         for scope in [
@@ -384,14 +390,14 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             "read:runs:".to_string(),
             "read:*".to_string(),
         ] {
-            let tok = mint(ka, &a.env.env_id, &[&scope], Duration::from_secs(900));
-            let path = format!("{p}{}offset=-1", sep(p));
-            cases.push(case(
+            let tok = mint(ka, &a.env.env_id, &[&scope], TOKEN_TTL);
+            let path = format!("{p}{s}offset=-1");
+            cases.push(
                 format!("{route} scope {scope}"),
                 &path,
                 modern(&tok),
                 Exp::Is(403),
-            ));
+            );
         }
     }
 
@@ -408,164 +414,114 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             format!("/realtime/v1/batches/{}?offset=-1", b.batch_id),
         ),
     ] {
-        cases.push(case(format!("A reads {what}"), &path, m(), Exp::Is(404)));
-        cases.push(case(
-            format!("A reads {what} legacy"),
+        cases.both(
+            &format!("A reads {what}"),
             &path,
-            l(),
             Exp::Is(404),
-        ));
+            Exp::Is(404),
+        );
     }
-    let h_b_run = &b.run_handle;
-    let h_b_tag = &b.tag_handle;
-    let h_b_batch = &b.batch_handle;
+    let tags_a = format!("{tags}?tags=shared");
+    let (ea, eb) = (a.env.env_id.as_str(), b.env.env_id.as_str());
+    let b_run_on_a = at(&run_a, &b.run_offset, &b.run_handle);
     for (what, path, exp) in [
-        (
-            "B run handle on A run",
-            format!("{run_a}?offset={}&handle={}", b.run_offset, enc(h_b_run)),
-            Exp::Is(409),
-        ),
+        ("B run handle on A run", b_run_on_a.clone(), Exp::Is(409)),
         (
             "B run handle on A run live",
-            format!(
-                "{run_a}?offset={}&handle={}&live=true",
-                b.run_offset,
-                enc(h_b_run)
-            ),
+            format!("{b_run_on_a}&live=true"),
             Exp::Is(409),
         ),
         (
             "B tag handle on A tags",
-            format!(
-                "{tags}?tags=shared&offset={}&handle={}",
-                b.tag_offset,
-                enc(h_b_tag)
-            ),
+            at(&tags_a, &b.tag_offset, &b.tag_handle),
             Exp::Is(409),
         ),
         (
             "B batch handle on A batch",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                b.run_offset,
-                enc(h_b_batch)
-            ),
+            at(&batch_a, &b.run_offset, &b.batch_handle),
             Exp::Is(409),
         ),
         (
             "A run handle on A tags",
-            format!(
-                "{tags}?tags=shared&offset={}&handle={}",
-                a.run_offset,
-                enc(&a.run_handle)
-            ),
+            at(&tags_a, &a.run_offset, &a.run_handle),
             Exp::Is(409),
         ),
         (
             "A tag handle on A batch",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                a.tag_offset,
-                enc(&a.tag_handle)
-            ),
+            at(&batch_a, &a.tag_offset, &a.tag_handle),
             Exp::Is(409),
         ),
         (
             "A tag handle other tags",
-            format!(
-                "{tags}?tags=other&offset={}&handle={}",
-                a.tag_offset,
-                enc(&a.tag_handle)
-            ),
+            at(&format!("{tags}?tags=other"), &a.tag_offset, &a.tag_handle),
             Exp::Is(409),
         ),
         (
             "B handle at -1 on A",
-            format!("{run_a}?offset=-1&handle={}", enc(h_b_run)),
+            at(&run_a, "-1", &b.run_handle),
             Exp::Is(200),
         ),
         (
             "forged env B claims",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Run,
-                    &b.env.env_id,
-                    &b.run_id
-                ))
+            at(
+                &run_a,
+                &a.run_offset,
+                &forged_handle(HANDLE_SECRET, FeedKind::Run, eb, &b.run_id),
             ),
             Exp::Is(409),
         ),
         (
             "forged A env, B target",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Run,
-                    &a.env.env_id,
-                    &b.run_id
-                ))
+            at(
+                &run_a,
+                &a.run_offset,
+                &forged_handle(HANDLE_SECRET, FeedKind::Run, ea, &b.run_id),
             ),
             Exp::Is(409),
         ),
         (
             "forged batch A env B target",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Batch,
-                    &a.env.env_id,
-                    &b.batch_id
-                ))
+            at(
+                &batch_a,
+                &a.run_offset,
+                &forged_handle(HANDLE_SECRET, FeedKind::Batch, ea, &b.batch_id),
             ),
             Exp::Is(409),
         ),
         (
             "wrong-secret handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    "not-the-secret",
-                    FeedKind::Run,
-                    &a.env.env_id,
-                    &a.run_id
-                ))
+            at(
+                &run_a,
+                &a.run_offset,
+                &forged_handle("not-the-secret", FeedKind::Run, ea, &a.run_id),
             ),
             Exp::Is(409),
         ),
         (
             "truncated handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&a.run_handle[..a.run_handle.len() / 2])
+            at(
+                &run_a,
+                &a.run_offset,
+                &a.run_handle[..a.run_handle.len() / 2],
             ),
             Exp::Is(409),
         ),
         (
             "huge handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                "h".repeat(7000)
-            ),
+            at(&run_a, &a.run_offset, &"h".repeat(7000)),
             Exp::Is(409),
         ),
         (
             "shape_id B",
-            format!("{run_a}?offset={}&shape_id={}", b.run_offset, enc(h_b_run)),
+            format!(
+                "{run_a}?offset={}&shape_id={}",
+                b.run_offset,
+                enc(&b.run_handle)
+            ),
             Exp::Is(409),
         ),
     ] {
-        cases.push(case(format!("handle: {what}"), &path, m(), exp));
-        cases.push(case(format!("handle: {what} legacy"), &path, l(), exp));
+        cases.both(&format!("handle: {what}"), &path, exp, exp);
     }
 
     // ---- tags and createdAt ----
@@ -607,14 +563,12 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         ("1000 tags", &vec!["t"; 1000].join(","), Exp::Is(400)),
     ] {
         let path = format!("{tags}?tags={t}&offset=-1");
-        let modern_exp = exp;
         let legacy_exp = if exp == Exp::Is(400) {
             Exp::Is(422)
         } else {
             exp
         };
-        cases.push(case(format!("tags {what}"), &path, m(), modern_exp));
-        cases.push(case(format!("tags {what} legacy"), &path, l(), legacy_exp));
+        cases.both(&format!("tags {what}"), &path, exp, legacy_exp);
     }
     for (what, c, exp) in [
         // Saturates, then is clamped to the lookback ceiling.
@@ -629,14 +583,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         ("long", &"1h".repeat(3000), Exp::Client),
     ] {
         let path = format!("{tags}?tags=shared&createdAt={c}&offset=-1");
-        let legacy_exp = if exp == Exp::Client { Exp::Client } else { exp };
-        cases.push(case(format!("createdAt {what}"), &path, m(), exp));
-        cases.push(case(
-            format!("createdAt {what} legacy"),
-            &path,
-            l(),
-            legacy_exp,
-        ));
+        cases.both(&format!("createdAt {what}"), &path, exp, exp);
     }
 
     // ---- paths, branches, misc ----
@@ -683,7 +630,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         ),
         (
             "url 64 KiB",
-            format!("/realtime/v1/runs?tags={}", "t,".repeat(32_000)),
+            format!("{tags}?tags={}", "t,".repeat(32_000)),
             Exp::Is(414),
         ),
         (
@@ -708,33 +655,28 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             Exp::OkOr409,
         ),
     ] {
-        cases.push(case(format!("path {what}"), &path, m(), exp));
-        cases.push(case(format!("path {what} legacy"), &path, l(), exp));
+        cases.both(&format!("path {what}"), &path, exp, exp);
     }
     for (what, branch) in [
         ("unknown branch", "nope"),
         ("sql branch", "x'; DROP TABLE x;--"),
         ("long branch", &"b".repeat(3000)),
     ] {
-        let h = with(m(), "x-trigger-branch", branch);
-        cases.push(case(
+        let h = with(modern(ka), "x-trigger-branch", branch);
+        cases.push(
             format!("branch {what}"),
             format!("{run_a}?offset=-1"),
             h,
             Exp::Client,
-        ));
+        );
     }
     // Header bytes over `max_header_bytes` (32 KiB) → 431 JSON, modern and legacy.
-    for (what, h) in [("modern", m()), ("legacy", l())] {
+    for (what, h) in [("modern", modern(ka)), ("legacy", legacy(ka))] {
         let h = with(h, "x-pad", &"p".repeat(40_000));
-        cases.push(case(
-            format!("headers over 32 KiB {what}"),
-            format!("{run_a}?offset=-1"),
-            h,
-            Exp::Is(431),
-        ));
+        let name = format!("headers over 32 KiB {what}");
+        cases.push(name, format!("{run_a}?offset=-1"), h, Exp::Is(431));
     }
-    cases
+    cases.list
 }
 
 fn rss_bytes() -> u64 {

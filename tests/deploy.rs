@@ -7,11 +7,14 @@
 //! Every checker returns the problems it found; each has a test on the real file and one on a
 //! small bad input, so a checker that cannot fail is caught too.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use clap::{CommandFactory, Parser};
+use common::checks::{assert_exactly, assert_found, assert_found_all, assert_none, services};
 use runfeed::cli::{Cli, Command};
 use serde_yaml::Value;
 
@@ -36,21 +39,6 @@ fn dockerfile() -> Vec<Instr> {
 }
 
 /// Fails with every problem listed.
-fn assert_none(what: &str, problems: Vec<String>) {
-    assert!(
-        problems.is_empty(),
-        "{what}:\n  - {}",
-        problems.join("\n  - ")
-    );
-}
-
-/// Fails unless some problem contains `needle`.
-fn assert_found(problems: &[String], needle: &str) {
-    assert!(
-        problems.iter().any(|p| p.contains(needle)),
-        "expected a problem mentioning {needle:?}, got {problems:#?}"
-    );
-}
 
 // ---------------------------------------------------------------------------------------------
 // Environment, the CLI parser and the configuration loader
@@ -178,15 +166,6 @@ fn parse_compose(text: &str) -> Result<Value, String> {
         Some(Value::Mapping(m)) if !m.is_empty() => Ok(doc),
         _ => Err("no `services` mapping".into()),
     }
-}
-
-fn services(doc: &Value) -> Vec<(String, &Value)> {
-    doc["services"]
-        .as_mapping()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| (k.as_str().unwrap_or("?").to_string(), v))
-        .collect()
 }
 
 fn service<'a>(doc: &'a Value, name: &str) -> Option<&'a Value> {
@@ -1076,9 +1055,7 @@ fn compose_depends_on_check_catches_unknown_service() {
     )
     .unwrap();
     let problems = check_depends_on(&doc);
-    assert_found(&problems, "depends on nope");
-    assert_found(&problems, "depends on gone");
-    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert_exactly(&problems, &["depends on nope", "depends on gone"]);
 }
 
 #[test]
@@ -1122,10 +1099,14 @@ fn compose_bind_mount_check_catches_missing_paths() {
     )
     .unwrap();
     let problems = check_bind_mounts(&doc, &repo());
-    assert_found(&problems, "./no/such/file");
-    assert_found(&problems, "./missing-too");
-    assert_found(&problems, "/etc/passwd is outside the repository");
-    assert_eq!(problems.len(), 3, "{problems:?}");
+    assert_exactly(
+        &problems,
+        &[
+            "./no/such/file",
+            "./missing-too",
+            "/etc/passwd is outside the repository",
+        ],
+    );
 }
 
 #[test]
@@ -1148,11 +1129,15 @@ fn compose_command_check_catches_bad_flags() {
     )
     .unwrap();
     let problems = check_runfeed_commands(&doc, &["runfeed".into()]);
-    assert_found(&problems, "service a: the CLI rejects");
-    assert_found(&problems, "service b: listen address \"nowhere\"");
-    assert_found(&problems, "service c: the CLI rejects");
-    assert_found(&problems, "service d: the CLI rejects"); // --scope is required
-    assert_eq!(problems.len(), 4, "{problems:?}");
+    assert_exactly(
+        &problems,
+        &[
+            "service a: the CLI rejects",
+            "service b: listen address \"nowhere\"",
+            "service c: the CLI rejects",
+            "service d: the CLI rejects", // --scope is required
+        ],
+    );
 }
 
 #[test]
@@ -1200,12 +1185,16 @@ fn env_check_catches_unknown_keys_and_bad_values() {
         ("RUST_LOG".to_string(), "info".to_string()),
     ]);
     let problems = check_config_env("test", &env);
-    assert_found(&problems, "RUNFEED_TELEMETRY__ADMIN_LISTN");
-    assert_found(&problems, "RUNFEED_NOPE__X");
-    assert_found(&problems, "RUNFEED_FEEDS__MAX_TAGS=many");
-    assert_found(&problems, "RUNFEED_TELEMETRY__LOG_FORMAT=xml");
-    assert_found(&problems, "RUNFEED_ADMIN_LISTEN is neither");
-    assert_eq!(problems.len(), 5, "{problems:#?}");
+    assert_exactly(
+        &problems,
+        &[
+            "RUNFEED_TELEMETRY__ADMIN_LISTN",
+            "RUNFEED_NOPE__X",
+            "RUNFEED_FEEDS__MAX_TAGS=many",
+            "RUNFEED_TELEMETRY__LOG_FORMAT=xml",
+            "RUNFEED_ADMIN_LISTEN is neither",
+        ],
+    );
 }
 
 #[test]
@@ -1223,9 +1212,8 @@ fn compose_primary_check_catches_missing_wal_level() {
     )
     .unwrap();
     let problems = check_primary_postgres(&doc);
-    assert_found(&problems, "wal_level=logical");
-    assert_found(&problems, "max_wal_senders");
-    assert_found(&problems, "host replication");
+    let needles = ["wal_level=logical", "max_wal_senders", "host replication"];
+    assert_found_all(&problems, &needles);
     assert_eq!(
         pg_settings(&[
             "postgres".into(),
@@ -1276,14 +1264,15 @@ fn compose_replica_check_catches_missing_or_wrong_replica() {
         "{base}  replica:\n    image: postgres:15\n  runfeed:\n    <<: *rf\n    command: [serve]\n    environment:\n      DATABASE_URL: postgres://postgres@db/x\n      DATABASE_READ_REPLICA_URL: postgres://postgres@replica/x\n"
     ))
     .unwrap();
-    let problems = check_replica(&doc, &repo());
-    assert_found(&problems, "does not clone db");
-    assert_found(&problems, "service replica has no healthcheck");
-    assert_found(&problems, "service replica does not depend on db");
-    assert_found(&problems, "service runfeed does not depend on replica");
-    assert_found(
-        &problems,
-        "service migrate (migrate) must use the primary db",
+    assert_found_all(
+        &check_replica(&doc, &repo()),
+        &[
+            "does not clone db",
+            "service replica has no healthcheck",
+            "service replica does not depend on db",
+            "service runfeed does not depend on replica",
+            "service migrate (migrate) must use the primary db",
+        ],
     );
 }
 

@@ -166,14 +166,7 @@ mod tests {
     use tokio::time::{timeout, Instant};
 
     fn rec(run: &str, ms: Option<i64>) -> ChangeRecord {
-        ChangeRecord {
-            v: 1,
-            run_id: run.into(),
-            env_id: "e".into(),
-            tags: None,
-            batch_id: None,
-            updated_at_ms: ms,
-        }
+        ChangeRecord::test_record(run, None, ms)
     }
 
     async fn recv(rx: &mut mpsc::UnboundedReceiver<Batch>) -> Batch {

@@ -436,6 +436,26 @@ pub struct TestServer {
     pub config: Config,
 }
 
+/// One run of a new environment, followed on its run feed by a modern client with a
+/// `read:runs` token: the headers, the feed and its (200) snapshot.
+pub struct FollowedRun {
+    pub env: DemoEnv,
+    pub run: CreatedRun,
+    pub headers: Vec<(String, String)>,
+    pub url: Url,
+    pub snap: Resp,
+}
+
+/// One run tagged `tag` of a new environment and the snapshots of its run feed and of the tag
+/// feed, taken by a client with `headers`.
+pub struct RunAndTagSnapshots {
+    pub env: DemoEnv,
+    pub run: CreatedRun,
+    pub headers: Vec<(String, String)>,
+    /// `(run feed, its snapshot)`, then `(tag feed, its snapshot)`.
+    pub feeds: Vec<(Url, Resp)>,
+}
+
 /// Another runfeed instance on the same database (instance hop, restart).
 pub struct Peer {
     pub running: Running,
@@ -446,6 +466,29 @@ impl TestServer {
     /// A server with the given live hold (ms) and otherwise [`test_config`] defaults.
     pub async fn start(hold_ms: u64) -> TestServer {
         Self::start_with(hold_ms, |_| {}).await
+    }
+
+    /// A server with the given live hold and a new environment on it.
+    pub async fn with_env(hold_ms: u64) -> (TestServer, DemoEnv) {
+        let srv = Self::start(hold_ms).await;
+        let env = srv.env().await;
+        (srv, env)
+    }
+
+    /// A server that routes every change record on its own (no coalescing window), with the
+    /// given live hold, and a new environment on it.
+    pub async fn uncoalesced_with_env(hold_ms: u64) -> (TestServer, DemoEnv) {
+        Self::start_with_env(hold_ms, |c| c.router.env_wake_coalesce_window_ms = 0).await
+    }
+
+    /// [`TestServer::start_with`] and a new environment on the server.
+    pub async fn start_with_env(
+        hold_ms: u64,
+        tweak: impl FnOnce(&mut Config),
+    ) -> (TestServer, DemoEnv) {
+        let srv = Self::start_with(hold_ms, tweak).await;
+        let env = srv.env().await;
+        (srv, env)
     }
 
     /// A server with the given live hold; `tweak` edits the config before start.
@@ -596,9 +639,76 @@ impl TestServer {
         made("create run", fixtures::create_run(self.pool(), env, spec)).await
     }
 
+    /// A new environment's run and its run feed's snapshot (see [`FollowedRun`]).
+    pub async fn follow_new_run(&self) -> FollowedRun {
+        let env = self.env().await;
+        let run = self.run(&env, RunSpec::default()).await;
+        let headers = modern(&self.token(&env, &["read:runs"]));
+        let url = run_url(&run.friendly_id);
+        let snap = self.fetch(&url.snapshot(), &headers).await;
+        snap.assert_status(200);
+        FollowedRun {
+            env,
+            run,
+            headers,
+            url,
+            snap,
+        }
+    }
+
+    /// See [`RunAndTagSnapshots`]; `headers_of` builds the client's headers from the
+    /// environment's secret key ([`modern`] or [`legacy`]).
+    pub async fn run_and_tag_snapshots(
+        &self,
+        tag: &str,
+        headers_of: fn(&str) -> Vec<(String, String)>,
+    ) -> RunAndTagSnapshots {
+        let env = self.env().await;
+        let run = self.tagged_run(&env, &[tag]).await;
+        let headers = headers_of(&env.api_key);
+        let mut feeds = Vec::new();
+        for url in [run_url(&run.friendly_id), tag_url(tag)] {
+            let snap = self.fetch(&url.snapshot(), &headers).await;
+            feeds.push((url, snap));
+        }
+        RunAndTagSnapshots {
+            env,
+            run,
+            headers,
+            feeds,
+        }
+    }
+
+    /// `N` runs of `env` with the fixture defaults.
+    pub async fn default_runs<const N: usize>(&self, env: &DemoEnv) -> [CreatedRun; N] {
+        let mut runs = Vec::with_capacity(N);
+        for _ in 0..N {
+            runs.push(self.run(env, RunSpec::default()).await);
+        }
+        runs.try_into().expect("N runs")
+    }
+
+    /// A public access token of `env` scoped to `run` alone (`read:runs:<friendly id>`).
+    pub fn run_token(&self, env: &DemoEnv, run: &CreatedRun) -> String {
+        token(env, &[&format!("read:runs:{}", run.friendly_id)])
+    }
+
     /// A PENDING run with `tags`.
     pub async fn tagged_run(&self, env: &DemoEnv, tags: &[&str]) -> CreatedRun {
         self.run(env, tagged(tags)).await
+    }
+
+    /// `N` PENDING runs, each with `tags`.
+    pub async fn tagged_runs<const N: usize>(
+        &self,
+        env: &DemoEnv,
+        tags: &[&str],
+    ) -> [CreatedRun; N] {
+        let mut runs = Vec::with_capacity(N);
+        for _ in 0..N {
+            runs.push(self.tagged_run(env, tags).await);
+        }
+        runs.try_into().expect("N runs")
     }
 
     /// A run without tags in the batch with internal id `batch_id`.

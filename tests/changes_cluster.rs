@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{modern, op, run_url, within, Resp, TestServer};
+use common::{op, within, FollowedRun, Resp, TestServer};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use fred::util::redis_keyslot;
@@ -27,7 +27,6 @@ use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
 use runfeed::redis::{
     publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
-use runfeed_dev::fixtures::RunSpec;
 use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
@@ -705,13 +704,14 @@ async fn live_poll_woken_over_sharded_pubsub_across_a_node_restart() {
     })
     .await;
     let publisher = publisher(&sharded(&c.url)).await;
-    let env = srv.env().await;
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url: feed,
+        snap,
+    } = srv.follow_new_run().await;
     let owner = owner_port(&c.owners, &env.env_id);
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let feed = run_url(&run.friendly_id);
-    let snap = srv.fetch(&feed.snapshot(), &h).await;
-    snap.assert_status(200);
     let what = format!("the server never SSUBSCRIBEd on node {owner}");
     let subscribed = || {
         eventually(&what, Duration::from_millis(10), || async {

@@ -27,8 +27,7 @@ use tokio::time::Instant;
 /// `<updatedAtMs>_<seq>`, schema and up-to-date headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_01_snapshot_insert_then_up_to_date() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let spec = RunSpec {
         status: "EXECUTING".into(),
         ..tagged(&["x"])
@@ -71,8 +70,7 @@ async fn run_01_snapshot_insert_then_up_to_date() {
 /// RUN-01 / ROUTE-01: an unknown run is a 404 JSON with `x-should-retry: false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_01_missing_run_is_404() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let r = srv
         .fetch(
             &run_url("run_doesnotexist0000000000").snapshot(),
@@ -92,8 +90,7 @@ async fn run_01_missing_run_is_404() {
 /// snapshots carry one `insert` per run, newest first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_headers_for_each_feed_kind() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let now = runfeed::clock::now_ms();
     let aged = |age_ms: i64| RunSpec {
@@ -135,8 +132,7 @@ async fn snapshot_headers_for_each_feed_kind() {
 /// TAG-03, SER-12: a tag feed with no matching run is a bare up-to-date with offset `0_…`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_03_empty_tag_feed_is_bare_up_to_date_offset_zero() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     srv.tagged_run(&env, &["other"]).await;
     let r = srv
         .fetch(&tag_url("nomatch").snapshot(), &modern(&env.api_key))
@@ -164,8 +160,7 @@ async fn tag_03_empty_tag_feed_is_bare_up_to_date_offset_zero() {
 /// handle and the same offset watermark — for all three feed kinds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_04_live_hold_without_change_answers_up_to_date_after_hold() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (run, _, batch_fid) = srv.batched_run(&env, &["h"]).await;
     let h = modern(&env.api_key);
     for url in feed_urls(&run.friendly_id, "h", &batch_fid) {
@@ -207,12 +202,13 @@ async fn scenario_04_live_hold_without_change_answers_up_to_date_after_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
     let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let url = run_url(&run.friendly_id);
-    let snap = srv.fetch(&url.snapshot(), &h).await;
-    snap.assert_status(200);
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url,
+        snap,
+    } = srv.follow_new_run().await;
     srv.wait_subscribed(&env.env_id).await;
 
     let poll = async {
@@ -248,10 +244,8 @@ async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
 /// saw arrives as `insert`; unchanged runs are not re-sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_03_tag_wake_diffs_insert_vs_update() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
-    let known = srv.tagged_run(&env, &["t"]).await;
-    let quiet = srv.tagged_run(&env, &["t"]).await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
+    let [known, quiet] = srv.tagged_runs(&env, &["t"]).await;
     let h = modern(&srv.token(&env, &["read:tags:t"]));
     let url = tag_url("t");
     let snap = srv.fetch(&url.snapshot(), &h).await;
@@ -309,8 +303,7 @@ async fn live_03_tag_wake_diffs_insert_vs_update() {
 /// must deliver the change again; polling with the new offset then re-sends nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
-    let srv = TestServer::start(3_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(3_000).await;
     let run = srv.tagged_run(&env, &["w"]).await;
     let h = modern(&env.api_key);
     let url = tag_url("w");
@@ -346,11 +339,9 @@ async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
     let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["c"]).await;
-    let h = modern(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("c")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let snapshots = srv.run_and_tag_snapshots("c", modern).await;
+    let (env, run, h) = (&snapshots.env, &snapshots.run, &snapshots.headers);
+    for (url, snap) in &snapshots.feeds {
         // Scenario 8: resume with cursor, no live.
         let resume = url
             .clone()
@@ -392,8 +383,7 @@ async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
 /// `table`) never cause an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_13_extra_protocol_params_tolerated() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let url = run_url(&run.friendly_id)
         .q("log", "full")
@@ -414,8 +404,7 @@ async fn scenario_13_extra_protocol_params_tolerated() {
 /// TAG-03, LST-01: contains-ALL — a run with only tag `a` is not in `tags=a,b`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_03_contains_all_requested_tags() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let ab = srv.tagged_run(&env, &["a", "b"]).await;
     let abc = srv.tagged_run(&env, &["c", "b", "a"]).await;
     let a_only = srv.tagged_run(&env, &["a"]).await;
@@ -441,8 +430,7 @@ async fn tag_03_contains_all_requested_tags() {
 /// is in the default 24 h window and in `createdAt=3h`; older than 24 h is never included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_01_created_at_floor_excludes_older_runs() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let now = runfeed::clock::now_ms();
     let fresh = srv.run(&env, tagged_aged(&["f"], now, 5 * 60_000)).await;
     let two_h = srv.run(&env, tagged_aged(&["f"], now, 2 * 3_600_000)).await;
@@ -473,8 +461,7 @@ async fn tag_01_created_at_floor_excludes_older_runs() {
 /// for modern clients, 422 for legacy clients (which loop on 400); JSON `{"error":…}`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_02_bad_tag_is_400_modern_422_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     for bad in ["a,,b", "a,", ",a", "a\"b", "a\\b", "a\u{1}b", "a\u{7f}"] {
         let url = tag_url(bad).snapshot();
         srv.assert_bad_input(&url, &env.api_key, &format!("{bad:?}"))
@@ -490,8 +477,7 @@ async fn route_02_bad_tag_is_400_modern_422_legacy() {
 /// Bad `createdAt` (not the duration grammar) → 400 modern / 422 legacy (scenario 17).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     for bad in ["abc", "1y", "1.5h", "1 h", "-1h", "1H"] {
         let url = tag_url("a").q("createdAt", bad).snapshot();
         srv.assert_bad_input(&url, &env.api_key, &format!("createdAt={bad}"))
@@ -511,8 +497,7 @@ async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
 /// `read:tags` token grants it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let other_env = srv.env().await;
     let r1 = srv.tagged_run(&env, &["a"]).await;
     let r2 = srv.run(&env, RunSpec::default()).await;
@@ -538,8 +523,7 @@ async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
 /// as `insert`; a run tagged only `a` never does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never() {
-    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(2_000).await;
     let existing = srv.tagged_run(&env, &["a", "b"]).await;
     let h = modern(&srv.token(&env, &["read:tags:b"]));
     let url = tag_url("a,b");
@@ -580,8 +564,7 @@ async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never
 /// receive a change (one subscriber's delivery never suppresses the other's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_23_two_batch_subscribers_both_receive_change() {
-    let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(10_000).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let r1 = srv.batch_run(&env, &batch_id).await;
     let r2 = srv.batch_run(&env, &batch_id).await;
@@ -618,8 +601,7 @@ async fn scenario_23_two_batch_subscribers_both_receive_change() {
 /// ROUTE-03: an unknown batch (or another environment's) → 404 with `x-should-retry: true`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_03_unknown_batch_is_404_should_retry() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let other = srv.env().await;
     let (_, foreign_fid) = srv.batch(&other).await;
     for fid in ["batch_doesnotexist000000000", foreign_fid.as_str()] {
@@ -700,11 +682,9 @@ async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_11_unknown_handle_is_409_must_refetch() {
     let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["u"]).await;
-    let h = modern(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("u")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let snapshots = srv.run_and_tag_snapshots("u", modern).await;
+    let (run, h) = (&snapshots.run, &snapshots.headers);
+    for (url, snap) in &snapshots.feeds {
         let good = snap.handle();
         // Tamper with one payload character.
         let mut bytes = good.clone().into_bytes();
@@ -754,8 +734,7 @@ async fn scenario_11_unknown_handle_is_409_must_refetch() {
 /// Scenario 12: `offset=-1` with a stale handle is an initial snapshot (200), not 400/409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_12_initial_request_with_stale_handle_is_snapshot() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (run, _, batch_fid) = srv.batched_run(&env, &["z"]).await;
     for url in feed_urls(&run.friendly_id, "z", &batch_fid) {
         let r = srv
@@ -777,8 +756,7 @@ async fn scenario_12_initial_request_with_stale_handle_is_snapshot() {
 /// for legacy clients (no `x-trigger-electric-version`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_17_malformed_offset_and_offset_without_handle() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (_, batch_fid) = srv.batch(&env).await;
     let run = srv.tagged_run(&env, &["o"]).await;
     for url in feed_urls(&run.friendly_id, "o", &batch_fid) {
@@ -815,8 +793,7 @@ async fn scenario_17_malformed_offset_and_offset_without_handle() {
 /// `{"error": …}` with CORS headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let scopes = ["read:runs"];
     let expired = mint(&env.api_key, &env.env_id, &scopes, Duration::ZERO);
@@ -874,8 +851,7 @@ async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
 /// Secret (root) keys read every feed (permissive ability).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_secret_key_reads_every_feed() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (run, _, batch_fid) = srv.batched_run(&env, &["k"]).await;
     for url in [
         run_url(&run.friendly_id),
@@ -899,7 +875,7 @@ async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
     let run_b = srv.run(&env_b, RunSpec::default()).await;
     for cred in [
         srv.token(&env_a, &["read:runs"]),
-        srv.token(&env_a, &[&format!("read:runs:{}", run_b.friendly_id)]),
+        srv.run_token(&env_a, &run_b),
         env_a.api_key.clone(),
     ] {
         let r = srv
@@ -914,11 +890,9 @@ async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
 /// Scenario 15, docs/trigger-dev.md §2.1 step 7: a JWT scoped to another run → 403 with trigger's body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_15_jwt_scoped_to_another_run_is_403() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let r1 = srv.run(&env, RunSpec::default()).await;
-    let r2 = srv.run(&env, RunSpec::default()).await;
-    let tok = srv.token(&env, &[&format!("read:runs:{}", r2.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [r1, r2] = srv.default_runs(&env).await;
+    let tok = srv.run_token(&env, &r2);
     let r = srv
         .fetch(&run_url(&r1.friendly_id).snapshot(), &modern(&tok))
         .await;
@@ -936,8 +910,7 @@ async fn scenario_15_jwt_scoped_to_another_run_is_403() {
 /// docs/trigger-dev.md §2.4–2.5: which scopes grant the run, tag and batch routes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let spec = RunSpec {
         task_identifier: "my-task".into(),
@@ -947,84 +920,70 @@ async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
     let other = srv.run(&env, RunSpec::default()).await;
     let (_, other_batch) = srv.batch(&env).await;
     let rf = run.friendly_id.clone();
-
-    let check = |url: Url, scope: String, want: u16| {
-        let srv = &srv;
-        let env = &env;
-        async move {
-            let tok = srv.token(env, &[scope.as_str()]);
-            let r = srv.fetch(&url.snapshot(), &modern(&tok)).await;
-            assert_eq!(
-                r.status,
-                want,
-                "{} with scope {scope:?}: {}",
-                url.render(),
-                r.text
-            );
-        }
+    // In the scopes below, {run}, {batch}, {other_run} and {other_batch} stand for the ids.
+    let ids = |scope: &str| {
+        scope
+            .replace("{run}", &rf)
+            .replace("{batch}", &batch_fid)
+            .replace("{other_run}", &other.friendly_id)
+            .replace("{other_batch}", &other_batch)
     };
+    let run_route = run_url(&rf);
+    let tag_route = tag_url("a,b");
+    let list = Url::new("/realtime/v1/runs");
+    let batch_route = batch_url(&batch_fid);
 
-    // Run route (ROUTE-01).
-    for (scope, want) in [
-        (format!("read:runs:{rf}"), 200),
-        ("read:runs".into(), 200),
-        ("read:tasks".into(), 200),
-        ("read:tasks:my-task".into(), 200),
-        ("read:tags".into(), 200),
-        ("read:tags:b".into(), 200),
-        ("read:batch".into(), 200),
-        (format!("read:batch:{batch_fid}"), 200),
-        ("read:all".into(), 200),
-        ("admin".into(), 200),
-        (format!("read:runs:{}", other.friendly_id), 403),
-        ("read:tasks:other-task".into(), 403),
-        ("read:tags:c".into(), 403),
-        (format!("read:batch:{other_batch}"), 403),
-        ("write:runs".into(), 403),
-        ("read".into(), 403),
-        ("admin:runs".into(), 403),
+    for (url, scope, want) in [
+        // Run route (ROUTE-01).
+        (&run_route, "read:runs:{run}", 200),
+        (&run_route, "read:runs", 200),
+        (&run_route, "read:tasks", 200),
+        (&run_route, "read:tasks:my-task", 200),
+        (&run_route, "read:tags", 200),
+        (&run_route, "read:tags:b", 200),
+        (&run_route, "read:batch", 200),
+        (&run_route, "read:batch:{batch}", 200),
+        (&run_route, "read:all", 200),
+        (&run_route, "admin", 200),
+        (&run_route, "read:runs:{other_run}", 403),
+        (&run_route, "read:tasks:other-task", 403),
+        (&run_route, "read:tags:c", 403),
+        (&run_route, "read:batch:{other_batch}", 403),
+        (&run_route, "write:runs", 403),
+        (&run_route, "read", 403),
+        (&run_route, "admin:runs", 403),
+        // Tag route (ROUTE-02): runs, type-level tags, or one of the filter's tags.
+        (&tag_route, "read:runs", 200),
+        (&tag_route, "read:tags", 200),
+        (&tag_route, "read:tags:a", 200),
+        (&tag_route, "read:tags:b", 200),
+        (&tag_route, "read:all", 200),
+        (&tag_route, "admin", 200),
+        (&tag_route, "read:tags:c", 403),
+        (&tag_route, "read:runs:{run}", 403),
+        (&tag_route, "read:tasks", 403),
+        (&tag_route, "read:batch", 403),
+        (&tag_route, "write:tags", 403),
+        // Unfiltered list: read:tags or read:runs; a tag-scoped token does not grant it.
+        (&list, "read:tags", 200),
+        (&list, "read:runs", 200),
+        (&list, "read:tags:a", 403),
+        (&list, "read:runs:{run}", 403),
+        // Batch route (ROUTE-03): batch (type or id) or runs.
+        (&batch_route, "read:batch", 200),
+        (&batch_route, "read:batch:{batch}", 200),
+        (&batch_route, "read:runs", 200),
+        (&batch_route, "read:all", 200),
+        (&batch_route, "read:batch:{other_batch}", 403),
+        (&batch_route, "read:runs:{run}", 403),
+        (&batch_route, "read:tags", 403),
+        (&batch_route, "read:tasks", 403),
     ] {
-        check(run_url(&rf), scope, want).await;
-    }
-
-    // Tag route (ROUTE-02): runs, type-level tags, or one of the filter's tags.
-    for (scope, want) in [
-        ("read:runs".into(), 200),
-        ("read:tags".into(), 200),
-        ("read:tags:a".into(), 200),
-        ("read:tags:b".into(), 200),
-        ("read:all".into(), 200),
-        ("admin".into(), 200),
-        ("read:tags:c".into(), 403),
-        (format!("read:runs:{rf}"), 403),
-        ("read:tasks".into(), 403),
-        ("read:batch".into(), 403),
-        ("write:tags".into(), 403),
-    ] {
-        check(tag_url("a,b"), scope, want).await;
-    }
-    // Unfiltered list: read:tags or read:runs; a tag-scoped token does not grant it.
-    for (scope, want) in [
-        ("read:tags".to_string(), 200),
-        ("read:runs".into(), 200),
-        ("read:tags:a".into(), 403),
-        (format!("read:runs:{rf}"), 403),
-    ] {
-        check(Url::new("/realtime/v1/runs"), scope, want).await;
-    }
-
-    // Batch route (ROUTE-03): batch (type or id) or runs.
-    for (scope, want) in [
-        ("read:batch".into(), 200),
-        (format!("read:batch:{batch_fid}"), 200),
-        ("read:runs".into(), 200),
-        ("read:all".into(), 200),
-        (format!("read:batch:{other_batch}"), 403),
-        (format!("read:runs:{rf}"), 403),
-        ("read:tags".into(), 403),
-        ("read:tasks".into(), 403),
-    ] {
-        check(batch_url(&batch_fid), scope, want).await;
+        let scope = ids(scope);
+        let tok = srv.token(&env, &[scope.as_str()]);
+        let r = srv.fetch(&url.snapshot(), &modern(&tok)).await;
+        let what = format!("{} with scope {scope:?}", url.render());
+        assert_eq!(r.status, want, "{what}: {}", r.text);
     }
 }
 
@@ -1032,41 +991,44 @@ async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
 /// scopes (403).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_order_401_then_400_then_404_then_403() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let elsewhere = srv.run(&env, RunSpec::default()).await;
-    let scoped = srv.token(&env, &[&format!("read:runs:{}", elsewhere.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [run, elsewhere] = srv.default_runs(&env).await;
+    let scoped = modern(&srv.run_token(&env, &elsewhere));
     let unknown = run_url("run_unknown000000000000000");
-
-    // Bad credentials beat everything.
-    srv.fetch(&unknown.clone().q("offset", "abc"), &modern("garbage"))
-        .await
-        .assert_status(401);
-    // Then parsing beats the lookup.
-    srv.fetch(&unknown.clone().q("offset", "abc"), &modern(&scoped))
-        .await
-        .assert_status(400);
-    srv.fetch(
-        &tag_url("a,,b").q("offset", "abc"),
-        &modern(&srv.token(&env, &["read:batch"])),
-    )
-    .await
-    .assert_status(400);
-    // Then the lookup beats the scope check.
-    srv.fetch(&unknown.snapshot(), &modern(&scoped))
-        .await
-        .assert_status(404);
-    srv.fetch(
-        &batch_url("batch_unknown00000000000000").snapshot(),
-        &modern(&scoped),
-    )
-    .await
-    .assert_status(404);
-    // Finally scopes.
-    srv.fetch(&run_url(&run.friendly_id).snapshot(), &modern(&scoped))
-        .await
-        .assert_status(403);
+    let bad_offset = unknown.clone().q("offset", "abc");
+    let batch_scope = modern(&srv.token(&env, &["read:batch"]));
+    let unknown_batch = batch_url("batch_unknown00000000000000").snapshot();
+    for (what, url, headers, status) in [
+        (
+            "bad credentials beat everything",
+            &bad_offset,
+            &modern("garbage"),
+            401,
+        ),
+        ("then parsing beats the lookup", &bad_offset, &scoped, 400),
+        (
+            "… on the tag route too",
+            &tag_url("a,,b").q("offset", "abc"),
+            &batch_scope,
+            400,
+        ),
+        (
+            "then the lookup beats the scope check",
+            &unknown.snapshot(),
+            &scoped,
+            404,
+        ),
+        ("… on the batch route too", &unknown_batch, &scoped, 404),
+        (
+            "finally scopes",
+            &run_url(&run.friendly_id).snapshot(),
+            &scoped,
+            403,
+        ),
+    ] {
+        let r = srv.fetch(url, headers).await;
+        assert_eq!(r.status, status, "{what}: {}", r.text);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1079,11 +1041,13 @@ async fn auth_order_401_then_400_then_404_then_403() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_02_legacy_client_gets_shape_id_and_chunk_last_offset() {
     let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["l"]).await;
-    let h = legacy(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("l")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let RunAndTagSnapshots {
+        run,
+        headers: h,
+        feeds,
+        ..
+    } = srv.run_and_tag_snapshots("l", legacy).await;
+    for (url, snap) in feeds {
         snap.assert_status(200);
         let shape_id = snap
             .header("electric-shape-id")
@@ -1145,8 +1109,7 @@ async fn hdr_02_legacy_client_gets_shape_id_and_chunk_last_offset() {
 /// `EXECUTING` (not inside string columns); the current version `2025-07-16` keeps `DEQUEUED`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_04_legacy_api_version_rewrites_dequeued() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let meta = r#"{"status":"DEQUEUED"}"#;
     let spec = RunSpec {
         status: "DEQUEUED".into(),
@@ -1189,8 +1152,7 @@ async fn hdr_04_legacy_api_version_rewrites_dequeued() {
 /// createdAt) are never skipped; unknown names are ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.tagged_run(&env, &["s"]).await;
     let skip = "payload, output,id,status,createdAt,taskIdentifier,friendlyId,nope, metadata ";
     for url in [run_url(&run.friendly_id), tag_url("s")] {
@@ -1210,15 +1172,7 @@ async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
             assert!(!value.contains_key(gone), "{gone} in value");
             assert!(schema.get(gone).is_none(), "{gone} in schema");
         }
-        for kept in [
-            "id",
-            "status",
-            "createdAt",
-            "taskIdentifier",
-            "friendlyId",
-            "updatedAt",
-            "runTags",
-        ] {
+        for kept in "id status createdAt taskIdentifier friendlyId updatedAt runTags".split(' ') {
             assert!(value.contains_key(kept), "{kept} missing from value");
             assert!(schema.get(kept).is_some(), "{kept} missing from schema");
         }
@@ -1231,8 +1185,7 @@ async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
 /// REPLACES the URL parameter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_skip_columns_from_claim_replace_param() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let url = run_url(&run.friendly_id).q("skipColumns", "payload");
 
@@ -1267,8 +1220,7 @@ async fn req_01_skip_columns_from_claim_replace_param() {
 /// A handle is bound to its column set: resuming it with other `skipColumns` → 409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_changing_skip_columns_under_a_handle_is_409() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.tagged_run(&env, &["q"]).await;
     let url = tag_url("q");
     let h = modern(&env.api_key);
@@ -1347,11 +1299,9 @@ async fn scenario_27_cors_preflight_allows_sdk_headers() {
 /// `access-control-allow-origin` and exposes the electric headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_01_every_get_response_has_cors_headers() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let other = srv.run(&env, RunSpec::default()).await;
-    let scoped = srv.token(&env, &[&format!("read:runs:{}", other.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [run, other] = srv.default_runs(&env).await;
+    let scoped = srv.run_token(&env, &other);
     let url = run_url(&run.friendly_id);
     type Case = (Url, Vec<(String, String)>, u16);
     let cases: Vec<Case> = vec![
@@ -1744,10 +1694,8 @@ async fn burst_converges(coalesce_ms: Option<u64>) {
 /// another secret answers 409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let r1 = srv.tagged_run(&env, &["p"]).await;
-    let r2 = srv.tagged_run(&env, &["p"]).await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [r1, r2] = srv.tagged_runs(&env, &["p"]).await;
     let h = modern(&env.api_key);
     let peer = srv.peer(|_| {}).await;
 
@@ -1793,8 +1741,7 @@ async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
 /// a run older than the pinned window never appears, even when it changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
-    let srv = TestServer::start_with(1_500, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(1_500).await;
     let now = runfeed::clock::now_ms();
     let old = srv.run(&env, tagged_aged(&["f"], now, 2 * 3_600_000)).await;
     let fresh = srv.run(&env, tagged_aged(&["f"], now, 60_000)).await;
@@ -1846,8 +1793,7 @@ async fn tag_08_list_feed_is_capped_newest_first() {
 /// a same-`updatedAt` change with new content wakes run and tag feeds with an `update`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_same_millisecond_update_with_new_content_is_delivered() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
     let run = srv.tagged_run(&env, &["m"]).await;
     let h = modern(&env.api_key);
     let (run_feed, tag_feed) = (run_url(&run.friendly_id), tag_url("m"));
@@ -1882,8 +1828,7 @@ async fn live_same_millisecond_update_with_new_content_is_delivered() {
 /// reaches tag AND batch feeds (the hydrated row decides membership).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
-    let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(10_000).await;
     let (run, _, batch_fid) = srv.batched_run(&env, &["pt"]).await;
     let h = modern(&env.api_key);
     let (tag_feed, batch_feed) = (tag_url("pt"), batch_url(&batch_fid));
@@ -1897,10 +1842,10 @@ async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
             .await;
     };
     let live = [tag_feed.live_at(&st), batch_feed.live_at(&sb)];
-    let ([a, b], ()) = srv
+    let (answers, ()) = srv
         .polls_during(live, &h, |h| h == (0, 1, 1), partial_change)
         .await;
-    for (name, r) in [("tag", &a), ("batch", &b)] {
+    for (name, r) in ["tag", "batch"].into_iter().zip(&answers) {
         assert_woken_by_update(r, &run.id, Duration::from_secs(5), name);
     }
 }
@@ -1909,8 +1854,7 @@ async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
 /// replayed record the client already has, does not end the hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
-    let srv = TestServer::start_with(2_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(2_000).await;
     let mine = srv.tagged_run(&env, &["n"]).await;
     let other = srv.tagged_run(&env, &["x"]).await;
     let h = modern(&env.api_key);
@@ -1967,8 +1911,7 @@ async fn cross_env_record_never_leaks_another_envs_row() {
 /// filter, batch or feed kind (same environment) → 409 must-refetch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handle_of_another_feed_in_the_same_env_is_409() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (r1, _, b1_fid) = srv.batched_run(&env, &["a", "b"]).await;
     let (_, b2_fid) = srv.batch(&env).await;
     let r2 = srv.tagged_run(&env, &["a"]).await;
@@ -2012,8 +1955,7 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
 /// from live `update` rows too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
-    let srv = TestServer::start_with(10_000, |c| c.router.env_wake_coalesce_window_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
     let run = srv.tagged_run(&env, &["sc"]).await;
     let h = modern(&env.api_key);
     let slim_url = tag_url("sc").q("skipColumns", "payload,output");
@@ -2065,8 +2007,7 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
 /// HDR-02: an EMPTY `x-trigger-electric-version` counts as absent (legacy names, 422).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_02_empty_electric_version_header_is_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let h = with(legacy(&env.api_key), "x-trigger-electric-version", "");
     let r = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
@@ -2129,8 +2070,7 @@ async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
 /// for the ~20 s hold or resetting connections.
 #[tokio::test]
 async fn shutdown_answers_every_held_poll_with_up_to_date() {
-    let srv = TestServer::start(20_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(20_000).await;
     let run = srv.tagged_run(&env, &["s"]).await;
     let peer = srv.peer(|_| {}).await;
     let h = modern(&env.api_key);
@@ -2216,8 +2156,7 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
 async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     let srv = TestServer::start_with(20_000, |c| c.router.hop_margin_ms = 200).await;
     let env = srv.env().await;
-    let r1 = srv.tagged_run(&env, &["hop"]).await;
-    let r2 = srv.tagged_run(&env, &["hop"]).await;
+    let [r1, r2] = srv.tagged_runs(&env, &["hop"]).await;
     let h = modern(&env.api_key);
     let peer = srv.peer(|c| c.router.hop_margin_ms = 200).await;
     let url = tag_url("hop");
@@ -2257,7 +2196,7 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
 
 /// Three quiet holds on one tag (two connections) → store queries spent by their backstops.
 async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
-    let srv = TestServer::start_with(400, |c| {
+    let (srv, env) = TestServer::start_with_env(400, |c| {
         c.caches.backstop_share_ms = share_ms;
         // Snapshot reads must not be what the backstops reuse.
         c.caches.runset_cache_ttl_ms = 50;
@@ -2265,7 +2204,6 @@ async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
         c.caches.lookup_cache_ttl_ms = 60_000;
     })
     .await;
-    let env = srv.env().await;
     srv.tagged_run(&env, &["quiet"]).await;
     let h = modern(&env.api_key);
     // The first snapshot subscribes the environment; snapshots after the subscription is
@@ -2301,12 +2239,11 @@ async fn backstops_of_one_filter_share_one_read() {
 /// that predates it ends, the next backstop reads again and delivers it as an `update`.
 #[tokio::test]
 async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
-    let srv = TestServer::start_with(300, |c| {
+    let (srv, env) = TestServer::start_with_env(300, |c| {
         c.caches.backstop_share_ms = 1_000;
         c.caches.runset_cache_ttl_ms = 50;
     })
     .await;
-    let env = srv.env().await;
     let run = srv.tagged_run(&env, &["lost"]).await;
     let h = modern(&env.api_key);
     let mut at = srv.fetch(&tag_url("lost").snapshot(), &h).await;
@@ -2347,7 +2284,7 @@ async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
 /// cached lookup still holds the old tags.
 #[tokio::test]
 async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
-    let srv = TestServer::start_with(20_000, |c| {
+    let (srv, env) = TestServer::start_with_env(20_000, |c| {
         // Authentication lookups expire fast, run reads never (within the test): what is left
         // to count is the run URL lookup.
         c.caches.lookup_cache_ttl_ms = 100;
@@ -2355,9 +2292,8 @@ async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
         c.caches.run_cache_ttl_ms = 60_000;
     })
     .await;
-    let env = srv.env().await;
     let run = srv.run(&env, RunSpec::default()).await;
-    let by_id = modern(&srv.token(&env, &[&format!("read:runs:{}", run.friendly_id)]));
+    let by_id = modern(&srv.run_token(&env, &run));
     let by_tag = modern(&srv.token(&env, &["read:tags:vip"]));
     let url = run_url(&run.friendly_id).snapshot();
     let store = srv.running().store.clone();

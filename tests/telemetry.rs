@@ -689,12 +689,13 @@ async fn healthz_and_readyz_on_the_admin_listener() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_rejections_count_429s() {
     let srv = TestServer::start_with(5_000, |c| c.feeds.default_concurrency_limit = 1).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let u = run_url(&run.friendly_id);
-    let snap = srv.fetch(&u.snapshot(), &h).await;
-    snap.assert_status(200);
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url: u,
+        snap,
+    } = srv.follow_new_run().await;
     let live = u.live_after(&snap);
     let held = srv.fetch(&live, &h);
     let second = async {

@@ -190,11 +190,18 @@ impl Cases {
     }
 
     /// The request from a modern client (`exp`) and from a legacy one (`legacy_exp`).
-    fn both(&mut self, name: &str, path: &str, exp: Exp, legacy_exp: Exp) {
+    fn both(&mut self, name: &str, path: &str, (exp, legacy_exp): (Exp, Exp)) {
         self.modern(name, path, exp);
         let headers = self.legacy.clone();
         self.push(format!("{name} legacy"), path, headers, legacy_exp);
     }
+}
+
+/// Bad input: 400 for a modern client, 422 for a legacy one (docs/protocol.md §8).
+const BAD_INPUT: (Exp, Exp) = (Exp::Is(400), Exp::Is(422));
+/// The same answer for both client generations.
+const fn same(exp: Exp) -> (Exp, Exp) {
+    (exp, exp)
 }
 
 /// `?` or `&`, whichever appends a parameter to `path`.
@@ -255,21 +262,11 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         let s = sep(p);
         for o in bad_offsets {
             let path = format!("{p}{s}offset={o}&handle=h");
-            cases.both(
-                &format!("{route} offset={o}"),
-                &path,
-                Exp::Is(400),
-                Exp::Is(422),
-            );
+            cases.both(&format!("{route} offset={o}"), &path, BAD_INPUT);
         }
         // A valid-looking offset without a handle.
         let path = format!("{p}{s}offset=1_0");
-        cases.both(
-            &format!("{route} offset w/o handle"),
-            &path,
-            Exp::Is(400),
-            Exp::Is(422),
-        );
+        cases.both(&format!("{route} offset w/o handle"), &path, BAD_INPUT);
         // Huge offset value (10 KiB of digits).
         let path = format!("{p}{s}offset={}_0&handle=h", "9".repeat(10_000));
         cases.modern(format!("{route} huge offset"), &path, Exp::Client);
@@ -283,8 +280,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         cases.both(
             &format!("{route} junk handle"),
             &at(p, "1_0", "junk"),
-            Exp::Is(409),
-            Exp::Is(409),
+            same(Exp::Is(409)),
         );
         // Repeated params: last value wins.
         let path = format!("{p}{s}offset=-1&offset=zzz");
@@ -414,161 +410,98 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             format!("/realtime/v1/batches/{}?offset=-1", b.batch_id),
         ),
     ] {
-        cases.both(
-            &format!("A reads {what}"),
-            &path,
-            Exp::Is(404),
-            Exp::Is(404),
-        );
+        cases.both(&format!("A reads {what}"), &path, same(Exp::Is(404)));
     }
+    // Handles of B, of A's other feeds and forged ones, at A's offsets → 409 must-refetch.
     let tags_a = format!("{tags}?tags=shared");
     let (ea, eb) = (a.env.env_id.as_str(), b.env.env_id.as_str());
-    let b_run_on_a = at(&run_a, &b.run_offset, &b.run_handle);
-    for (what, path, exp) in [
-        ("B run handle on A run", b_run_on_a.clone(), Exp::Is(409)),
-        (
-            "B run handle on A run live",
-            format!("{b_run_on_a}&live=true"),
-            Exp::Is(409),
-        ),
-        (
-            "B tag handle on A tags",
-            at(&tags_a, &b.tag_offset, &b.tag_handle),
-            Exp::Is(409),
-        ),
-        (
-            "B batch handle on A batch",
-            at(&batch_a, &b.run_offset, &b.batch_handle),
-            Exp::Is(409),
-        ),
-        (
-            "A run handle on A tags",
-            at(&tags_a, &a.run_offset, &a.run_handle),
-            Exp::Is(409),
-        ),
-        (
-            "A tag handle on A batch",
-            at(&batch_a, &a.tag_offset, &a.tag_handle),
-            Exp::Is(409),
-        ),
-        (
-            "A tag handle other tags",
-            at(&format!("{tags}?tags=other"), &a.tag_offset, &a.tag_handle),
-            Exp::Is(409),
-        ),
-        (
-            "B handle at -1 on A",
-            at(&run_a, "-1", &b.run_handle),
-            Exp::Is(200),
-        ),
-        (
-            "forged env B claims",
-            at(
-                &run_a,
-                &a.run_offset,
-                &forged_handle(HANDLE_SECRET, FeedKind::Run, eb, &b.run_id),
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "forged A env, B target",
-            at(
-                &run_a,
-                &a.run_offset,
-                &forged_handle(HANDLE_SECRET, FeedKind::Run, ea, &b.run_id),
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "forged batch A env B target",
-            at(
-                &batch_a,
-                &a.run_offset,
-                &forged_handle(HANDLE_SECRET, FeedKind::Batch, ea, &b.batch_id),
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "wrong-secret handle",
-            at(
-                &run_a,
-                &a.run_offset,
-                &forged_handle("not-the-secret", FeedKind::Run, ea, &a.run_id),
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "truncated handle",
-            at(
-                &run_a,
-                &a.run_offset,
-                &a.run_handle[..a.run_handle.len() / 2],
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "huge handle",
-            at(&run_a, &a.run_offset, &"h".repeat(7000)),
-            Exp::Is(409),
-        ),
-        (
-            "shape_id B",
-            format!(
-                "{run_a}?offset={}&shape_id={}",
-                b.run_offset,
-                enc(&b.run_handle)
-            ),
-            Exp::Is(409),
-        ),
+    let (ra, ro) = (run_a.as_str(), a.run_offset.as_str());
+    let forged = |kind, env: &str, target: &str| forged_handle(HANDLE_SECRET, kind, env, target);
+    let b_run = at(ra, &b.run_offset, &b.run_handle);
+    let b_run_live = format!("{b_run}&live=true");
+    let b_tag = at(&tags_a, &b.tag_offset, &b.tag_handle);
+    let b_batch = at(&batch_a, &b.run_offset, &b.batch_handle);
+    let a_run_on_tags = at(&tags_a, ro, &a.run_handle);
+    let a_tag_on_batch = at(&batch_a, &a.tag_offset, &a.tag_handle);
+    let other_tags = format!("{tags}?tags=other");
+    let a_tag_other_tags = at(&other_tags, &a.tag_offset, &a.tag_handle);
+    let claims_b = at(ra, ro, &forged(FeedKind::Run, eb, &b.run_id));
+    let target_b = at(ra, ro, &forged(FeedKind::Run, ea, &b.run_id));
+    let batch_b_target = at(&batch_a, ro, &forged(FeedKind::Batch, ea, &b.batch_id));
+    let other_secret = forged_handle("not-the-secret", FeedKind::Run, ea, &a.run_id);
+    let wrong_secret = at(ra, ro, &other_secret);
+    let truncated = at(ra, ro, &a.run_handle[..a.run_handle.len() / 2]);
+    let huge = at(ra, ro, &"h".repeat(7000));
+    let shape_id_b = format!(
+        "{ra}?offset={}&shape_id={}",
+        b.run_offset,
+        enc(&b.run_handle)
+    );
+    for (what, path) in [
+        ("B run handle on A run", &b_run),
+        ("B run handle on A run live", &b_run_live),
+        ("B tag handle on A tags", &b_tag),
+        ("B batch handle on A batch", &b_batch),
+        ("A run handle on A tags", &a_run_on_tags),
+        ("A tag handle on A batch", &a_tag_on_batch),
+        ("A tag handle other tags", &a_tag_other_tags),
+        ("forged env B claims", &claims_b),
+        ("forged A env, B target", &target_b),
+        ("forged batch A env B target", &batch_b_target),
+        ("wrong-secret handle", &wrong_secret),
+        ("truncated handle", &truncated),
+        ("huge handle", &huge),
+        ("shape_id B", &shape_id_b),
     ] {
-        cases.both(&format!("handle: {what}"), &path, exp, exp);
+        cases.both(&format!("handle: {what}"), path, same(Exp::Is(409)));
     }
+    // B's handle at -1 on A is a fresh snapshot.
+    let b_at_start = at(ra, "-1", &b.run_handle);
+    let ok = Exp::Is(200);
+    cases.both("handle: B handle at -1 on A", &b_at_start, same(ok));
 
     // ---- tags and createdAt ----
-    for (what, t, exp) in [
-        ("ctl", "a%01b", Exp::Is(400)),
-        ("nul", "a%00", Exp::Is(400)),
-        ("newline", "a%0Ab", Exp::Is(400)),
-        ("del", "a%7F", Exp::Is(400)),
-        ("dquote", "a%22b", Exp::Is(400)),
-        ("backslash", "a%5Cb", Exp::Is(400)),
-        ("empty in list", "a,,b", Exp::Is(400)),
-        ("trailing comma", "a,", Exp::Is(400)),
-        ("squote", "x%27y", Exp::Is(200)),
-        (
-            "sql dquote",
-            "%27%3B%20DROP%20TABLE%20%22TaskRun%22%3B--",
-            Exp::Is(400),
-        ),
-        ("sql", "%27%3B%20DROP%20TABLE%20TaskRun%3B--", Exp::Is(200)),
-        (
-            "sql union",
-            "x%27)%20UNION%20SELECT%20*%20FROM%20%27TaskRun",
-            Exp::Is(200),
-        ),
-        ("sql or", "a%27%20OR%20%271%27%3D%271", Exp::Is(200)),
-        ("unicode", "%C3%BCn%C3%AF", Exp::Is(200)),
-        ("emoji", "%F0%9F%92%A9", Exp::Is(200)),
-        ("rtl", "%E2%80%AEabc", Exp::Is(200)),
-        ("percent", "100%25", Exp::Is(200)),
-        ("plus", "a+b", Exp::Is(200)),
-        ("braces", "%7Ba%7D", Exp::Is(200)),
-        ("pg array", "%7B%22a%22%7D", Exp::Is(400)),
+    let sql_dquote = "%27%3B%20DROP%20TABLE%20%22TaskRun%22%3B--";
+    let sql_union = "x%27)%20UNION%20SELECT%20*%20FROM%20%27TaskRun";
+    let (at_byte_limit, over_byte_limit) = ("t".repeat(256), "t".repeat(257));
+    let tag_list = |n: usize| vec!["t"; n].join(",");
+    let (tags_100, tags_101, tags_1000) = (tag_list(100), tag_list(101), tag_list(1000));
+    let bad_tags = [
+        ("ctl", "a%01b"),
+        ("nul", "a%00"),
+        ("newline", "a%0Ab"),
+        ("del", "a%7F"),
+        ("dquote", "a%22b"),
+        ("backslash", "a%5Cb"),
+        ("empty in list", "a,,b"),
+        ("trailing comma", "a,"),
+        ("sql dquote", sql_dquote),
+        ("pg array", "%7B%22a%22%7D"),
+        ("tag over the byte limit", &over_byte_limit),
+        ("101 tags", &tags_101),
+        ("1000 tags", &tags_1000),
+    ];
+    let good_tags = [
+        ("squote", "x%27y"),
+        ("sql", "%27%3B%20DROP%20TABLE%20TaskRun%3B--"),
+        ("sql union", sql_union),
+        ("sql or", "a%27%20OR%20%271%27%3D%271"),
+        ("unicode", "%C3%BCn%C3%AF"),
+        ("emoji", "%F0%9F%92%A9"),
+        ("rtl", "%E2%80%AEabc"),
+        ("percent", "100%25"),
+        ("plus", "a+b"),
+        ("braces", "%7Ba%7D"),
         // Decoded lossily to U+FFFD, as URLSearchParams does: a tag that matches nothing.
-        ("invalid utf8", "%FF%FE", Exp::Is(200)),
-        ("tag at the byte limit", &"t".repeat(256), Exp::Is(200)),
-        ("tag over the byte limit", &"t".repeat(257), Exp::Is(400)),
-        ("100 tags", &vec!["t"; 100].join(","), Exp::Is(200)),
-        ("101 tags", &vec!["t"; 101].join(","), Exp::Is(400)),
-        ("1000 tags", &vec!["t"; 1000].join(","), Exp::Is(400)),
-    ] {
+        ("invalid utf8", "%FF%FE"),
+        ("tag at the byte limit", &at_byte_limit),
+        ("100 tags", &tags_100),
+    ];
+    let ok = same(Exp::Is(200));
+    let tag_cases = bad_tags.map(|c| (c, BAD_INPUT));
+    for ((what, t), exps) in tag_cases.into_iter().chain(good_tags.map(|c| (c, ok))) {
         let path = format!("{tags}?tags={t}&offset=-1");
-        let legacy_exp = if exp == Exp::Is(400) {
-            Exp::Is(422)
-        } else {
-            exp
-        };
-        cases.both(&format!("tags {what}"), &path, exp, legacy_exp);
+        cases.both(&format!("tags {what}"), &path, exps);
     }
     for (what, c, exp) in [
         // Saturates, then is clamped to the lookback ceiling.
@@ -583,79 +516,55 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         ("long", &"1h".repeat(3000), Exp::Client),
     ] {
         let path = format!("{tags}?tags=shared&createdAt={c}&offset=-1");
-        cases.both(&format!("createdAt {what}"), &path, exp, exp);
+        cases.both(&format!("createdAt {what}"), &path, same(exp));
     }
 
     // ---- paths, branches, misc ----
+    let (runs, batches) = ("/realtime/v1/runs", "/realtime/v1/batches");
+    let run_sql = format!("{runs}/run_%27%20OR%201%3D1--?offset=-1");
+    let run_huge = format!("{runs}/{}?offset=-1", "r".repeat(4000));
+    let batch_huge = format!("{batches}/{}?offset=-1", "b".repeat(4000));
+    let double_slash = format!("{runs}//{}", a.run_fid);
+    let url_8k = format!("{run_a}?offset=-1&pad={}", "p".repeat(8200));
+    let url_64k = format!("{tags}?tags={}", "t,".repeat(32_000));
+    let unknown_9k = format!("/x?{}", "q".repeat(9000));
     for (what, path, exp) in [
-        (
-            "unknown route",
-            "/realtime/v1/nope".to_string(),
-            Exp::Is(404),
-        ),
-        (
-            "run id sql",
-            "/realtime/v1/runs/run_%27%20OR%201%3D1--?offset=-1".to_string(),
-            Exp::Is(404),
-        ),
+        ("unknown route", "/realtime/v1/nope", Exp::Is(404)),
+        ("run id sql", &run_sql, Exp::Is(404)),
         (
             "run id unicode",
-            "/realtime/v1/runs/%C3%BC?offset=-1".to_string(),
+            &format!("{runs}/%C3%BC?offset=-1"),
             Exp::Is(404),
         ),
-        (
-            "run id huge",
-            format!("/realtime/v1/runs/{}?offset=-1", "r".repeat(4000)),
-            Exp::Is(404),
-        ),
+        ("run id huge", &run_huge, Exp::Is(404)),
         (
             "batch id nul",
-            "/realtime/v1/batches/b%00?offset=-1".to_string(),
+            &format!("{batches}/b%00?offset=-1"),
             Exp::Is(404),
         ),
         (
             "run id nul",
-            "/realtime/v1/runs/run_%00x?offset=-1".to_string(),
+            &format!("{runs}/run_%00x?offset=-1"),
             Exp::Is(404),
         ),
-        (
-            "batch id huge",
-            format!("/realtime/v1/batches/{}?offset=-1", "b".repeat(4000)),
-            Exp::Is(404),
-        ),
-        (
-            "url over 8 KiB",
-            format!("{run_a}?offset=-1&pad={}", "p".repeat(8200)),
-            Exp::Is(414),
-        ),
-        (
-            "url 64 KiB",
-            format!("{tags}?tags={}", "t,".repeat(32_000)),
-            Exp::Is(414),
-        ),
-        (
-            "unknown route over limit",
-            format!("/x?{}", "q".repeat(9000)),
-            Exp::Is(414),
-        ),
-        (
-            "double slash",
-            format!("/realtime/v1/runs//{}", a.run_fid),
-            Exp::Is(404),
-        ),
-        ("trailing slash", format!("{run_a}/"), Exp::Is(404)),
+        ("batch id huge", &batch_huge, Exp::Is(404)),
+        ("url over 8 KiB", &url_8k, Exp::Is(414)),
+        ("url 64 KiB", &url_64k, Exp::Is(414)),
+        ("unknown route over limit", &unknown_9k, Exp::Is(414)),
+        ("double slash", &double_slash, Exp::Is(404)),
+        ("trailing slash", &format!("{run_a}/"), Exp::Is(404)),
         (
             "bad query encoding",
-            format!("{run_a}?offset=%ZZ"),
+            &format!("{run_a}?offset=%ZZ"),
             Exp::Client,
         ),
         (
             "bare percent",
-            format!("{run_a}?offset=-1&handle=%"),
+            &format!("{run_a}?offset=-1&handle=%"),
             Exp::OkOr409,
         ),
     ] {
-        cases.both(&format!("path {what}"), &path, exp, exp);
+        cases.both(&format!("path {what}"), path, same(exp));
     }
     for (what, branch) in [
         ("unknown branch", "nope"),
@@ -1079,8 +988,7 @@ async fn request_limits_follow_their_config_keys() {
 /// body); the point here is that the answer is a 4xx, not a hang or a 5xx.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_100_headers_is_a_4xx_from_hyper() {
-    let srv = TestServer::start(200).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(200).await;
     let mut h = modern(&env.api_key);
     for i in 0..120 {
         h.push((format!("x-h{i}"), "v".into()));

@@ -16,9 +16,10 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{modern, within, TestServer, Url};
+use common::{op, within, FollowedRun, Resp, TestServer};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use fred::util::redis_keyslot;
@@ -26,7 +27,6 @@ use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
 use runfeed::redis::{
     publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
-use runfeed_dev::fixtures::RunSpec;
 use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
@@ -132,6 +132,100 @@ fn env_on(owners: &[(u16, u16, u16)], port: u16) -> String {
             return env_id;
         }
     }
+}
+
+/// What every cluster test starts with: the cluster's URL, the serial lock (one test at a time),
+/// an admin client, the slot owners and the primaries' ports.
+struct Cluster {
+    url: String,
+    admin: Client,
+    owners: Vec<(u16, u16, u16)>,
+    ports: Vec<u16>,
+    _serial: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl Cluster {
+    /// `None` (with a note) when the cluster tests are not enabled.
+    async fn start(test: &str) -> Option<Cluster> {
+        let url = cluster_url(test)?;
+        let serial = SERIAL.lock().await;
+        init_logs();
+        let admin = admin(&url).await;
+        let owners = slot_owners(&admin).await;
+        let ports = ports(&owners);
+        Some(Cluster {
+            url,
+            admin,
+            owners,
+            ports,
+            _serial: serial,
+        })
+    }
+
+    /// A fresh env id on each primary, in port order.
+    fn env_per_shard(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|port| env_on(&self.owners, *port))
+            .collect()
+    }
+
+    async fn quit(self) {
+        let _ = self.admin.quit().await;
+    }
+
+    /// Closes `publisher`, shuts `sources` down, then the admin client.
+    async fn finish(self, publisher: Publisher, sources: Vec<RedisChangeSource>) {
+        publisher.close().await;
+        for source in sources {
+            source.shutdown().await;
+        }
+        self.quit().await;
+    }
+}
+
+/// Publishes `rec` to its one subscriber and asserts it is the next record on `rx`.
+async fn delivered(
+    publisher: &Publisher,
+    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rec: ChangeRecord,
+    skip_gaps: bool,
+) {
+    publish_to(publisher, &rec, 1).await;
+    let env_id = rec.env_id.to_string();
+    assert_eq!(next_record(rx, skip_gaps).await, (env_id, rec));
+}
+
+/// Exactly one subscriber of `env_id`'s channel on the node at `port`.
+async fn assert_one_subscriber(admin: &Client, port: u16, env_id: &str, what: &str) {
+    assert_eq!(shard_subscribers(admin, port, env_id).await, 1, "{what}");
+}
+
+/// Subscribes `source` to every env of `envs` and waits until Redis confirmed them all.
+async fn subscribe_all(source: &RedisChangeSource, envs: &[String]) {
+    for env in envs {
+        source.subscribe(&runfeed::protocol::EnvId::from(env));
+    }
+    let envs: Vec<&str> = envs.iter().map(String::as_str).collect();
+    wait_confirmed(source, &envs).await;
+}
+
+/// Re-checks `cond` every `every` until it holds, at most [`WAIT`]; panics with `what`.
+async fn eventually<F: std::future::Future<Output = bool>>(
+    what: &str,
+    every: Duration,
+    mut cond: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + WAIT;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "{what}");
+        sleep(every).await;
+    }
+}
+
+/// Publishes `rec`; asserts how many subscribers received it.
+async fn publish_to(publisher: &Publisher, rec: &ChangeRecord, receivers: u64) {
+    assert_eq!(publisher.publish(rec).await.expect("spublish"), receivers);
 }
 
 /// Logs to the test output when `RUST_LOG` is set (e.g. `RUST_LOG=runfeed=debug`).
@@ -284,36 +378,22 @@ async fn has_subscriber_connection(admin: &Client, port: u16, name: &str) -> boo
 /// connection per node) and receive their SPUBLISHed records through the same message stream.
 #[tokio::test]
 async fn sharded_records_reach_subscribers_on_every_shard() {
-    let Some(url) = cluster_url("sharded_records_reach_subscribers_on_every_shard") else {
+    let Some(c) = Cluster::start("sharded_records_reach_subscribers_on_every_shard").await else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let ports = ports(&owners);
-    assert_eq!(ports.len(), 3, "a 3-master cluster: {owners:?}");
-    let envs: Vec<String> = ports.iter().map(|port| env_on(&owners, *port)).collect();
+    assert_eq!(c.ports.len(), 3, "a 3-master cluster: {:?}", c.owners);
+    let envs = c.env_per_shard();
 
-    let (source, mut rx) = source(&sharded(&url)).await;
+    let (source, mut rx) = source(&sharded(&c.url)).await;
     assert!(source.is_sharded());
-    let publisher = publisher(&sharded(&url)).await;
+    let publisher = publisher(&sharded(&c.url)).await;
     assert!(publisher.is_sharded());
-    for env in &envs {
-        source.subscribe(&runfeed::protocol::EnvId::from(env));
-    }
-    wait_confirmed(
-        &source,
-        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
-    )
-    .await;
-    for (env, port) in envs.iter().zip(&ports) {
-        assert_eq!(
-            shard_subscribers(&admin, *port, env).await,
-            1,
-            "{env} subscribed on its shard {port}"
-        );
+    subscribe_all(&source, &envs).await;
+    for (env, port) in envs.iter().zip(&c.ports) {
+        let what = format!("{env} subscribed on its shard {port}");
+        assert_one_subscriber(&c.admin, *port, env, &what).await;
         assert!(
-            has_subscriber_connection(&admin, *port, source.client_name()).await,
+            has_subscriber_connection(&c.admin, *port, source.client_name()).await,
             "a subscriber connection on node {port}"
         );
     }
@@ -321,11 +401,8 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
     let mut expected = BTreeSet::new();
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("run_{i}"));
-        assert_eq!(
-            publisher.publish(&rec).await.expect("spublish"),
-            1,
-            "one receiver on {env}'s shard"
-        );
+        // One receiver on the env's shard.
+        publish_to(&publisher, &rec, 1).await;
         expected.insert((env.clone(), rec.encode()));
     }
     let mut got = BTreeSet::new();
@@ -335,115 +412,66 @@ async fn sharded_records_reach_subscribers_on_every_shard() {
         got.insert((env_id, rec.encode()));
     }
     assert_eq!(got, expected);
-    assert_eq!(
-        source
-            .stats()
-            .received
-            .load(std::sync::atomic::Ordering::Relaxed),
-        3
-    );
+    let received = source.stats().received.load(Ordering::Relaxed);
+    assert_eq!(received, 3);
 
     // publish_once speaks sharded too.
     let once = record(&envs[0], "once");
-    assert_eq!(
-        publish_once(&sharded(&url), &once)
-            .await
-            .expect("publish once"),
-        1
-    );
+    let sent = publish_once(&sharded(&c.url), &once).await;
+    assert_eq!(sent.expect("publish once"), 1);
     assert_eq!(next_record(&mut rx, false).await, (envs[0].clone(), once));
 
-    publisher.close().await;
-    source.shutdown().await;
-    let _ = admin.quit().await;
+    c.finish(publisher, vec![source]).await;
 }
 
 /// NTF-06 on a cluster: a record for env B never reaches a subscriber of env A only, whether B
 /// lives on A's shard or another one (fenced by a record on A).
 #[tokio::test]
 async fn sharded_record_reaches_only_its_subscribers() {
-    let Some(url) = cluster_url("sharded_record_reaches_only_its_subscribers") else {
+    let Some(c) = Cluster::start("sharded_record_reaches_only_its_subscribers").await else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let ports = ports(&owners);
-    let env_a = env_on(&owners, ports[0]);
-    let env_b_same_shard = env_on(&owners, ports[0]);
-    let env_b_other_shard = env_on(&owners, ports[1]);
+    let env_a = env_on(&c.owners, c.ports[0]);
+    let env_b_same_shard = env_on(&c.owners, c.ports[0]);
+    let env_b_other_shard = env_on(&c.owners, c.ports[1]);
 
-    let (source_a, mut rx_a) = source(&sharded(&url)).await;
-    let (source_b, mut rx_b) = source(&sharded(&url)).await;
-    let publisher = publisher(&sharded(&url)).await;
-    source_a.subscribe(&runfeed::protocol::EnvId::from(&env_a));
-    source_b.subscribe(&runfeed::protocol::EnvId::from(&env_b_other_shard));
-    wait_confirmed(&source_a, &[&env_a]).await;
-    wait_confirmed(&source_b, &[&env_b_other_shard]).await;
+    let (source_a, mut rx_a) = source(&sharded(&c.url)).await;
+    let (source_b, mut rx_b) = source(&sharded(&c.url)).await;
+    let publisher = publisher(&sharded(&c.url)).await;
+    subscribe_all(&source_a, std::slice::from_ref(&env_a)).await;
+    subscribe_all(&source_b, std::slice::from_ref(&env_b_other_shard)).await;
 
-    assert_eq!(
-        publisher
-            .publish(&record(&env_b_same_shard, "b_same"))
-            .await
-            .expect("spublish"),
-        0
-    );
-    assert_eq!(
-        publisher
-            .publish(&record(&env_b_other_shard, "b_other"))
-            .await
-            .expect("spublish"),
-        1
-    );
+    publish_to(&publisher, &record(&env_b_same_shard, "b_same"), 0).await;
+    let b_other = record(&env_b_other_shard, "b_other");
+    publish_to(&publisher, &b_other, 1).await;
     let fence = record(&env_a, "fence");
-    assert_eq!(publisher.publish(&fence).await.expect("spublish fence"), 1);
+    publish_to(&publisher, &fence, 1).await;
     assert_eq!(next_record(&mut rx_a, false).await, (env_a.clone(), fence));
-    assert_eq!(
-        next_record(&mut rx_b, false).await,
-        (
-            env_b_other_shard.clone(),
-            record(&env_b_other_shard, "b_other")
-        )
-    );
+    let got = next_record(&mut rx_b, false).await;
+    assert_eq!(got, (env_b_other_shard.clone(), b_other));
     // And B's subscriber saw nothing of A: the fence for B comes next.
     let fence_b = record(&env_b_other_shard, "fence_b");
     publisher.publish(&fence_b).await.expect("spublish fence b");
-    assert_eq!(
-        next_record(&mut rx_b, false).await,
-        (env_b_other_shard.clone(), fence_b)
-    );
+    let got = next_record(&mut rx_b, false).await;
+    assert_eq!(got, (env_b_other_shard.clone(), fence_b));
 
     // Unsubscribe (SUNSUBSCRIBE) stops delivery.
-    source_a.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
-    let deadline = Instant::now() + WAIT;
-    while source_a
-        .confirmed()
-        .contains(&runfeed::protocol::EnvId::from(&env_a))
-    {
-        assert!(Instant::now() < deadline, "unsubscribe never confirmed");
-        sleep(Duration::from_millis(5)).await;
-    }
-    let owner = owner_port(&owners, &env_a);
-    let deadline = Instant::now() + WAIT;
-    while shard_subscribers(&admin, owner, &env_a).await != 0 {
-        assert!(
-            Instant::now() < deadline,
-            "SUNSUBSCRIBE never reached {owner}"
-        );
-        sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        publisher
-            .publish(&record(&env_a, "after"))
-            .await
-            .expect("spublish"),
-        0
-    );
+    let a = runfeed::protocol::EnvId::from(&env_a);
+    source_a.unsubscribe(&a);
+    let every = Duration::from_millis(5);
+    eventually("unsubscribe never confirmed", every, || async {
+        !source_a.confirmed().contains(&a)
+    })
+    .await;
+    let owner = owner_port(&c.owners, &env_a);
+    let what = format!("SUNSUBSCRIBE never reached {owner}");
+    eventually(&what, Duration::from_millis(20), || async {
+        shard_subscribers(&c.admin, owner, &env_a).await == 0
+    })
+    .await;
+    publish_to(&publisher, &record(&env_a, "after"), 0).await;
 
-    publisher.close().await;
-    source_a.shutdown().await;
-    source_b.shutdown().await;
-    let _ = admin.quit().await;
+    c.finish(publisher, vec![source_a, source_b]).await;
 }
 
 /// `scripts/redis-cluster.sh restart-node <port>`: `SHUTDOWN NOSAVE`, start again from its
@@ -478,31 +506,18 @@ async fn restart_node(base_port: u16, port: u16) {
 /// delivers again.
 #[tokio::test]
 async fn sharded_subscriptions_come_back_after_node_restart() {
-    let Some(url) = cluster_url("sharded_subscriptions_come_back_after_node_restart") else {
+    let Some(c) = Cluster::start("sharded_subscriptions_come_back_after_node_restart").await else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let ports = ports(&owners);
-    let base_port = ports[0];
-    let envs: Vec<String> = ports.iter().map(|port| env_on(&owners, *port)).collect();
-    let (source, mut rx) = source(&sharded(&url)).await;
-    let publisher = publisher(&sharded(&url)).await;
-    for env in &envs {
-        source.subscribe(&runfeed::protocol::EnvId::from(env));
-    }
-    wait_confirmed(
-        &source,
-        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
-    )
-    .await;
-    let before = record(&envs[1], "before");
-    assert_eq!(publisher.publish(&before).await.expect("spublish"), 1);
-    assert_eq!(next_record(&mut rx, false).await, (envs[1].clone(), before));
+    let base_port = c.ports[0];
+    let envs = c.env_per_shard();
+    let (source, mut rx) = source(&sharded(&c.url)).await;
+    let publisher = publisher(&sharded(&c.url)).await;
+    subscribe_all(&source, &envs).await;
+    delivered(&publisher, &mut rx, record(&envs[1], "before"), false).await;
 
     // Restart the second master (the script waits for cluster_state:ok again).
-    let victim = ports[1];
+    let victim = c.ports[1];
     let started = Instant::now();
     restart_node(base_port, victim).await;
     let stray = wait_reconnected(&mut rx, Duration::from_secs(30)).await;
@@ -514,11 +529,13 @@ async fn sharded_subscriptions_come_back_after_node_restart() {
         "node {victim} restarted; Reconnected after {:?}",
         started.elapsed()
     );
-    assert_eq!(
-        shard_subscribers(&admin, victim, &envs[1]).await,
-        1,
-        "re-subscribed on the restarted node"
-    );
+    assert_one_subscriber(
+        &c.admin,
+        victim,
+        &envs[1],
+        "re-subscribed on the restarted node",
+    )
+    .await;
 
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("after_{i}"));
@@ -529,9 +546,7 @@ async fn sharded_subscriptions_come_back_after_node_restart() {
         );
         assert_eq!(next_record(&mut rx, true).await, (env.clone(), rec));
     }
-    publisher.close().await;
-    source.shutdown().await;
-    let _ = admin.quit().await;
+    c.finish(publisher, vec![source]).await;
 }
 
 /// `CLUSTER SETSLOT` on every node of the cluster, the owner last (`IMPORTING`/`MIGRATING`,
@@ -591,33 +606,28 @@ async fn move_slot(admin: &Client, ports: &[u16], slot: u16, from: u16, to: u16)
 /// back between two checks: noticed by the subscriber count. The slot is moved back at the end.
 #[tokio::test]
 async fn sharded_subscription_follows_a_slot_migration() {
-    let Some(url) = cluster_url("sharded_subscription_follows_a_slot_migration") else {
+    let Some(c) = Cluster::start("sharded_subscription_follows_a_slot_migration").await else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let ports = ports(&owners);
+    let (admin, ports) = (&c.admin, &c.ports);
     let (from, to) = (ports[0], ports[2]);
-    let env_id = env_on(&owners, from);
-    let other = env_on(&owners, ports[1]);
+    let env_id = env_on(&c.owners, from);
+    let other = env_on(&c.owners, ports[1]);
     let slot = redis_keyslot(channel_name(&env_id).as_bytes());
 
-    init_logs();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let settings = SubscriberSettings {
         shard_check_interval: Duration::from_millis(500),
         ..SubscriberSettings::default()
     };
-    let source = RedisChangeSource::connect(&sharded(&url), tx, settings)
+    let source = RedisChangeSource::connect(&sharded(&c.url), tx, settings)
         .await
         .expect("connect subscriber");
-    let publisher = publisher(&sharded(&url)).await;
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
-    source.subscribe(&runfeed::protocol::EnvId::from(&other));
-    wait_confirmed(&source, &[&env_id, &other]).await;
+    let publisher = publisher(&sharded(&c.url)).await;
+    subscribe_all(&source, &[env_id.clone(), other.clone()]).await;
+    let lost = || source.stats().lost_subscriptions.load(Ordering::Relaxed);
 
-    move_slot(&admin, &ports, slot, from, to).await;
+    move_slot(admin, ports, slot, from, to).await;
     let started = Instant::now();
     let stray = wait_reconnected(&mut rx, Duration::from_secs(15)).await;
     assert!(stray.is_empty(), "{stray:?}");
@@ -625,66 +635,27 @@ async fn sharded_subscription_follows_a_slot_migration() {
         "slot {slot} moved {from} -> {to}; Reconnected after {:?}",
         started.elapsed()
     );
-    assert!(
-        source
-            .stats()
-            .lost_subscriptions
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 1
-    );
-    assert_eq!(
-        shard_subscribers(&admin, to, &env_id).await,
-        1,
-        "re-subscribed on the new owner"
-    );
+    assert!(lost() >= 1);
+    assert_one_subscriber(admin, to, &env_id, "re-subscribed on the new owner").await;
 
     // The publisher follows the MOVED to the new owner.
-    let moved = record(&env_id, "moved");
-    assert_eq!(
-        publisher
-            .publish(&moved)
-            .await
-            .expect("spublish after the move"),
-        1
-    );
-    assert_eq!(next_record(&mut rx, true).await, (env_id.clone(), moved));
+    delivered(&publisher, &mut rx, record(&env_id, "moved"), true).await;
     // The env on the untouched shard never lost anything.
-    let untouched = record(&other, "untouched");
-    assert_eq!(publisher.publish(&untouched).await.expect("spublish"), 1);
-    assert_eq!(next_record(&mut rx, true).await, (other.clone(), untouched));
+    delivered(&publisher, &mut rx, record(&other, "untouched"), true).await;
 
     // Away and back between two checks: the owner is the same again, but it dropped our
     // subscription when the slot left (PUBSUB SHARDNUMSUB says 0): re-subscribed as well.
-    move_slot(&admin, &ports, slot, to, from).await;
-    move_slot(&admin, &ports, slot, from, to).await;
+    move_slot(admin, ports, slot, to, from).await;
+    move_slot(admin, ports, slot, from, to).await;
     let stray = wait_reconnected(&mut rx, Duration::from_secs(15)).await;
     assert!(stray.is_empty(), "{stray:?}");
-    assert_eq!(
-        shard_subscribers(&admin, to, &env_id).await,
-        1,
-        "re-subscribed after the round trip"
-    );
-    let back = record(&env_id, "round_trip");
-    assert_eq!(
-        publisher
-            .publish(&back)
-            .await
-            .expect("spublish after the round trip"),
-        1
-    );
-    assert_eq!(next_record(&mut rx, true).await, (env_id.clone(), back));
-    assert!(
-        source
-            .stats()
-            .lost_subscriptions
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 2
-    );
+    assert_one_subscriber(admin, to, &env_id, "re-subscribed after the round trip").await;
+    delivered(&publisher, &mut rx, record(&env_id, "round_trip"), true).await;
+    assert!(lost() >= 2);
 
     source.shutdown().await;
-    move_slot(&admin, &ports, slot, to, from).await;
-    publisher.close().await;
-    let _ = admin.quit().await;
+    move_slot(admin, ports, slot, to, from).await;
+    c.finish(publisher, vec![]).await;
 }
 
 /// Cluster with sharded pub/sub off: classic SUBSCRIBE/PUBLISH through the cluster (classic
@@ -692,39 +663,20 @@ async fn sharded_subscription_follows_a_slot_migration() {
 /// subscriber.
 #[tokio::test]
 async fn classic_pubsub_over_the_cluster() {
-    let Some(url) = cluster_url("classic_pubsub_over_the_cluster") else {
+    let Some(c) = Cluster::start("classic_pubsub_over_the_cluster").await else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let envs: Vec<String> = ports(&owners)
-        .iter()
-        .map(|port| env_on(&owners, *port))
-        .collect();
-    let (source, mut rx) = source(&classic(&url)).await;
+    let envs = c.env_per_shard();
+    let (source, mut rx) = source(&classic(&c.url)).await;
     assert!(!source.is_sharded());
-    let publisher = publisher(&classic(&url)).await;
+    let publisher = publisher(&classic(&c.url)).await;
     assert!(!publisher.is_sharded());
-    for env in &envs {
-        source.subscribe(&runfeed::protocol::EnvId::from(env));
-    }
-    wait_confirmed(
-        &source,
-        &envs.iter().map(String::as_str).collect::<Vec<_>>(),
-    )
-    .await;
+    subscribe_all(&source, &envs).await;
 
-    let sharded_publisher = Publisher::connect(&sharded(&url))
+    let sharded_publisher = Publisher::connect(&sharded(&c.url))
         .await
         .expect("sharded publisher");
-    assert_eq!(
-        sharded_publisher
-            .publish(&record(&envs[0], "sharded"))
-            .await
-            .expect("spublish"),
-        0
-    );
+    publish_to(&sharded_publisher, &record(&envs[0], "sharded"), 0).await;
     for (i, env) in envs.iter().enumerate() {
         let rec = record(env, &format!("classic_{i}"));
         // PUBLISH counts the receivers on the node that took it only: 0 or 1.
@@ -732,9 +684,7 @@ async fn classic_pubsub_over_the_cluster() {
         assert_eq!(next_record(&mut rx, false).await, (env.clone(), rec));
     }
     sharded_publisher.close().await;
-    publisher.close().await;
-    source.shutdown().await;
-    let _ = admin.quit().await;
+    c.finish(publisher, vec![source]).await;
 }
 
 /// The whole server in cluster + sharded mode (`[redis] cluster = true`): a held live poll on a
@@ -743,74 +693,58 @@ async fn classic_pubsub_over_the_cluster() {
 /// itself, and the next change record wakes that same held poll promptly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_poll_woken_over_sharded_pubsub_across_a_node_restart() {
-    let Some(url) = cluster_url("live_poll_woken_over_sharded_pubsub_across_a_node_restart") else {
+    let Some(c) = Cluster::start("live_poll_woken_over_sharded_pubsub_across_a_node_restart").await
+    else {
         return;
     };
-    let _serial = SERIAL.lock().await;
-    init_logs();
-    let admin = admin(&url).await;
-    let owners = slot_owners(&admin).await;
-    let srv = TestServer::start_with(20_000, |c| {
-        c.redis.url = url.clone();
-        c.redis.cluster = true;
-        c.redis.sharded = true;
+    let srv = TestServer::start_with(20_000, |config| {
+        config.redis.url = c.url.clone();
+        config.redis.cluster = true;
+        config.redis.sharded = true;
     })
     .await;
-    let publisher = publisher(&sharded(&url)).await;
-    let env = srv.env().await;
-    let owner = owner_port(&owners, &env.env_id);
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let feed = Url::new(&format!("/realtime/v1/runs/{}", run.friendly_id));
-    let snap = srv.fetch(&feed.snapshot(), &h).await;
-    snap.assert_status(200);
-    let subscribed = || async {
-        let deadline = Instant::now() + WAIT;
-        while shard_subscribers(&admin, owner, &env.env_id).await < 1 {
-            assert!(
-                Instant::now() < deadline,
-                "the server never SSUBSCRIBEd on node {owner}"
-            );
-            sleep(Duration::from_millis(10)).await;
-        }
+    let publisher = publisher(&sharded(&c.url)).await;
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url: feed,
+        snap,
+    } = srv.follow_new_run().await;
+    let owner = owner_port(&c.owners, &env.env_id);
+    let what = format!("the server never SSUBSCRIBEd on node {owner}");
+    let subscribed = || {
+        eventually(&what, Duration::from_millis(10), || async {
+            shard_subscribers(&c.admin, owner, &env.env_id).await >= 1
+        })
     };
     subscribed().await;
+    // Woken by the record (published `at`), not by the hold.
+    let assert_woken = |r: &Resp, at: Instant| {
+        r.assert_status(200);
+        assert_eq!(r.ops(), vec![op("update", &run.id)], "{}", r.text);
+        let waited = at.elapsed();
+        assert!(waited < Duration::from_secs(2), "woken after {waited:?}");
+    };
 
     // A change record wakes the held poll.
-    let poll = srv.fetch(
-        &feed.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
-        &h,
-    );
     let change = async {
-        srv.wait_held("run feed held", |held| held.0 == 1).await;
         let ms = srv.set_status(&run.id, "EXECUTING").await;
         let published = Instant::now();
         let rec = TestServer::record(&env, &run.id, &[], None, ms);
-        assert_eq!(publisher.publish(&rec).await.expect("spublish"), 1);
+        publish_to(&publisher, &rec, 1).await;
         published
     };
-    let (first, published) = within(WAIT, "live wake", async { tokio::join!(poll, change) }).await;
-    first.assert_status(200);
-    assert_eq!(
-        first.ops(),
-        vec![("update".to_owned(), run.id.clone())],
-        "{}",
-        first.text
-    );
-    assert!(
-        published.elapsed() < Duration::from_secs(2),
-        "woken by the record, not the hold"
-    );
+    let live = [feed.live_after(&snap)];
+    let ([first], published) = srv.polls_during(live, &h, |h| h.0 == 1, change).await;
+    assert_woken(&first, published);
 
     // Hold another poll, restart the env's shard under it, then change the run again.
-    let poll = srv.fetch(
-        &feed.live(&first.handle(), &first.offset(), first.cursor().as_deref()),
-        &h,
-    );
+    let poll = srv.fetch(&feed.live_after(&first), &h);
     let restart_and_change = async {
         srv.wait_held("run feed held again", |held| held.0 == 1)
             .await;
-        restart_node(ports(&owners)[0], owner).await;
+        restart_node(c.ports[0], owner).await;
         subscribed().await;
         let ms = srv.set_status(&run.id, "COMPLETED_SUCCESSFULLY").await;
         let rec = TestServer::record(&env, &run.id, &[], None, ms);
@@ -826,22 +760,11 @@ async fn live_poll_woken_over_sharded_pubsub_across_a_node_restart() {
         tokio::join!(poll, restart_and_change)
     })
     .await;
-    second.assert_status(200);
-    assert_eq!(
-        second.ops(),
-        vec![("update".to_owned(), run.id.clone())],
-        "{}",
-        second.text
-    );
+    assert_woken(&second, published);
     assert_eq!(
         second.row(&run.id).expect("row")["value"]["status"],
         "COMPLETED_SUCCESSFULLY"
     );
-    assert!(
-        published.elapsed() < Duration::from_secs(2),
-        "woken by the record, not the hold"
-    );
 
-    publisher.close().await;
-    let _ = admin.quit().await;
+    c.finish(publisher, vec![]).await;
 }

@@ -4,8 +4,11 @@
 //! Every test uses fresh random env ids, so tests (and other suites on the same Redis) never
 //! see each other's records. Every receive is bounded by a timeout.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{free_port, redis_server};
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
@@ -65,6 +68,56 @@ async fn wait_confirmed(source: &RedisChangeSource, env_id: &str, subscribed: bo
     }
 }
 
+/// A fresh env id `source` is subscribed to, confirmed by Redis.
+async fn subscribed_env(source: &RedisChangeSource) -> String {
+    let env_id = env();
+    subscribe_confirmed(source, &env_id).await;
+    env_id
+}
+
+/// Subscribes `source` to `env_id` and waits until Redis confirmed it.
+async fn subscribe_confirmed(source: &RedisChangeSource, env_id: &str) {
+    source.subscribe(&runfeed::protocol::EnvId::from(env_id));
+    wait_confirmed(source, env_id, true).await;
+}
+
+/// Asserts that the next event is `record`, received on `env_id`'s channel.
+async fn expect_record(
+    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    env_id: &str,
+    record: ChangeRecord,
+) {
+    let env_id = env_id.into();
+    assert_eq!(next_event(rx).await, SourceEvent::Record { env_id, record });
+}
+
+/// Publishes `record` on a subscribed channel: exactly one receiver (ours), and it is the next
+/// event (so nothing published before it on other channels was delivered).
+async fn delivered(
+    publisher: &Publisher,
+    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    record: ChangeRecord,
+) {
+    publish_to(publisher, &record, 1).await;
+    let env_id = record.env_id.to_string();
+    expect_record(rx, &env_id, record).await;
+}
+
+/// The change source and a publisher on the shared Redis.
+async fn connected() -> (
+    RedisChangeSource,
+    mpsc::UnboundedReceiver<SourceEvent>,
+    Publisher,
+) {
+    let (source, rx) = source().await;
+    (source, rx, publisher().await)
+}
+
+/// Publishes `record`; asserts how many subscribers received it.
+async fn publish_to(publisher: &Publisher, record: &ChangeRecord, receivers: u64) {
+    assert_eq!(publisher.publish(record).await.expect("publish"), receivers);
+}
+
 /// The next event other than a subscription confirmation (those are checked with
 /// `wait_confirmed`).
 async fn next_event(rx: &mut mpsc::UnboundedReceiver<SourceEvent>) -> SourceEvent {
@@ -81,21 +134,10 @@ async fn next_event(rx: &mut mpsc::UnboundedReceiver<SourceEvent>) -> SourceEven
 /// NTF-05: a subscriber on an env receives a published record with tags and batchId intact.
 #[tokio::test]
 async fn ntf05_record_with_tags_and_batch_delivered() {
-    let (source, mut rx) = source().await;
-    let publisher = publisher().await;
-    let env_id = env();
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
-    wait_confirmed(&source, &env_id, true).await;
+    let (source, mut rx, publisher) = connected().await;
+    let env_id = subscribed_env(&source).await;
 
-    let record = full_record(&env_id, "run_1");
-    assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_id.clone().into(),
-            record
-        }
-    );
+    delivered(&publisher, &mut rx, full_record(&env_id, "run_1")).await;
 
     // A lifecycle-bus record: full, `batchId: null`, no watermark.
     let record = ChangeRecord {
@@ -104,41 +146,18 @@ async fn ntf05_record_with_tags_and_batch_delivered() {
         tags: Some(vec![]),
         ..full_record(&env_id, "r2")
     };
-    assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_id.into(),
-            record
-        }
-    );
+    delivered(&publisher, &mut rx, record).await;
 }
 
 /// NTF-06: a record for another env is not delivered (fenced by a record on the subscribed env).
 #[tokio::test]
 async fn ntf06_other_env_not_delivered() {
-    let (source, mut rx) = source().await;
-    let publisher = publisher().await;
+    let (source, mut rx, publisher) = connected().await;
     let (env_a, env_b) = (env(), env());
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
-    wait_confirmed(&source, &env_a, true).await;
+    subscribe_confirmed(&source, &env_a).await;
 
-    assert_eq!(
-        publisher
-            .publish(&full_record(&env_b, "run_b"))
-            .await
-            .expect("publish"),
-        0
-    );
-    let fence = full_record(&env_a, "fence");
-    publisher.publish(&fence).await.expect("publish fence");
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_a.into(),
-            record: fence
-        }
-    );
+    publish_to(&publisher, &full_record(&env_b, "run_b"), 0).await;
+    delivered(&publisher, &mut rx, full_record(&env_a, "fence")).await;
 }
 
 /// PUBLISH returns the receiver count: 0 without a subscriber, 1 with ours.
@@ -147,20 +166,13 @@ async fn publish_returns_receiver_count() {
     let (source, _rx) = source().await;
     let env_id = env();
     let record = full_record(&env_id, "run_1");
-    assert_eq!(
-        publish_once(&standalone(REDIS_URL), &record)
-            .await
-            .expect("publish"),
-        0
-    );
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
-    wait_confirmed(&source, &env_id, true).await;
-    assert_eq!(
-        publish_once(&standalone(REDIS_URL), &record)
-            .await
-            .expect("publish"),
-        1
-    );
+    for (subscribed, receivers) in [(false, 0), (true, 1)] {
+        if subscribed {
+            subscribe_confirmed(&source, &env_id).await;
+        }
+        let sent = publish_once(&standalone(REDIS_URL), &record).await;
+        assert_eq!(sent.expect("publish"), receivers);
+    }
 }
 
 /// NTF-14/15 on the wire: a bare string (and invalid JSON) published raw decodes as a partial
@@ -168,15 +180,10 @@ async fn publish_returns_receiver_count() {
 #[tokio::test]
 async fn bare_string_message_decodes_as_partial() {
     let (source, mut rx) = source().await;
-    let env_id = env();
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
-    wait_confirmed(&source, &env_id, true).await;
+    let env_id = subscribed_env(&source).await;
 
     // A separate plain fred client issuing the raw PUBLISH, as any other producer would.
-    let raw = Builder::from_config(Config::from_url(REDIS_URL).expect("url"))
-        .build()
-        .expect("client");
-    raw.init().await.expect("connect");
+    let raw = plain_client().await;
     for payload in ["run_bare", "{\"runId\":"] {
         let receivers: i64 = raw
             .publish(channel_name(&env_id), payload)
@@ -188,13 +195,7 @@ async fn bare_string_message_decodes_as_partial() {
             run_id: payload.into(),
             ..ChangeRecord::default()
         };
-        assert_eq!(
-            next_event(&mut rx).await,
-            SourceEvent::Record {
-                env_id: env_id.clone().into(),
-                record: expected
-            }
-        );
+        expect_record(&mut rx, &env_id, expected).await;
     }
     let _ = raw.quit().await;
 }
@@ -203,67 +204,43 @@ async fn bare_string_message_decodes_as_partial() {
 /// subscribe/unsubscribe are idempotent.
 #[tokio::test]
 async fn unsubscribe_stops_delivery() {
-    let (source, mut rx) = source().await;
-    let publisher = publisher().await;
+    let (source, mut rx, publisher) = connected().await;
     let (env_a, env_b) = (env(), env());
     source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_a));
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_b));
-    wait_confirmed(&source, &env_a, true).await;
-    wait_confirmed(&source, &env_b, true).await;
-    let before = full_record(&env_a, "before");
-    assert_eq!(publisher.publish(&before).await.expect("publish"), 1);
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_a.clone().into(),
-            record: before
-        }
-    );
+    subscribe_confirmed(&source, &env_a).await;
+    subscribe_confirmed(&source, &env_b).await;
+    delivered(&publisher, &mut rx, full_record(&env_a, "before")).await;
 
     source.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
     source.unsubscribe(&runfeed::protocol::EnvId::from(&env_a));
     assert_eq!(source.subscribed(), vec![env_b.clone()]);
     wait_confirmed(&source, &env_a, false).await;
-    assert_eq!(
-        publisher
-            .publish(&full_record(&env_a, "after"))
-            .await
-            .expect("publish"),
-        0
-    );
-    let fence = full_record(&env_b, "fence");
-    publisher.publish(&fence).await.expect("publish fence");
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_b.into(),
-            record: fence
-        }
-    );
+    publish_to(&publisher, &full_record(&env_a, "after"), 0).await;
+    delivered(&publisher, &mut rx, full_record(&env_b, "fence")).await;
 }
 
 /// Subscribe then unsubscribe before the reconciler runs: nothing stays subscribed.
 #[tokio::test]
 async fn subscribe_unsubscribe_burst_converges() {
-    let (source, _rx) = source().await;
-    let publisher = publisher().await;
+    let (source, _rx, publisher) = connected().await;
     let env_id = env();
     for _ in 0..10 {
         source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
         source.unsubscribe(&runfeed::protocol::EnvId::from(&env_id));
     }
     let other = env();
-    source.subscribe(&runfeed::protocol::EnvId::from(&other));
-    wait_confirmed(&source, &other, true).await;
+    subscribe_confirmed(&source, &other).await;
     assert!(source.confirmed().iter().all(|e| e != &env_id));
-    assert_eq!(
-        publisher
-            .publish(&full_record(&env_id, "x"))
-            .await
-            .expect("publish"),
-        0
-    );
+    publish_to(&publisher, &full_record(&env_id, "x"), 0).await;
+}
+
+/// A plain fred client of the shared Redis, connected.
+async fn plain_client() -> Client {
+    let client = Builder::from_config(Config::from_url(REDIS_URL).expect("url"))
+        .build()
+        .expect("client");
+    client.init().await.expect("connect");
+    client
 }
 
 /// The subscriber connection's id in `CLIENT LIST`, found by its name.
@@ -288,28 +265,14 @@ async fn client_id_by_name(admin: &Client, name: &str) -> Option<String> {
 /// not for the first connect), and the subscription works again.
 #[tokio::test]
 async fn reconnected_after_client_kill() {
-    let (source, mut rx) = source().await;
-    let publisher = publisher().await;
-    let env_id = env();
-    source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
-    wait_confirmed(&source, &env_id, true).await;
+    let (source, mut rx, publisher) = connected().await;
+    let env_id = subscribed_env(&source).await;
     // No event for the initial connection.
-    let first = full_record(&env_id, "first");
-    publisher.publish(&first).await.expect("publish");
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_id.clone().into(),
-            record: first
-        }
-    );
+    delivered(&publisher, &mut rx, full_record(&env_id, "first")).await;
 
     // Kill only our subscriber connection (by id, found by its CLIENT SETNAME), so other
     // suites' pub/sub clients on this Redis are unaffected, unlike `CLIENT KILL TYPE pubsub`.
-    let admin = Builder::from_config(Config::from_url(REDIS_URL).expect("url"))
-        .build()
-        .expect("client");
-    admin.init().await.expect("connect admin");
+    let admin = plain_client().await;
     let id = client_id_by_name(&admin, source.client_name())
         .await
         .expect("subscriber in CLIENT LIST");
@@ -328,27 +291,13 @@ async fn reconnected_after_client_kill() {
     assert!(source
         .confirmed()
         .contains(&runfeed::protocol::EnvId::from(&env_id)));
-    let after = full_record(&env_id, "after");
-    assert_eq!(publisher.publish(&after).await.expect("publish"), 1);
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_id.clone().into(),
-            record: after
-        }
-    );
+    delivered(&publisher, &mut rx, full_record(&env_id, "after")).await;
     let new_id = client_id_by_name(&admin, source.client_name())
         .await
         .expect("reconnected subscriber");
     assert_ne!(new_id, id);
     let _ = admin.quit().await;
     source.shutdown().await;
-}
-
-/// A TCP port nothing listens on (bound, read, released).
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr").port()
 }
 
 /// With nothing listening, `connect` returns after its bounded wait (fred keeps connecting in
@@ -408,22 +357,7 @@ async fn late_redis_is_connected_in_background() {
     let env_id = env();
     source.subscribe(&runfeed::protocol::EnvId::from(&env_id));
 
-    let _server = RedisServer(
-        std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn redis-server"),
-    );
+    let _server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
     assert_eq!(next_event(&mut rx).await, SourceEvent::Reconnected);
     assert!(source
         .confirmed()
@@ -431,15 +365,7 @@ async fn late_redis_is_connected_in_background() {
     let publisher = Publisher::connect(&standalone(&url))
         .await
         .expect("publisher");
-    let record = full_record(&env_id, "late");
-    assert_eq!(publisher.publish(&record).await.expect("publish"), 1);
-    assert_eq!(
-        next_event(&mut rx).await,
-        SourceEvent::Record {
-            env_id: env_id.into(),
-            record
-        }
-    );
+    delivered(&publisher, &mut rx, full_record(&env_id, "late")).await;
     publisher.close().await;
     source.shutdown().await;
 }

@@ -5,24 +5,18 @@
 //! own `runfeed_t_<random>` database and drops it. Redis: `RUNFEED_TEST_REDIS` (default
 //! `redis://127.0.0.1:6379`).
 
+mod common;
+
 use std::process::Output;
 use std::time::Duration;
 
 use anyhow::Context;
 use base64::Engine;
+use common::{pg_base, redis_url, with_test_db};
 use fred::prelude::*;
-use runfeed_dev::fixtures::{self, TestDb};
+use runfeed_dev::fixtures;
 use serde_json::Value;
 use tokio::process::Command;
-
-fn pg_base() -> String {
-    std::env::var("RUNFEED_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
-}
-
-fn redis_url() -> String {
-    std::env::var("RUNFEED_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
-}
 
 fn unique(prefix: &str) -> String {
     format!("{prefix}{}", &fixtures::new_id()[1..13])
@@ -33,6 +27,30 @@ fn runfeed() -> Command {
     cmd.env_remove("DATABASE_URL")
         .env_remove("REDIS_URL")
         .kill_on_drop(true);
+    cmd
+}
+
+/// `runfeed token --database-url <db_url> --env <env> <args…>`.
+fn token(db_url: &str, env: &str, args: &[&str]) -> Command {
+    let mut cmd = runfeed();
+    cmd.args(["token", "--database-url", db_url, "--env", env])
+        .args(args);
+    cmd
+}
+
+/// `runfeed publish --redis-url <redis> --env <env> --run <run> <args…>`.
+fn publish(env: &str, run: &str, args: &[&str]) -> Command {
+    let mut cmd = runfeed();
+    cmd.args([
+        "publish",
+        "--redis-url",
+        &redis_url(),
+        "--env",
+        env,
+        "--run",
+        run,
+    ])
+    .args(args);
     cmd
 }
 
@@ -116,24 +134,22 @@ async fn migrate_creates_the_database_and_is_idempotent() -> anyhow::Result<()> 
 
 #[tokio::test]
 async fn token_prints_a_public_jwt_signed_with_the_env_key() -> anyhow::Result<()> {
-    let db = TestDb::create(&pg_base()).await?;
-    let result = async {
+    with_test_db(async |db| {
         let env = fixtures::create_env(&db.pool, "PRODUCTION").await?;
-        let out = run_ok(runfeed().args([
-            "token",
-            "--database-url",
+        let out = run_ok(&mut token(
             &db.url,
-            "--env",
             &env.env_id,
-            "--scope",
-            "read:runs",
-            "--scope",
-            "read:tags:user:1",
-            "--ttl",
-            "1h",
-            "--skip-columns",
-            "payload, output",
-        ]))
+            &[
+                "--scope",
+                "read:runs",
+                "--scope",
+                "read:tags:user:1",
+                "--ttl",
+                "1h",
+                "--skip-columns",
+                "payload, output",
+            ],
+        ))
         .await?;
         let stdout = String::from_utf8(out.stdout)?;
         assert_eq!(
@@ -159,28 +175,21 @@ async fn token_prints_a_public_jwt_signed_with_the_env_key() -> anyhow::Result<(
         let now = chrono::Utc::now().timestamp();
         assert!((exp - now - 3600).abs() <= 5, "exp {exp} now {now}");
         assert!(verifies_with(token, &env.api_key));
-        anyhow::Ok(())
-    }
-    .await;
-    db.cleanup().await?;
-    result
+        Ok(())
+    })
+    .await
 }
 
 #[tokio::test]
 async fn token_for_a_branch_env_is_signed_with_the_parent_key() -> anyhow::Result<()> {
-    let db = TestDb::create(&pg_base()).await?;
-    let result = async {
+    with_test_db(async |db| {
         let parent = fixtures::create_env(&db.pool, "PREVIEW").await?;
         let branch = fixtures::create_branch_env(&db.pool, &parent, "PREVIEW", "feature-x").await?;
-        let out = run_ok(runfeed().args([
-            "token",
-            "--database-url",
+        let out = run_ok(&mut token(
             &db.url,
-            "--env",
             &branch.env_id,
-            "--scope",
-            "read:all",
-        ]))
+            &["--scope", "read:all"],
+        ))
         .await?;
         let token = String::from_utf8(out.stdout)?.trim().to_string();
         let claims = jwt_payload(&token)?;
@@ -189,54 +198,31 @@ async fn token_for_a_branch_env_is_signed_with_the_parent_key() -> anyhow::Resul
         assert_eq!(ttl, 15 * 60, "default ttl is 15m");
         assert!(verifies_with(&token, &parent.api_key));
         assert!(!verifies_with(&token, &branch.api_key));
-        anyhow::Ok(())
-    }
-    .await;
-    db.cleanup().await?;
-    result
+        Ok(())
+    })
+    .await
 }
 
 #[tokio::test]
 async fn token_for_an_unknown_env_fails_without_printing() -> anyhow::Result<()> {
-    let db = TestDb::create(&pg_base()).await?;
-    let out = runfeed()
-        .args([
-            "token",
-            "--database-url",
-            &db.url,
-            "--env",
-            "no_such_env",
-            "--scope",
-            "read:runs",
-        ])
-        .output()
-        .await;
-    db.cleanup().await?;
-    let out = out?;
-    assert!(!out.status.success());
-    assert!(out.stdout.is_empty());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_env"));
-    Ok(())
+    with_test_db(async |db| {
+        let out = token(&db.url, "no_such_env", &["--scope", "read:runs"])
+            .output()
+            .await?;
+        assert!(!out.status.success());
+        assert!(out.stdout.is_empty());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_env"));
+        Ok(())
+    })
+    .await
 }
 
 #[tokio::test]
 async fn publish_delivers_exactly_the_webapp_json() -> anyhow::Result<()> {
     let env = unique("e1_");
     let (client, mut rx) = subscriber(&format!("realtime:env:{{{env}}}")).await?;
-    run_ok(runfeed().args([
-        "publish",
-        "--redis-url",
-        &redis_url(),
-        "--env",
-        &env,
-        "--run",
-        "r1",
-        "--tags",
-        "a,b",
-        "--updated-at-ms",
-        "123",
-    ]))
-    .await?;
+    let full = ["--tags", "a,b", "--updated-at-ms", "123"];
+    run_ok(&mut publish(&env, "r1", &full)).await?;
     assert_eq!(
         next_message(&mut rx).await?,
         format!(
@@ -244,20 +230,7 @@ async fn publish_delivers_exactly_the_webapp_json() -> anyhow::Result<()> {
         )
     );
     // Lifecycle-bus shape: full record, internal batch id, no watermark.
-    run_ok(runfeed().args([
-        "publish",
-        "--redis-url",
-        &redis_url(),
-        "--env",
-        &env,
-        "--run",
-        "r2",
-        "--tags",
-        "",
-        "--batch",
-        "b1",
-    ]))
-    .await?;
+    run_ok(&mut publish(&env, "r2", &["--tags", "", "--batch", "b1"])).await?;
     assert_eq!(
         next_message(&mut rx).await?,
         format!(r#"{{"v":1,"runId":"r2","envId":"{env}","tags":[],"batchId":"b1"}}"#)

@@ -7,11 +7,14 @@
 //! Every checker returns the problems it found; each has a test on the real file and one on a
 //! small bad input, so a checker that cannot fail is caught too.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use clap::{CommandFactory, Parser};
+use common::checks::{assert_exactly, assert_found, assert_found_all, assert_none, services};
 use runfeed::cli::{Cli, Command};
 use serde_yaml::Value;
 
@@ -31,26 +34,34 @@ fn compose() -> Value {
     parse_compose(&read("docker-compose.yml")).unwrap_or_else(|e| panic!("docker-compose.yml: {e}"))
 }
 
+/// `check` finds nothing wrong in the real docker-compose.yml.
+fn assert_compose_ok(what: &str, check: impl Fn(&Value) -> Vec<String>) {
+    assert_none(&format!("docker-compose.yml {what}"), check(&compose()));
+}
+
+/// `check` finds nothing wrong in the real Dockerfile.
+fn assert_dockerfile_ok(what: &str, check: impl Fn(&[Instr]) -> Vec<String>) {
+    assert_none(&format!("Dockerfile {what}"), check(&dockerfile()));
+}
+
+/// A compose document the test writes (it must parse).
+fn compose_doc(text: &str) -> Value {
+    parse_compose(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// Environment variables from `(name, value)` pairs.
+fn env_vars(pairs: &[(&str, &str)]) -> Env {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 fn dockerfile() -> Vec<Instr> {
     parse_dockerfile(&read("Dockerfile"))
 }
 
 /// Fails with every problem listed.
-fn assert_none(what: &str, problems: Vec<String>) {
-    assert!(
-        problems.is_empty(),
-        "{what}:\n  - {}",
-        problems.join("\n  - ")
-    );
-}
-
-/// Fails unless some problem contains `needle`.
-fn assert_found(problems: &[String], needle: &str) {
-    assert!(
-        problems.iter().any(|p| p.contains(needle)),
-        "expected a problem mentioning {needle:?}, got {problems:#?}"
-    );
-}
 
 // ---------------------------------------------------------------------------------------------
 // Environment, the CLI parser and the configuration loader
@@ -178,15 +189,6 @@ fn parse_compose(text: &str) -> Result<Value, String> {
         Some(Value::Mapping(m)) if !m.is_empty() => Ok(doc),
         _ => Err("no `services` mapping".into()),
     }
-}
-
-fn services(doc: &Value) -> Vec<(String, &Value)> {
-    doc["services"]
-        .as_mapping()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| (k.as_str().unwrap_or("?").to_string(), v))
-        .collect()
 }
 
 fn service<'a>(doc: &'a Value, name: &str) -> Option<&'a Value> {
@@ -1054,7 +1056,7 @@ fn compose_parser_rejects_bad_yaml() {
     assert!(parse_compose("services: [").is_err());
     assert!(parse_compose("version: '3'").is_err());
     assert!(parse_compose("services:\n  a:\n    <<: 3\n").is_err());
-    let merged = parse_compose("x: &x\n  build: .\nservices:\n  a:\n    <<: *x\n").unwrap();
+    let merged = compose_doc("x: &x\n  build: .\nservices:\n  a:\n    <<: *x\n");
     assert!(
         built_here(service(&merged, "a").unwrap()),
         "merge keys are applied"
@@ -1063,35 +1065,28 @@ fn compose_parser_rejects_bad_yaml() {
 
 #[test]
 fn compose_depends_on_names_existing_services() {
-    assert_none(
-        "docker-compose.yml depends_on",
-        check_depends_on(&compose()),
-    );
+    assert_compose_ok("depends_on", check_depends_on);
 }
 
 #[test]
 fn compose_depends_on_check_catches_unknown_service() {
-    let doc = parse_compose(
+    let doc = compose_doc(
         "services:\n  a:\n    image: x\n    depends_on: [nope]\n  b:\n    image: x\n    depends_on:\n      a:\n        condition: service_healthy\n      gone:\n        condition: service_started\n",
-    )
-    .unwrap();
-    let problems = check_depends_on(&doc);
-    assert_found(&problems, "depends on nope");
-    assert_found(&problems, "depends on gone");
-    assert_eq!(problems.len(), 2, "{problems:?}");
-}
-
-#[test]
-fn compose_services_have_image_or_build() {
-    assert_none(
-        "docker-compose.yml images",
-        check_image_or_build(&compose()),
+    );
+    assert_exactly(
+        &check_depends_on(&doc),
+        &["depends on nope", "depends on gone"],
     );
 }
 
 #[test]
+fn compose_services_have_image_or_build() {
+    assert_compose_ok("images", check_image_or_build);
+}
+
+#[test]
 fn compose_image_check_catches_service_without_image() {
-    let doc = parse_compose("services:\n  a:\n    command: [x]\n  b:\n    build: .\n").unwrap();
+    let doc = compose_doc("services:\n  a:\n    command: [x]\n  b:\n    build: .\n");
     assert_eq!(
         check_image_or_build(&doc),
         ["service a has neither `image` nor `build`"]
@@ -1100,11 +1095,8 @@ fn compose_image_check_catches_service_without_image() {
 
 #[test]
 fn compose_bind_mounts_exist() {
+    assert_compose_ok("bind mounts", |doc| check_bind_mounts(doc, &repo()));
     let doc = compose();
-    assert_none(
-        "docker-compose.yml bind mounts",
-        check_bind_mounts(&doc, &repo()),
-    );
     let mounts: usize = services(&doc)
         .iter()
         .map(|(_, s)| bind_mounts(s).len())
@@ -1117,42 +1109,45 @@ fn compose_bind_mounts_exist() {
 
 #[test]
 fn compose_bind_mount_check_catches_missing_paths() {
-    let doc = parse_compose(
+    let doc = compose_doc(
         "services:\n  a:\n    image: x\n    volumes:\n      - ./grafana/prometheus.yml:/p.yml:ro\n      - ./no/such/file:/x\n      - data:/data\n      - type: bind\n        source: ./missing-too\n        target: /y\n      - /etc/passwd:/z:ro\n",
-    )
-    .unwrap();
+    );
     let problems = check_bind_mounts(&doc, &repo());
-    assert_found(&problems, "./no/such/file");
-    assert_found(&problems, "./missing-too");
-    assert_found(&problems, "/etc/passwd is outside the repository");
-    assert_eq!(problems.len(), 3, "{problems:?}");
+    assert_exactly(
+        &problems,
+        &[
+            "./no/such/file",
+            "./missing-too",
+            "/etc/passwd is outside the repository",
+        ],
+    );
 }
 
 #[test]
 fn compose_runfeed_commands_parse_with_the_cli() {
-    let doc = compose();
-    assert_none(
-        "docker-compose.yml commands",
-        check_runfeed_commands(&doc, &image_entrypoint()),
-    );
+    let entrypoint = image_entrypoint();
+    assert_compose_ok("commands", |doc| check_runfeed_commands(doc, &entrypoint));
     assert!(
-        serve_service(&doc).is_some(),
+        serve_service(&compose()).is_some(),
         "no service runs `runfeed serve`"
     );
 }
 
 #[test]
 fn compose_command_check_catches_bad_flags() {
-    let doc = parse_compose(
+    let doc = compose_doc(
         "x: &rf\n  build: .\nservices:\n  a:\n    <<: *rf\n    command: [serve, --listn, 0.0.0.0:1]\n  b:\n    <<: *rf\n    command: serve --listen nowhere\n  c:\n    <<: *rf\n    command: [frobnicate]\n  d:\n    <<: *rf\n    command: [token, --env, e]\n  ok:\n    <<: *rf\n    command: [migrate]\n",
-    )
-    .unwrap();
+    );
     let problems = check_runfeed_commands(&doc, &["runfeed".into()]);
-    assert_found(&problems, "service a: the CLI rejects");
-    assert_found(&problems, "service b: listen address \"nowhere\"");
-    assert_found(&problems, "service c: the CLI rejects");
-    assert_found(&problems, "service d: the CLI rejects"); // --scope is required
-    assert_eq!(problems.len(), 4, "{problems:?}");
+    assert_exactly(
+        &problems,
+        &[
+            "service a: the CLI rejects",
+            "service b: listen address \"nowhere\"",
+            "service c: the CLI rejects",
+            "service d: the CLI rejects", // --scope is required
+        ],
+    );
 }
 
 #[test]
@@ -1174,58 +1169,45 @@ fn compose_runfeed_env_vars_are_config_keys() {
 
 #[test]
 fn env_check_catches_unknown_keys_and_bad_values() {
-    let env = Env::from([
-        (
-            "RUNFEED_TELEMETRY__ADMIN_LISTN".to_string(),
-            "0.0.0.0:9464".to_string(),
-        ),
-        ("RUNFEED_NOPE__X".to_string(), "1".to_string()),
-        ("RUNFEED_FEEDS__MAX_TAGS".to_string(), "many".to_string()),
-        (
-            "RUNFEED_TELEMETRY__LOG_FORMAT".to_string(),
-            "xml".to_string(),
-        ),
-        ("RUNFEED_ADMIN_LISTEN".to_string(), "0.0.0.0:1".to_string()),
+    let env = env_vars(&[
+        ("RUNFEED_TELEMETRY__ADMIN_LISTN", "0.0.0.0:9464"),
+        ("RUNFEED_NOPE__X", "1"),
+        ("RUNFEED_FEEDS__MAX_TAGS", "many"),
+        ("RUNFEED_TELEMETRY__LOG_FORMAT", "xml"),
+        ("RUNFEED_ADMIN_LISTEN", "0.0.0.0:1"),
         // Fine: a config key, CLI/logging switches, a foreign variable.
-        (
-            "RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS".to_string(),
-            "3000".to_string(),
-        ),
-        ("RUNFEED_LISTEN".to_string(), "0.0.0.0:1".to_string()),
-        ("RUNFEED_LOG_FORMAT".to_string(), "json".to_string()),
-        (
-            "RUNFEED_CONFIG".to_string(),
-            "/etc/runfeed/default.toml".to_string(),
-        ),
-        ("RUST_LOG".to_string(), "info".to_string()),
+        ("RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS", "3000"),
+        ("RUNFEED_LISTEN", "0.0.0.0:1"),
+        ("RUNFEED_LOG_FORMAT", "json"),
+        ("RUNFEED_CONFIG", "/etc/runfeed/default.toml"),
+        ("RUST_LOG", "info"),
     ]);
     let problems = check_config_env("test", &env);
-    assert_found(&problems, "RUNFEED_TELEMETRY__ADMIN_LISTN");
-    assert_found(&problems, "RUNFEED_NOPE__X");
-    assert_found(&problems, "RUNFEED_FEEDS__MAX_TAGS=many");
-    assert_found(&problems, "RUNFEED_TELEMETRY__LOG_FORMAT=xml");
-    assert_found(&problems, "RUNFEED_ADMIN_LISTEN is neither");
-    assert_eq!(problems.len(), 5, "{problems:#?}");
-}
-
-#[test]
-fn compose_primary_postgres_has_logical_wal_and_allows_replication() {
-    assert_none(
-        "docker-compose.yml primary Postgres",
-        check_primary_postgres(&compose()),
+    assert_exactly(
+        &problems,
+        &[
+            "RUNFEED_TELEMETRY__ADMIN_LISTN",
+            "RUNFEED_NOPE__X",
+            "RUNFEED_FEEDS__MAX_TAGS=many",
+            "RUNFEED_TELEMETRY__LOG_FORMAT=xml",
+            "RUNFEED_ADMIN_LISTEN is neither",
+        ],
     );
 }
 
 #[test]
+fn compose_primary_postgres_has_logical_wal_and_allows_replication() {
+    assert_compose_ok("primary Postgres", check_primary_postgres);
+}
+
+#[test]
 fn compose_primary_check_catches_missing_wal_level() {
-    let doc = parse_compose(
+    let doc = compose_doc(
         "services:\n  runfeed:\n    build: .\n    command: [serve]\n    environment:\n      DATABASE_URL: postgres://postgres@db:5432/x\n  db:\n    image: postgres:15\n    command: [postgres, -c, wal_level=replica]\n",
-    )
-    .unwrap();
+    );
     let problems = check_primary_postgres(&doc);
-    assert_found(&problems, "wal_level=logical");
-    assert_found(&problems, "max_wal_senders");
-    assert_found(&problems, "host replication");
+    let needles = ["wal_level=logical", "max_wal_senders", "host replication"];
+    assert_found_all(&problems, &needles);
     assert_eq!(
         pg_settings(&[
             "postgres".into(),
@@ -1242,10 +1224,7 @@ fn compose_primary_check_catches_missing_wal_level() {
 
 #[test]
 fn compose_replica_streams_from_the_primary_and_runfeed_reads_it() {
-    assert_none(
-        "docker-compose.yml replica",
-        check_replica(&compose(), &repo()),
-    );
+    assert_compose_ok("replica", |doc| check_replica(doc, &repo()));
     let doc = compose();
     let (_, serve) = serve_service(&doc).unwrap();
     assert_eq!(
@@ -1260,30 +1239,28 @@ fn compose_replica_streams_from_the_primary_and_runfeed_reads_it() {
 fn compose_replica_check_catches_missing_or_wrong_replica() {
     let base = "x: &rf\n  build: .\nservices:\n  db:\n    image: postgres:15\n  migrate:\n    <<: *rf\n    command: [migrate]\n    environment:\n      DATABASE_URL: postgres://postgres@replica/x\n";
     // No replica at all.
-    let doc = parse_compose(&format!(
+    let doc = compose_doc(&format!(
         "{base}  runfeed:\n    <<: *rf\n    command: [serve]\n    environment:\n      DATABASE_URL: postgres://postgres@db/x\n"
-    ))
-    .unwrap();
+    ));
     assert_found(&check_replica(&doc, &repo()), "has no replica");
     // The replica URL is the primary.
-    let doc = parse_compose(&format!(
+    let doc = compose_doc(&format!(
         "{base}  runfeed:\n    <<: *rf\n    command: [serve, --replica-url, postgres://postgres@db/x]\n    environment:\n      DATABASE_URL: postgres://postgres@db/x\n"
-    ))
-    .unwrap();
+    ));
     assert_found(&check_replica(&doc, &repo()), "points at the primary db");
     // A replica service that does not clone the primary, and a migrate on the replica.
-    let doc = parse_compose(&format!(
+    let doc = compose_doc(&format!(
         "{base}  replica:\n    image: postgres:15\n  runfeed:\n    <<: *rf\n    command: [serve]\n    environment:\n      DATABASE_URL: postgres://postgres@db/x\n      DATABASE_READ_REPLICA_URL: postgres://postgres@replica/x\n"
-    ))
-    .unwrap();
-    let problems = check_replica(&doc, &repo());
-    assert_found(&problems, "does not clone db");
-    assert_found(&problems, "service replica has no healthcheck");
-    assert_found(&problems, "service replica does not depend on db");
-    assert_found(&problems, "service runfeed does not depend on replica");
-    assert_found(
-        &problems,
-        "service migrate (migrate) must use the primary db",
+    ));
+    assert_found_all(
+        &check_replica(&doc, &repo()),
+        &[
+            "does not clone db",
+            "service replica has no healthcheck",
+            "service replica does not depend on db",
+            "service runfeed does not depend on replica",
+            "service migrate (migrate) must use the primary db",
+        ],
     );
 }
 
@@ -1299,10 +1276,9 @@ fn compose_prometheus_scrapes_runfeed_admin_port() {
 
 #[test]
 fn prometheus_check_catches_wrong_target() {
-    let doc = parse_compose(
+    let doc = compose_doc(
         "services:\n  runfeed:\n    build: .\n    command: [serve]\n    environment:\n      RUNFEED_TELEMETRY__ADMIN_LISTEN: 0.0.0.0:9464\n",
-    )
-    .unwrap();
+    );
     let wrong_port = "scrape_configs:\n  - job_name: r\n    static_configs:\n      - targets: [\"runfeed:9465\"]\n";
     assert_found(
         &check_prometheus_scrape(&doc, wrong_port),
@@ -1315,10 +1291,9 @@ fn prometheus_check_catches_wrong_target() {
     );
     let right = "scrape_configs:\n  - job_name: r\n    static_configs:\n      - targets: [\"runfeed:9464\"]\n";
     assert!(check_prometheus_scrape(&doc, right).is_empty());
-    let loopback = parse_compose(
+    let loopback = compose_doc(
         "services:\n  runfeed:\n    build: .\n    command: [serve]\n    environment:\n      RUNFEED_TELEMETRY__ADMIN_LISTEN: 127.0.0.1:9464\n",
-    )
-    .unwrap();
+    );
     assert_found(&check_prometheus_scrape(&loopback, right), "not reachable");
 }
 
@@ -1356,43 +1331,25 @@ fn dockerfile_parser_joins_continuations_and_tracks_stages() {
     assert_eq!(bad.last().unwrap().line, 11);
 }
 
-#[test]
-fn dockerfile_is_multi_stage() {
-    assert_none("Dockerfile stages", check_multi_stage(&dockerfile()));
+/// One `#[test]` per `name: what => check`: `check` finds nothing wrong in the real Dockerfile.
+macro_rules! dockerfile_ok_tests {
+    ($($name:ident: $what:literal => $check:expr;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                assert_dockerfile_ok($what, $check);
+            }
+        )*
+    };
 }
 
-#[test]
-fn dockerfile_runs_as_non_root() {
-    assert_none("Dockerfile USER", check_non_root(&dockerfile()));
-}
-
-#[test]
-fn dockerfile_healthcheck_probes_the_listen_port_and_it_is_exposed() {
-    assert_none(
-        "Dockerfile HEALTHCHECK/EXPOSE",
-        check_healthcheck(&dockerfile()),
-    );
-}
-
-#[test]
-fn dockerfile_entrypoint_and_cmd_parse_with_the_cli() {
-    assert_none(
-        "Dockerfile ENTRYPOINT/CMD",
-        check_entrypoint_cmd(&dockerfile()),
-    );
-}
-
-#[test]
-fn dockerfile_copy_sources_exist() {
-    assert_none(
-        "Dockerfile COPY",
-        check_copy_sources(&dockerfile(), &repo()),
-    );
-}
-
-#[test]
-fn dockerfile_builder_uses_locked() {
-    assert_none("Dockerfile cargo build", check_locked(&dockerfile()));
+dockerfile_ok_tests! {
+    dockerfile_is_multi_stage: "stages" => check_multi_stage;
+    dockerfile_runs_as_non_root: "USER" => check_non_root;
+    dockerfile_healthcheck_probes_the_listen_port_and_it_is_exposed: "HEALTHCHECK/EXPOSE" => check_healthcheck;
+    dockerfile_entrypoint_and_cmd_parse_with_the_cli: "ENTRYPOINT/CMD" => check_entrypoint_cmd;
+    dockerfile_copy_sources_exist: "COPY" => |d| check_copy_sources(d, &repo());
+    dockerfile_builder_uses_locked: "cargo build" => check_locked;
 }
 
 #[test]

@@ -6,10 +6,13 @@
 //! file each comes from, as of trigger.dev v4.5.12 (tag `v4.5.12`). Every checker returns the
 //! problems it found and has a test on a broken input too.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use clap::Parser;
+use common::checks::{assert_found_all, services};
 use runfeed::cli::{Cli, Command};
 use serde_yaml::Value;
 
@@ -117,15 +120,6 @@ fn parse(text: &str) -> Result<Value, String> {
 
 fn overlay(rel: &str) -> Value {
     parse(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
-}
-
-fn services(doc: &Value) -> Vec<(String, &Value)> {
-    doc["services"]
-        .as_mapping()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| (k.as_str().unwrap_or("?").to_string(), v))
-        .collect()
 }
 
 fn scalar(v: &Value) -> String {
@@ -572,30 +566,28 @@ services:
       RUNFEED_X: $x
 "#;
     let problems = check_overlay(&parse(bad).unwrap(), bad);
-    for needle in [
-        "service worker is neither runfeed",
-        "service runfeed builds",
-        "REALTIME_NATIVE_ENABLED is not a key",
-        "must be the string \"1\"",
-        "not trigger.dev's Redis redis:6379",
-        "not on network webapp",
-        "network default",
-        "depends on db",
-        "DATABASE_URL: ${POSTGRES_PASSWORD} has no value",
-        "REDIS_URL must be the Redis the webapp publishes to",
-        "RUNFEED_SERVER__HANDLE_SECRET",
-        "serve --listen 0.0.0.0:PORT",
-        "publishes its admin port",
-        "RUNFEED_X: a lone `$`",
-        "do not load",
-        "RUNFEED_TELEMETRY__ADMIN_LISTEN must listen on 0.0.0.0",
-        "${POSTGRES_PASSWORD} is neither",
-    ] {
-        assert!(
-            problems.iter().any(|p| p.contains(needle)),
-            "expected {needle:?} in {problems:#?}"
-        );
-    }
+    assert_found_all(
+        &problems,
+        &[
+            "service worker is neither runfeed",
+            "service runfeed builds",
+            "REALTIME_NATIVE_ENABLED is not a key",
+            "must be the string \"1\"",
+            "not trigger.dev's Redis redis:6379",
+            "not on network webapp",
+            "network default",
+            "depends on db",
+            "DATABASE_URL: ${POSTGRES_PASSWORD} has no value",
+            "REDIS_URL must be the Redis the webapp publishes to",
+            "RUNFEED_SERVER__HANDLE_SECRET",
+            "serve --listen 0.0.0.0:PORT",
+            "publishes its admin port",
+            "RUNFEED_X: a lone `$`",
+            "do not load",
+            "RUNFEED_TELEMETRY__ADMIN_LISTEN must listen on 0.0.0.0",
+            "${POSTGRES_PASSWORD} is neither",
+        ],
+    );
 }
 
 #[test]
@@ -611,23 +603,21 @@ fn traefik_overlay_routes_exactly_the_feed_routes_above_the_webapp() {
 fn traefik_check_catches_a_broken_router() {
     let bad = "services:\n  runfeed:\n    networks: [webapp]\n    labels:\n      - \"traefik.http.routers.runfeed.rule=Host(`webapp.localhost`) && PathPrefix(`/realtime/v1/`)\"\n      - traefik.http.routers.runfeed.priority=10\n      - traefik.http.routers.runfeed.entrypoints=web\n      - traefik.http.services.runfeed.loadbalancer.server.port=3000\n      - traefik.http.services.runfeed.loadbalancer.healthcheck.path=/healthz\n";
     let problems = check_traefik(&parse(bad).unwrap(), &overlay(OVERLAY));
-    for needle in [
-        "not on network traefik",
-        "traefik.enable=true missing",
-        "traefik.docker.network",
-        "entrypoints",
-        "router rule",
-        "no prefix routes",
-        "priority Some(10)",
-        "service port",
-        "/readyz",
-        "name its service",
-    ] {
-        assert!(
-            problems.iter().any(|p| p.contains(needle)),
-            "expected {needle:?} in {problems:#?}"
-        );
-    }
+    assert_found_all(
+        &problems,
+        &[
+            "not on network traefik",
+            "traefik.enable=true missing",
+            "traefik.docker.network",
+            "entrypoints",
+            "router rule",
+            "no prefix routes",
+            "priority Some(10)",
+            "service port",
+            "/readyz",
+            "name its service",
+        ],
+    );
 }
 
 #[test]

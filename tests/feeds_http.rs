@@ -15,81 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use runfeed::protocol::encode::format_timestamp_ms;
 use runfeed_dev::fixtures::{RunSpec, RunUpdate};
 use serde_json::json;
 use tokio::time::Instant;
-
-fn run_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
-}
-
-fn tag_url(tags: &str) -> Url {
-    Url::new("/realtime/v1/runs").q("tags", tags)
-}
-
-fn batch_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
-}
-
-fn key_of(run_id: &str) -> String {
-    format!("\"public\".\"TaskRun\"/\"{run_id}\"")
-}
-
-fn ts(ms: i64) -> String {
-    format_timestamp_ms(ms).unwrap()
-}
-
-fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
-    v.sort();
-    v
-}
-
-fn op(o: &str, id: &str) -> (String, String) {
-    (o.to_string(), id.to_string())
-}
-
-/// Headers every 200 feed response carries (HDR-01, docs/protocol.md §3.2, §10).
-fn assert_feed_headers(r: &Resp, non_live: bool) {
-    r.assert_status(200);
-    assert_eq!(
-        r.header("content-type"),
-        Some("application/json"),
-        "content-type"
-    );
-    assert_eq!(r.header("cache-control"), Some("no-store"), "cache-control");
-    assert!(
-        r.header("electric-handle").is_some_and(|h| !h.is_empty()),
-        "electric-handle: {:?}",
-        r.headers
-    );
-    let offset = r.header("electric-offset").expect("electric-offset");
-    let (ms, seq) = offset.split_once('_').expect("offset is <ms>_<seq>");
-    assert!(
-        ms.parse::<i64>().is_ok() && seq.parse::<u64>().is_ok(),
-        "offset {offset:?}"
-    );
-    assert!(r.has("electric-up-to-date"), "electric-up-to-date");
-    assert!(
-        r.ends_up_to_date(),
-        "body must end with up-to-date: {}",
-        r.text
-    );
-    if non_live {
-        assert!(
-            r.has("electric-schema"),
-            "electric-schema on non-live responses"
-        );
-    } else {
-        assert!(
-            r.has("electric-cursor"),
-            "electric-cursor on live responses"
-        );
-    }
-    for legacy in ["electric-shape-id", "electric-chunk-last-offset"] {
-        assert!(!r.has(legacy), "modern client must not get {legacy}");
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Snapshots
@@ -99,18 +27,12 @@ fn assert_feed_headers(r: &Resp, non_live: bool) {
 /// `<updatedAtMs>_<seq>`, schema and up-to-date headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_01_snapshot_insert_then_up_to_date() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                status: "EXECUTING".into(),
-                tags: Some(vec!["x".into()]),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let spec = RunSpec {
+        status: "EXECUTING".into(),
+        ..tagged(&["x"])
+    };
+    let run = srv.run(&env, spec).await;
     let tok = srv.token(&env, &["read:runs"]);
 
     let r = srv
@@ -148,8 +70,7 @@ async fn run_01_snapshot_insert_then_up_to_date() {
 /// RUN-01 / ROUTE-01: an unknown run is a 404 JSON with `x-should-retry: false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_01_missing_run_is_404() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let r = srv
         .fetch(
             &run_url("run_doesnotexist0000000000").snapshot(),
@@ -169,32 +90,15 @@ async fn run_01_missing_run_is_404() {
 /// snapshots carry one `insert` per run, newest first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_headers_for_each_feed_kind() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let now = runfeed::clock::now_ms();
-    let older = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["k".into()]),
-                batch_id: Some(batch_id.clone()),
-                created_at_ms: Some(now - 60_000),
-                ..RunSpec::default()
-            },
-        )
-        .await;
-    let newer = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["k".into()]),
-                batch_id: Some(batch_id.clone()),
-                created_at_ms: Some(now - 1_000),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let aged = |age_ms: i64| RunSpec {
+        created_at_ms: Some(now - age_ms),
+        ..tagged_in_batch(&["k"], &batch_id)
+    };
+    let older = srv.run(&env, aged(60_000)).await;
+    let newer = srv.run(&env, aged(1_000)).await;
     let h = modern(&env.api_key);
 
     let run = srv.fetch(&run_url(&older.friendly_id).snapshot(), &h).await;
@@ -228,8 +132,7 @@ async fn snapshot_headers_for_each_feed_kind() {
 /// TAG-03, SER-12: a tag feed with no matching run is a bare up-to-date with offset `0_…`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_03_empty_tag_feed_is_bare_up_to_date_offset_zero() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     srv.tagged_run(&env, &["other"]).await;
     let r = srv
         .fetch(&tag_url("nomatch").snapshot(), &modern(&env.api_key))
@@ -257,25 +160,10 @@ async fn tag_03_empty_tag_feed_is_bare_up_to_date_offset_zero() {
 /// handle and the same offset watermark — for all three feed kinds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_04_live_hold_without_change_answers_up_to_date_after_hold() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["h".into()]),
-                batch_id: Some(batch_id),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let (run, _, batch_fid) = srv.batched_run(&env, &["h"]).await;
     let h = modern(&env.api_key);
-    for url in [
-        run_url(&run.friendly_id),
-        tag_url("h"),
-        batch_url(&batch_fid),
-    ] {
+    for url in feed_urls(&run.friendly_id, "h", &batch_fid) {
         let snap = srv.fetch(&url.snapshot(), &h).await;
         snap.assert_status(200);
         let cursor = "100";
@@ -314,21 +202,17 @@ async fn scenario_04_live_hold_without_change_answers_up_to_date_after_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
     let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let url = run_url(&run.friendly_id);
-    let snap = srv.fetch(&url.snapshot(), &h).await;
-    snap.assert_status(200);
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url,
+        snap,
+    } = srv.follow_new_run().await;
     srv.wait_subscribed(&env.env_id).await;
 
     let poll = async {
-        let r = srv
-            .fetch(
-                &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
-                &h,
-            )
-            .await;
+        let r = srv.fetch(&url.live_after(&snap), &h).await;
         (r, Instant::now())
     };
     let change = async {
@@ -360,10 +244,8 @@ async fn scenario_05_live_wake_on_change_answers_promptly_with_one_update() {
 /// saw arrives as `insert`; unchanged runs are not re-sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_03_tag_wake_diffs_insert_vs_update() {
-    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
-    let known = srv.tagged_run(&env, &["t"]).await;
-    let quiet = srv.tagged_run(&env, &["t"]).await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
+    let [known, quiet] = srv.tagged_runs(&env, &["t"]).await;
     let h = modern(&srv.token(&env, &["read:tags:t"]));
     let url = tag_url("t");
     let snap = srv.fetch(&url.snapshot(), &h).await;
@@ -374,10 +256,7 @@ async fn live_03_tag_wake_diffs_insert_vs_update() {
     srv.wait_subscribed(&env.env_id).await;
 
     // 1. The known run changes → update.
-    let poll = srv.fetch(
-        &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
-        &h,
-    );
+    let poll = srv.fetch(&url.live_after(&snap), &h);
     let change = async {
         srv.wait_held("tag feed held", |h| h.1 == 1).await;
         let t = Instant::now();
@@ -398,21 +277,11 @@ async fn live_03_tag_wake_diffs_insert_vs_update() {
     assert_eq!(r1.row(&known.id).unwrap()["value"]["status"], "EXECUTING");
 
     // 2. A new run with the tag → insert.
-    let poll = srv.fetch(
-        &url.live(&r1.handle(), &r1.offset(), r1.cursor().as_deref()),
-        &h,
-    );
+    let poll = srv.fetch(&url.live_after(&r1), &h);
     let create = async {
         srv.wait_held("tag feed held again", |h| h.1 == 1).await;
         let fresh = srv.tagged_run(&env, &["t"]).await;
-        srv.publish(&TestServer::record(
-            &env,
-            &fresh.id,
-            &["t"],
-            None,
-            fresh.updated_at_ms,
-        ))
-        .await;
+        srv.publish_created(&env, &fresh, &["t"]).await;
         fresh
     };
     let (r2, fresh) = tokio::join!(poll, create);
@@ -434,8 +303,7 @@ async fn live_03_tag_wake_diffs_insert_vs_update() {
 /// must deliver the change again; polling with the new offset then re-sends nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
-    let srv = TestServer::start(3_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(3_000).await;
     let run = srv.tagged_run(&env, &["w"]).await;
     let h = modern(&env.api_key);
     let url = tag_url("w");
@@ -455,33 +323,14 @@ async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
 
     // R1 is "lost": re-poll with O0. The change must come again, at once.
     let again = srv.fetch(&url.live(&handle, &o0, Some("2")), &h).await;
-    assert_feed_headers(&again, false);
-    assert_eq!(
-        again.ops(),
-        vec![op("update", &run.id)],
-        "change lost when the old offset was echoed: {}",
-        again.text
-    );
+    let what = "redelivery when the old offset was echoed (not after the hold)";
+    assert_woken_by_update(&again, &run.id, Duration::from_millis(1_500), what);
     assert_eq!(again.row(&run.id).unwrap()["value"]["status"], "EXECUTING");
-    assert!(
-        again.elapsed < Duration::from_millis(1_500),
-        "redelivery must not wait for the hold: {:?}",
-        again.elapsed
-    );
 
     // With O1 the client has the change: nothing is re-sent (held to the timeout).
     let next = srv.fetch(&url.live(&handle, &o1, Some("3")), &h).await;
-    assert_feed_headers(&next, false);
-    assert!(
-        next.is_bare_up_to_date(),
-        "change re-sent to a client that has it: {}",
-        next.text
-    );
-    assert!(
-        next.elapsed >= Duration::from_millis(2_900),
-        "held {:?}",
-        next.elapsed
-    );
+    let what = "no change re-sent to a client that has it";
+    assert_quiet_hold(&next, Duration::from_millis(2_900), what);
 }
 
 /// Scenarios 8 and 9, docs/protocol.md §4.5–4.6: a non-live request with a handle (resume after pause,
@@ -490,70 +339,38 @@ async fn live_lost_response_is_redelivered_when_the_old_offset_is_echoed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
     let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["c"]).await;
-    let h = modern(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("c")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let snapshots = srv.run_and_tag_snapshots("c", modern).await;
+    let (env, run, h) = (&snapshots.env, &snapshots.run, &snapshots.headers);
+    for (url, snap) in &snapshots.feeds {
         // Scenario 8: resume with cursor, no live.
-        let resume = srv
-            .fetch(
-                &url.clone()
-                    .q("cursor", "5")
-                    .q("handle", &snap.handle())
-                    .q("log", "full")
-                    .q("offset", &snap.offset()),
-                &h,
-            )
-            .await;
-        assert_feed_headers(&resume, true);
-        assert!(
-            resume.elapsed < Duration::from_millis(2_000),
-            "{}: resume held {:?}",
-            url.path,
-            resume.elapsed
-        );
+        let resume = url
+            .clone()
+            .q("cursor", "5")
+            .q("handle", &snap.handle())
+            .q("log", "full")
+            .q("offset", &snap.offset());
+        let resume = srv.fetch(&resume, &h).await;
+        assert_immediate(&resume, &format!("{}: resume", url.path));
         assert!(
             resume.has("electric-cursor"),
             "cursor sent on every response"
         );
         // Scenario 9: prefetch at the tip.
-        let prefetch = srv
-            .fetch(&url.catch_up(&snap.handle(), &snap.offset()), &h)
-            .await;
-        assert_feed_headers(&prefetch, true);
-        assert!(
-            prefetch.elapsed < Duration::from_millis(2_000),
-            "{}: prefetch held {:?}",
-            url.path,
-            prefetch.elapsed
-        );
+        let prefetch = url.catch_up(&snap.handle(), &snap.offset());
+        let prefetch = srv.fetch(&prefetch, &h).await;
+        assert_immediate(&prefetch, &format!("{}: prefetch", url.path));
     }
 
     // A change published while no poll was held reaches a catch-up at the old offset.
     let url = tag_url("c");
     let snap = srv.fetch(&url.snapshot(), &h).await;
-    let batches = srv
-        .running()
-        .router
-        .stats()
-        .batches
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let batches = srv.routed_batches();
     let ms = srv.change(&env, &run.id, &["c"], None, "EXECUTING").await;
-    let router = srv.running().router.clone();
-    wait_until(WAIT, "record routed", || {
-        router
-            .stats()
-            .batches
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > batches
-    })
-    .await;
+    srv.wait_routed(batches, "record routed").await;
     let catch_up = srv
         .fetch(&url.catch_up(&snap.handle(), &snap.offset()), &h)
         .await;
-    assert_feed_headers(&catch_up, true);
-    assert!(catch_up.elapsed < Duration::from_millis(2_000));
+    assert_immediate(&catch_up, "catch-up after a missed change");
     let row = catch_up
         .row(&run.id)
         .unwrap_or_else(|| panic!("missed change not in catch-up: {}", catch_up.text));
@@ -566,8 +383,7 @@ async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
 /// `table`) never cause an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_13_extra_protocol_params_tolerated() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let url = run_url(&run.friendly_id)
         .q("log", "full")
@@ -588,8 +404,7 @@ async fn scenario_13_extra_protocol_params_tolerated() {
 /// TAG-03, LST-01: contains-ALL — a run with only tag `a` is not in `tags=a,b`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_03_contains_all_requested_tags() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let ab = srv.tagged_run(&env, &["a", "b"]).await;
     let abc = srv.tagged_run(&env, &["c", "b", "a"]).await;
     let a_only = srv.tagged_run(&env, &["a"]).await;
@@ -615,37 +430,27 @@ async fn tag_03_contains_all_requested_tags() {
 /// is in the default 24 h window and in `createdAt=3h`; older than 24 h is never included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_01_created_at_floor_excludes_older_runs() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let now = runfeed::clock::now_ms();
-    let spec = |age_ms: i64| RunSpec {
-        tags: Some(vec!["f".into()]),
-        created_at_ms: Some(now - age_ms),
-        ..RunSpec::default()
-    };
-    let fresh = srv.run(&env, spec(5 * 60_000)).await;
-    let two_h = srv.run(&env, spec(2 * 3_600_000)).await;
-    let two_days = srv.run(&env, spec(48 * 3_600_000)).await;
-    let h = modern(&env.api_key);
-    let ids = |r: &Resp| -> Vec<String> { r.ops().into_iter().map(|(_, id)| id).collect() };
-
-    let one_h = srv
-        .fetch(&tag_url("f").q("createdAt", "1h").snapshot(), &h)
+    let fresh = srv.run(&env, tagged_aged(&["f"], now, 5 * 60_000)).await;
+    let two_h = srv.run(&env, tagged_aged(&["f"], now, 2 * 3_600_000)).await;
+    let two_days = srv
+        .run(&env, tagged_aged(&["f"], now, 48 * 3_600_000))
         .await;
+    let h = modern(&env.api_key);
+    let window = |created_at: &str| tag_url("f").q("createdAt", created_at).snapshot();
+
+    let one_h = srv.fetch(&window("1h"), &h).await;
     assert_feed_headers(&one_h, true);
-    assert_eq!(ids(&one_h), vec![fresh.id.clone()]);
+    assert_eq!(ids_of(&one_h), vec![fresh.id.clone()]);
 
     let default = srv.fetch(&tag_url("f").snapshot(), &h).await;
-    assert_eq!(ids(&default), vec![fresh.id.clone(), two_h.id.clone()]);
+    assert_eq!(ids_of(&default), vec![fresh.id.clone(), two_h.id.clone()]);
 
-    let three_h = srv
-        .fetch(&tag_url("f").q("createdAt", "3h").snapshot(), &h)
-        .await;
-    assert_eq!(ids(&three_h), vec![fresh.id.clone(), two_h.id.clone()]);
+    let three_h = srv.fetch(&window("3h"), &h).await;
+    assert_eq!(ids_of(&three_h), vec![fresh.id.clone(), two_h.id.clone()]);
 
-    let week = srv
-        .fetch(&tag_url("f").q("createdAt", "1w").snapshot(), &h)
-        .await;
+    let week = srv.fetch(&window("1w"), &h).await;
     assert!(
         week.row(&two_days.id).is_none(),
         "clamped to the 24 h maximum age"
@@ -656,16 +461,11 @@ async fn tag_01_created_at_floor_excludes_older_runs() {
 /// for modern clients, 422 for legacy clients (which loop on 400); JSON `{"error":…}`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_02_bad_tag_is_400_modern_422_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     for bad in ["a,,b", "a,", ",a", "a\"b", "a\\b", "a\u{1}b", "a\u{7f}"] {
         let url = tag_url(bad).snapshot();
-        let m = srv.fetch(&url, &modern(&env.api_key)).await;
-        m.assert_status(400);
-        assert!(m.json["error"].is_string(), "{bad:?}: {}", m.text);
-        let l = srv.fetch(&url, &legacy(&env.api_key)).await;
-        l.assert_status(422);
-        assert!(l.json["error"].is_string(), "{bad:?}: {}", l.text);
+        srv.assert_bad_input(&url, &env.api_key, &format!("{bad:?}"))
+            .await;
     }
     // Single quotes and non-ASCII are fine.
     let ok = srv
@@ -677,16 +477,11 @@ async fn route_02_bad_tag_is_400_modern_422_legacy() {
 /// Bad `createdAt` (not the duration grammar) → 400 modern / 422 legacy (scenario 17).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     for bad in ["abc", "1y", "1.5h", "1 h", "-1h", "1H"] {
         let url = tag_url("a").q("createdAt", bad).snapshot();
-        srv.fetch(&url, &modern(&env.api_key))
-            .await
-            .assert_status(400);
-        srv.fetch(&url, &legacy(&env.api_key))
-            .await
-            .assert_status(422);
+        srv.assert_bad_input(&url, &env.api_key, &format!("createdAt={bad}"))
+            .await;
     }
     for good in ["1hr30m", "90m", "1w2d", "0h", "30s"] {
         srv.fetch(
@@ -702,8 +497,7 @@ async fn tag_01_bad_created_at_is_400_modern_422_legacy() {
 /// `read:tags` token grants it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let other_env = srv.env().await;
     let r1 = srv.tagged_run(&env, &["a"]).await;
     let r2 = srv.run(&env, RunSpec::default()).await;
@@ -714,9 +508,8 @@ async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
         .await;
     assert_feed_headers(&r, true);
     let ids: Vec<String> = sorted(r.ops()).into_iter().map(|(_, id)| id).collect();
-    let mut want = vec![r1.id.clone(), r2.id.clone()];
-    want.sort();
-    assert_eq!(ids, want);
+    let want = sorted(vec![op("insert", &r1.id), op("insert", &r2.id)]);
+    assert_eq!(ids, want.into_iter().map(|(_, id)| id).collect::<Vec<_>>());
     assert!(
         !r.text.contains(&foreign.id),
         "other environment's run leaked"
@@ -730,8 +523,7 @@ async fn tag_07_unfiltered_tag_feed_with_read_tags_token() {
 /// as `insert`; a run tagged only `a` never does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never() {
-    let srv = TestServer::start_with(2_000, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(2_000).await;
     let existing = srv.tagged_run(&env, &["a", "b"]).await;
     let h = modern(&srv.token(&env, &["read:tags:b"]));
     let url = tag_url("a,b");
@@ -739,31 +531,14 @@ async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never
     assert_eq!(snap.ops(), vec![op("insert", &existing.id)]);
     srv.wait_subscribed(&env.env_id).await;
 
-    let poll = srv.fetch(
-        &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
-        &h,
-    );
+    let poll = srv.fetch(&url.live_after(&snap), &h);
     let create = async {
         srv.wait_held("held", |h| h.1 == 1).await;
         // The partial match first: if it were wrongly delivered it would be in this response.
         let only_a = srv.tagged_run(&env, &["a"]).await;
-        srv.publish(&TestServer::record(
-            &env,
-            &only_a.id,
-            &["a"],
-            None,
-            only_a.updated_at_ms,
-        ))
-        .await;
+        srv.publish_created(&env, &only_a, &["a"]).await;
         let both = srv.tagged_run(&env, &["b", "a"]).await;
-        srv.publish(&TestServer::record(
-            &env,
-            &both.id,
-            &["b", "a"],
-            None,
-            both.updated_at_ms,
-        ))
-        .await;
+        srv.publish_created(&env, &both, &["b", "a"]).await;
         (only_a, both)
     };
     let (r, (only_a, both)) = tokio::join!(poll, create);
@@ -776,14 +551,8 @@ async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never
     );
 
     // Next poll: the partial match never arrives, unchanged runs are not re-sent.
-    let next = srv
-        .fetch(
-            &url.live(&r.handle(), &r.offset(), r.cursor().as_deref()),
-            &h,
-        )
-        .await;
-    assert_feed_headers(&next, false);
-    assert!(next.is_bare_up_to_date(), "{}", next.text);
+    let next = srv.fetch(&url.live_after(&r), &h).await;
+    assert_quiet_hold(&next, Duration::ZERO, "the poll after the insert");
     assert!(!next.text.contains(&only_a.id));
 }
 
@@ -795,8 +564,7 @@ async fn scenario_22_new_run_with_all_tags_arrives_as_insert_partial_match_never
 /// receive a change (one subscriber's delivery never suppresses the other's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_23_two_batch_subscribers_both_receive_change() {
-    let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(10_000).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let r1 = srv.batch_run(&env, &batch_id).await;
     let r2 = srv.batch_run(&env, &batch_id).await;
@@ -818,39 +586,22 @@ async fn scenario_23_two_batch_subscribers_both_receive_change() {
     );
     srv.wait_subscribed(&env.env_id).await;
 
-    let p1 = srv.fetch(&url.live(&s1.handle(), &s1.offset(), None), &h);
-    let p2 = srv.fetch(&url.live(&s2.handle(), &s2.offset(), None), &h);
-    let change = async {
-        srv.wait_held("both batch polls held", |h| h.2 == 2).await;
-        srv.change(&env, &r2.id, &[], Some(&batch_id), "COMPLETED_SUCCESSFULLY")
-            .await
-    };
-    let (a, b, ms) = within(WAIT, "batch fan-out", async {
-        tokio::join!(p1, p2, change)
-    })
-    .await;
+    let change = srv.change(&env, &r2.id, &[], Some(&batch_id), "COMPLETED_SUCCESSFULLY");
+    let live = [url.live_at(&s1), url.live_at(&s2)];
+    let ([a, b], ms) = srv.polls_during(live, &h, |h| h.2 == 2, change).await;
     for (name, r, s) in [("first", &a, &s1), ("second", &b, &s2)] {
-        assert_feed_headers(r, false);
-        assert_eq!(r.ops(), vec![op("update", &r2.id)], "{name}: {}", r.text);
-        assert_eq!(
-            r.row(&r2.id).unwrap()["value"]["status"],
-            "COMPLETED_SUCCESSFULLY"
-        );
+        assert_woken_by_update(r, &r2.id, Duration::from_millis(5_000), name);
+        let status = &r.row(&r2.id).unwrap()["value"]["status"];
+        assert_eq!(status, "COMPLETED_SUCCESSFULLY");
         assert_eq!(r.offset_ms(), ms);
         assert_eq!(r.handle(), s.handle());
-        assert!(
-            r.elapsed < Duration::from_millis(5_000),
-            "{name} waited {:?}",
-            r.elapsed
-        );
     }
 }
 
 /// ROUTE-03: an unknown batch (or another environment's) → 404 with `x-should-retry: true`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_03_unknown_batch_is_404_should_retry() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let other = srv.env().await;
     let (_, foreign_fid) = srv.batch(&other).await;
     for fid in ["batch_doesnotexist000000000", foreign_fid.as_str()] {
@@ -889,8 +640,7 @@ async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
         url.catch_up(&snap_a.handle(), &snap_a.offset()),
     ] {
         let r = srv.fetch(&req, &hb).await;
-        r.assert_status(409);
-        assert_eq!(r.json, json!([{"headers": {"control": "must-refetch"}}]));
+        assert_must_refetch(&r, "A's handle with B's token");
         assert!(!r.text.contains(&run_a.id) && !r.text.contains(&run_b.id));
         let fresh = r.handle();
         assert_ne!(fresh, snap_a.handle());
@@ -920,10 +670,7 @@ async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
         )
         .await;
     let r = srv
-        .fetch(
-            &run_url(&run_b.friendly_id).live(&ra.handle(), &ra.offset(), None),
-            &hb,
-        )
+        .fetch(&run_url(&run_b.friendly_id).live_at(&ra), &hb)
         .await;
     r.assert_status(409);
     assert!(!r.text.contains(&run_a.id) && !r.text.contains(&run_b.id));
@@ -935,11 +682,9 @@ async fn scenario_15_handle_of_env_a_with_token_of_env_b_is_409() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_11_unknown_handle_is_409_must_refetch() {
     let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["u"]).await;
-    let h = modern(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("u")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let snapshots = srv.run_and_tag_snapshots("u", modern).await;
+    let (run, h) = (&snapshots.run, &snapshots.headers);
+    for (url, snap) in &snapshots.feeds {
         let good = snap.handle();
         // Tamper with one payload character.
         let mut bytes = good.clone().into_bytes();
@@ -989,24 +734,9 @@ async fn scenario_11_unknown_handle_is_409_must_refetch() {
 /// Scenario 12: `offset=-1` with a stale handle is an initial snapshot (200), not 400/409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_12_initial_request_with_stale_handle_is_snapshot() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["z".into()]),
-                batch_id: Some(batch_id),
-                ..RunSpec::default()
-            },
-        )
-        .await;
-    for url in [
-        run_url(&run.friendly_id),
-        tag_url("z"),
-        batch_url(&batch_fid),
-    ] {
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let (run, _, batch_fid) = srv.batched_run(&env, &["z"]).await;
+    for url in feed_urls(&run.friendly_id, "z", &batch_fid) {
         let r = srv
             .fetch(
                 &url.clone()
@@ -1026,15 +756,10 @@ async fn scenario_12_initial_request_with_stale_handle_is_snapshot() {
 /// for legacy clients (no `x-trigger-electric-version`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_17_malformed_offset_and_offset_without_handle() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (_, batch_fid) = srv.batch(&env).await;
     let run = srv.tagged_run(&env, &["o"]).await;
-    for url in [
-        run_url(&run.friendly_id),
-        tag_url("o"),
-        batch_url(&batch_fid),
-    ] {
+    for url in feed_urls(&run.friendly_id, "o", &batch_fid) {
         let snap = srv.fetch(&url.snapshot(), &modern(&env.api_key)).await;
         for (req, what) in [
             (
@@ -1054,11 +779,8 @@ async fn scenario_17_malformed_offset_and_offset_without_handle() {
                 "live offset without handle",
             ),
         ] {
-            let m = srv.fetch(&req, &modern(&env.api_key)).await;
-            assert_eq!(m.status, 400, "{} {what}: {}", url.path, m.text);
-            assert!(m.json["error"].is_string());
-            let l = srv.fetch(&req, &legacy(&env.api_key)).await;
-            assert_eq!(l.status, 422, "{} {what} (legacy): {}", url.path, l.text);
+            let what = format!("{} {what}", url.path);
+            srv.assert_bad_input(&req, &env.api_key, &what).await;
         }
     }
 }
@@ -1071,21 +793,16 @@ async fn scenario_17_malformed_offset_and_offset_without_handle() {
 /// `{"error": …}` with CORS headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
-    let scopes = vec!["read:runs".to_string()];
-    let expired =
-        runfeed::auth::mint_public_token(&env.api_key, &env.env_id, &scopes, Duration::ZERO, None)
-            .unwrap();
-    let wrong_sig = runfeed::auth::mint_public_token(
+    let scopes = ["read:runs"];
+    let expired = mint(&env.api_key, &env.env_id, &scopes, Duration::ZERO);
+    let wrong_sig = mint(
         "tr_dev_notthekey000000000000",
         &env.env_id,
         &scopes,
-        Duration::from_secs(900),
-        None,
-    )
-    .unwrap();
+        TOKEN_TTL,
+    );
     let origin = ("origin".to_string(), "https://app.example".to_string());
     let version = (
         "x-trigger-electric-version".to_string(),
@@ -1109,11 +826,7 @@ async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
         ),
         (Some(format!("Bearer {}x", env.api_key)), "Invalid API key"),
     ];
-    for url in [
-        run_url(&run.friendly_id),
-        tag_url("a"),
-        batch_url("batch_x"),
-    ] {
+    for url in feed_urls(&run.friendly_id, "a", "batch_x") {
         for (auth, message) in &cases {
             let mut h = vec![origin.clone(), version.clone()];
             if let Some(a) = auth {
@@ -1138,19 +851,8 @@ async fn scenario_14_missing_malformed_expired_wrong_signature_are_401() {
 /// Secret (root) keys read every feed (permissive ability).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_secret_key_reads_every_feed() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["k".into()]),
-                batch_id: Some(batch_id),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let (run, _, batch_fid) = srv.batched_run(&env, &["k"]).await;
     for url in [
         run_url(&run.friendly_id),
         tag_url("k"),
@@ -1173,7 +875,7 @@ async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
     let run_b = srv.run(&env_b, RunSpec::default()).await;
     for cred in [
         srv.token(&env_a, &["read:runs"]),
-        srv.token(&env_a, &[&format!("read:runs:{}", run_b.friendly_id)]),
+        srv.run_token(&env_a, &run_b),
         env_a.api_key.clone(),
     ] {
         let r = srv
@@ -1188,11 +890,9 @@ async fn scenario_15_token_of_env_a_for_run_of_env_b_is_404() {
 /// Scenario 15, docs/trigger-dev.md §2.1 step 7: a JWT scoped to another run → 403 with trigger's body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_15_jwt_scoped_to_another_run_is_403() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let r1 = srv.run(&env, RunSpec::default()).await;
-    let r2 = srv.run(&env, RunSpec::default()).await;
-    let tok = srv.token(&env, &[&format!("read:runs:{}", r2.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [r1, r2] = srv.default_runs(&env).await;
+    let tok = srv.run_token(&env, &r2);
     let r = srv
         .fetch(&run_url(&r1.friendly_id).snapshot(), &modern(&tok))
         .await;
@@ -1210,101 +910,80 @@ async fn scenario_15_jwt_scoped_to_another_run_is_403() {
 /// docs/trigger-dev.md §2.4–2.5: which scopes grant the run, tag and batch routes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["a".into(), "b".into()]),
-                batch_id: Some(batch_id),
-                task_identifier: "my-task".into(),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let spec = RunSpec {
+        task_identifier: "my-task".into(),
+        ..tagged_in_batch(&["a", "b"], &batch_id)
+    };
+    let run = srv.run(&env, spec).await;
     let other = srv.run(&env, RunSpec::default()).await;
     let (_, other_batch) = srv.batch(&env).await;
     let rf = run.friendly_id.clone();
-
-    let check = |url: Url, scope: String, want: u16| {
-        let srv = &srv;
-        let env = &env;
-        async move {
-            let tok = srv.token(env, &[scope.as_str()]);
-            let r = srv.fetch(&url.snapshot(), &modern(&tok)).await;
-            assert_eq!(
-                r.status,
-                want,
-                "{} with scope {scope:?}: {}",
-                url.render(),
-                r.text
-            );
-        }
+    // In the scopes below, {run}, {batch}, {other_run} and {other_batch} stand for the ids.
+    let ids = |scope: &str| {
+        scope
+            .replace("{run}", &rf)
+            .replace("{batch}", &batch_fid)
+            .replace("{other_run}", &other.friendly_id)
+            .replace("{other_batch}", &other_batch)
     };
+    let run_route = run_url(&rf);
+    let tag_route = tag_url("a,b");
+    let list = Url::new("/realtime/v1/runs");
+    let batch_route = batch_url(&batch_fid);
 
-    // Run route (ROUTE-01).
-    for (scope, want) in [
-        (format!("read:runs:{rf}"), 200),
-        ("read:runs".into(), 200),
-        ("read:tasks".into(), 200),
-        ("read:tasks:my-task".into(), 200),
-        ("read:tags".into(), 200),
-        ("read:tags:b".into(), 200),
-        ("read:batch".into(), 200),
-        (format!("read:batch:{batch_fid}"), 200),
-        ("read:all".into(), 200),
-        ("admin".into(), 200),
-        (format!("read:runs:{}", other.friendly_id), 403),
-        ("read:tasks:other-task".into(), 403),
-        ("read:tags:c".into(), 403),
-        (format!("read:batch:{other_batch}"), 403),
-        ("write:runs".into(), 403),
-        ("read".into(), 403),
-        ("admin:runs".into(), 403),
+    for (url, scope, want) in [
+        // Run route (ROUTE-01).
+        (&run_route, "read:runs:{run}", 200),
+        (&run_route, "read:runs", 200),
+        (&run_route, "read:tasks", 200),
+        (&run_route, "read:tasks:my-task", 200),
+        (&run_route, "read:tags", 200),
+        (&run_route, "read:tags:b", 200),
+        (&run_route, "read:batch", 200),
+        (&run_route, "read:batch:{batch}", 200),
+        (&run_route, "read:all", 200),
+        (&run_route, "admin", 200),
+        (&run_route, "read:runs:{other_run}", 403),
+        (&run_route, "read:tasks:other-task", 403),
+        (&run_route, "read:tags:c", 403),
+        (&run_route, "read:batch:{other_batch}", 403),
+        (&run_route, "write:runs", 403),
+        (&run_route, "read", 403),
+        (&run_route, "admin:runs", 403),
+        // Tag route (ROUTE-02): runs, type-level tags, or one of the filter's tags.
+        (&tag_route, "read:runs", 200),
+        (&tag_route, "read:tags", 200),
+        (&tag_route, "read:tags:a", 200),
+        (&tag_route, "read:tags:b", 200),
+        (&tag_route, "read:all", 200),
+        (&tag_route, "admin", 200),
+        (&tag_route, "read:tags:c", 403),
+        (&tag_route, "read:runs:{run}", 403),
+        (&tag_route, "read:tasks", 403),
+        (&tag_route, "read:batch", 403),
+        (&tag_route, "write:tags", 403),
+        // Unfiltered list: read:tags or read:runs; a tag-scoped token does not grant it.
+        (&list, "read:tags", 200),
+        (&list, "read:runs", 200),
+        (&list, "read:tags:a", 403),
+        (&list, "read:runs:{run}", 403),
+        // Batch route (ROUTE-03): batch (type or id) or runs.
+        (&batch_route, "read:batch", 200),
+        (&batch_route, "read:batch:{batch}", 200),
+        (&batch_route, "read:runs", 200),
+        (&batch_route, "read:all", 200),
+        (&batch_route, "read:batch:{other_batch}", 403),
+        (&batch_route, "read:runs:{run}", 403),
+        (&batch_route, "read:tags", 403),
+        (&batch_route, "read:tasks", 403),
     ] {
-        check(run_url(&rf), scope, want).await;
-    }
-
-    // Tag route (ROUTE-02): runs, type-level tags, or one of the filter's tags.
-    for (scope, want) in [
-        ("read:runs".into(), 200),
-        ("read:tags".into(), 200),
-        ("read:tags:a".into(), 200),
-        ("read:tags:b".into(), 200),
-        ("read:all".into(), 200),
-        ("admin".into(), 200),
-        ("read:tags:c".into(), 403),
-        (format!("read:runs:{rf}"), 403),
-        ("read:tasks".into(), 403),
-        ("read:batch".into(), 403),
-        ("write:tags".into(), 403),
-    ] {
-        check(tag_url("a,b"), scope, want).await;
-    }
-    // Unfiltered list: read:tags or read:runs; a tag-scoped token does not grant it.
-    for (scope, want) in [
-        ("read:tags".to_string(), 200),
-        ("read:runs".into(), 200),
-        ("read:tags:a".into(), 403),
-        (format!("read:runs:{rf}"), 403),
-    ] {
-        check(Url::new("/realtime/v1/runs"), scope, want).await;
-    }
-
-    // Batch route (ROUTE-03): batch (type or id) or runs.
-    for (scope, want) in [
-        ("read:batch".into(), 200),
-        (format!("read:batch:{batch_fid}"), 200),
-        ("read:runs".into(), 200),
-        ("read:all".into(), 200),
-        (format!("read:batch:{other_batch}"), 403),
-        (format!("read:runs:{rf}"), 403),
-        ("read:tags".into(), 403),
-        ("read:tasks".into(), 403),
-    ] {
-        check(batch_url(&batch_fid), scope, want).await;
+        let scope = ids(scope);
+        let tok = srv.token(&env, &[scope.as_str()]);
+        let r = srv.fetch(&url.snapshot(), &modern(&tok)).await;
+        let what = format!("{} with scope {scope:?}", url.render());
+        assert_eq!(r.status, want, "{what}: {}", r.text);
     }
 }
 
@@ -1312,41 +991,44 @@ async fn auth_scope_matrix_for_run_tag_and_batch_routes() {
 /// scopes (403).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_order_401_then_400_then_404_then_403() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let elsewhere = srv.run(&env, RunSpec::default()).await;
-    let scoped = srv.token(&env, &[&format!("read:runs:{}", elsewhere.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [run, elsewhere] = srv.default_runs(&env).await;
+    let scoped = modern(&srv.run_token(&env, &elsewhere));
     let unknown = run_url("run_unknown000000000000000");
-
-    // Bad credentials beat everything.
-    srv.fetch(&unknown.clone().q("offset", "abc"), &modern("garbage"))
-        .await
-        .assert_status(401);
-    // Then parsing beats the lookup.
-    srv.fetch(&unknown.clone().q("offset", "abc"), &modern(&scoped))
-        .await
-        .assert_status(400);
-    srv.fetch(
-        &tag_url("a,,b").q("offset", "abc"),
-        &modern(&srv.token(&env, &["read:batch"])),
-    )
-    .await
-    .assert_status(400);
-    // Then the lookup beats the scope check.
-    srv.fetch(&unknown.snapshot(), &modern(&scoped))
-        .await
-        .assert_status(404);
-    srv.fetch(
-        &batch_url("batch_unknown00000000000000").snapshot(),
-        &modern(&scoped),
-    )
-    .await
-    .assert_status(404);
-    // Finally scopes.
-    srv.fetch(&run_url(&run.friendly_id).snapshot(), &modern(&scoped))
-        .await
-        .assert_status(403);
+    let bad_offset = unknown.clone().q("offset", "abc");
+    let batch_scope = modern(&srv.token(&env, &["read:batch"]));
+    let unknown_batch = batch_url("batch_unknown00000000000000").snapshot();
+    for (what, url, headers, status) in [
+        (
+            "bad credentials beat everything",
+            &bad_offset,
+            &modern("garbage"),
+            401,
+        ),
+        ("then parsing beats the lookup", &bad_offset, &scoped, 400),
+        (
+            "… on the tag route too",
+            &tag_url("a,,b").q("offset", "abc"),
+            &batch_scope,
+            400,
+        ),
+        (
+            "then the lookup beats the scope check",
+            &unknown.snapshot(),
+            &scoped,
+            404,
+        ),
+        ("… on the batch route too", &unknown_batch, &scoped, 404),
+        (
+            "finally scopes",
+            &run_url(&run.friendly_id).snapshot(),
+            &scoped,
+            403,
+        ),
+    ] {
+        let r = srv.fetch(url, headers).await;
+        assert_eq!(r.status, status, "{what}: {}", r.text);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1359,11 +1041,13 @@ async fn auth_order_401_then_400_then_404_then_403() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_02_legacy_client_gets_shape_id_and_chunk_last_offset() {
     let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["l"]).await;
-    let h = legacy(&env.api_key);
-    for url in [run_url(&run.friendly_id), tag_url("l")] {
-        let snap = srv.fetch(&url.snapshot(), &h).await;
+    let RunAndTagSnapshots {
+        run,
+        headers: h,
+        feeds,
+        ..
+    } = srv.run_and_tag_snapshots("l", legacy).await;
+    for (url, snap) in feeds {
         snap.assert_status(200);
         let shape_id = snap
             .header("electric-shape-id")
@@ -1425,20 +1109,14 @@ async fn hdr_02_legacy_client_gets_shape_id_and_chunk_last_offset() {
 /// `EXECUTING` (not inside string columns); the current version `2025-07-16` keeps `DEQUEUED`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_04_legacy_api_version_rewrites_dequeued() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let meta = r#"{"status":"DEQUEUED"}"#;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                status: "DEQUEUED".into(),
-                tags: Some(vec!["d".into()]),
-                metadata: Some(meta.into()),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let spec = RunSpec {
+        status: "DEQUEUED".into(),
+        metadata: Some(meta.into()),
+        ..tagged(&["d"])
+    };
+    let run = srv.run(&env, spec).await;
     for url in [run_url(&run.friendly_id), tag_url("d")] {
         for (version, want) in [
             (None, "EXECUTING"),
@@ -1474,8 +1152,7 @@ async fn hdr_04_legacy_api_version_rewrites_dequeued() {
 /// createdAt) are never skipped; unknown names are ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.tagged_run(&env, &["s"]).await;
     let skip = "payload, output,id,status,createdAt,taskIdentifier,friendlyId,nope, metadata ";
     for url in [run_url(&run.friendly_id), tag_url("s")] {
@@ -1495,15 +1172,7 @@ async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
             assert!(!value.contains_key(gone), "{gone} in value");
             assert!(schema.get(gone).is_none(), "{gone} in schema");
         }
-        for kept in [
-            "id",
-            "status",
-            "createdAt",
-            "taskIdentifier",
-            "friendlyId",
-            "updatedAt",
-            "runTags",
-        ] {
+        for kept in "id status createdAt taskIdentifier friendlyId updatedAt runTags".split(' ') {
             assert!(value.contains_key(kept), "{kept} missing from value");
             assert!(schema.get(kept).is_some(), "{kept} missing from schema");
         }
@@ -1516,8 +1185,7 @@ async fn req_01_skip_columns_param_removes_columns_from_value_and_schema() {
 /// REPLACES the URL parameter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_skip_columns_from_claim_replace_param() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let url = run_url(&run.friendly_id).q("skipColumns", "payload");
 
@@ -1552,37 +1220,26 @@ async fn req_01_skip_columns_from_claim_replace_param() {
 /// A handle is bound to its column set: resuming it with other `skipColumns` → 409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn req_01_changing_skip_columns_under_a_handle_is_409() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.tagged_run(&env, &["q"]).await;
     let url = tag_url("q");
+    let h = modern(&env.api_key);
     let snap = srv
-        .fetch(
-            &url.clone().q("skipColumns", "payload").snapshot(),
-            &modern(&env.api_key),
-        )
+        .fetch(&url.clone().q("skipColumns", "payload").snapshot(), &h)
         .await;
-    let r = srv
-        .fetch(
-            &url.clone()
-                .q("skipColumns", "output")
-                .q("handle", &snap.handle())
-                .q("offset", &snap.offset()),
-            &modern(&env.api_key),
-        )
-        .await;
-    r.assert_status(409);
-    assert!(!r.text.contains(&run.id));
-    let same = srv
-        .fetch(
-            &url.clone()
-                .q("skipColumns", "payload")
-                .q("handle", &snap.handle())
-                .q("offset", &snap.offset()),
-            &modern(&env.api_key),
-        )
-        .await;
-    same.assert_status(200);
+    // Other columns → 409 (and no rows); the same columns resume.
+    for (skip, status) in [("output", 409), ("payload", 200)] {
+        let resume = url
+            .clone()
+            .q("skipColumns", skip)
+            .q("handle", &snap.handle())
+            .q("offset", &snap.offset());
+        let r = srv.fetch(&resume, &h).await;
+        r.assert_status(status);
+        if status == 409 {
+            assert!(!r.text.contains(&run.id));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1642,11 +1299,9 @@ async fn scenario_27_cors_preflight_allows_sdk_headers() {
 /// `access-control-allow-origin` and exposes the electric headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_01_every_get_response_has_cors_headers() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let other = srv.run(&env, RunSpec::default()).await;
-    let scoped = srv.token(&env, &[&format!("read:runs:{}", other.friendly_id)]);
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [run, other] = srv.default_runs(&env).await;
+    let scoped = srv.run_token(&env, &other);
     let url = run_url(&run.friendly_id);
     type Case = (Url, Vec<(String, String)>, u16);
     let cases: Vec<Case> = vec![
@@ -1701,17 +1356,7 @@ async fn hdr_01_every_get_response_has_cors_headers() {
 async fn scenario_20_client_disconnect_frees_the_hold() {
     let srv = Arc::new(TestServer::start(20_000).await);
     let env = srv.env().await;
-    let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["g".into()]),
-                batch_id: Some(batch_id),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let (run, _, batch_fid) = srv.batched_run(&env, &["g"]).await;
     let h = modern(&env.api_key);
 
     // Run feed: a client-side timeout of 300 ms.
@@ -1720,13 +1365,19 @@ async fn scenario_20_client_disconnect_frees_the_hold() {
         .timeout(Duration::from_millis(300))
         .build()
         .unwrap();
-    let live = run_url(&run.friendly_id)
-        .live(&snap.handle(), &snap.offset(), None)
-        .render();
-    let mut req = impatient.get(format!("{}{}", srv.base, live));
-    for (k, v) in &h {
-        req = req.header(k.as_str(), v.as_str());
-    }
+    let live = run_url(&run.friendly_id).live_at(&snap).render();
+    let req = with_headers(impatient.get(format!("{}{}", srv.base, live)), &h);
+    let router = srv.running().router.clone();
+    // Every hold released within a second of the client going away.
+    let released = |what: &'static str| {
+        let router = router.clone();
+        async move {
+            let t = Instant::now();
+            let gone = || router.held_feeds() == (0, 0, 0);
+            wait_until(Duration::from_secs(1), what, gone).await;
+            println!("scenario_20: {what} {:?}", t.elapsed());
+        }
+    };
     let probe = {
         let srv = srv.clone();
         async move {
@@ -1741,44 +1392,20 @@ async fn scenario_20_client_disconnect_frees_the_hold() {
         result.is_err(),
         "the poll should have timed out client-side"
     );
-    let t = Instant::now();
-    let router = srv.running().router.clone();
-    wait_until(
-        Duration::from_secs(1),
-        "run hold released after client timeout",
-        || router.held_feeds() == (0, 0, 0),
-    )
-    .await;
-    println!(
-        "scenario_20: run hold released {:?} after the client timed out",
-        t.elapsed()
-    );
+    released("run hold released after the client timed out").await;
 
     // Tag and batch feeds: the polling task is aborted.
     let mut tasks = Vec::new();
     for url in [tag_url("g"), batch_url(&batch_fid)] {
         let snap = srv.fetch(&url.snapshot(), &h).await;
-        let srv2 = srv.clone();
-        let h2 = h.clone();
-        let live = url.live(&snap.handle(), &snap.offset(), None);
-        tasks.push(tokio::spawn(async move { srv2.fetch(&live, &h2).await }));
+        tasks.push(spawn_fetch(&srv, &url.live_at(&snap), &h));
     }
     srv.wait_held("tag and batch polls held", |h| h == (0, 1, 1))
         .await;
     for t in &tasks {
         t.abort();
     }
-    let t = Instant::now();
-    wait_until(
-        Duration::from_secs(1),
-        "tag/batch holds released after abort",
-        || router.held_feeds() == (0, 0, 0),
-    )
-    .await;
-    println!(
-        "scenario_20: tag/batch holds released {:?} after abort",
-        t.elapsed()
-    );
+    released("tag/batch holds released after abort").await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1868,10 +1495,7 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
         settled - queries_at_polls
     );
     let queries_before = store.query_count();
-    let hydrates_before = router
-        .stats()
-        .hydrates
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let hydrates_before = srv.hydrates();
     let ms = srv.set_status(&hot.id, "EXECUTING").await;
     let record = TestServer::record(&env, &hot.id, &["hot"], None, ms);
     let published = Instant::now();
@@ -1891,11 +1515,7 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
     let first = done.iter().min().unwrap().duration_since(published);
     let last = done.iter().max().unwrap().duration_since(published);
     let queries = store.query_count() - queries_before;
-    let hydrates = router
-        .stats()
-        .hydrates
-        .load(std::sync::atomic::Ordering::Relaxed)
-        - hydrates_before;
+    let hydrates = srv.hydrates() - hydrates_before;
     println!("fan-out: {N} feeds answered: first {first:?}, last {last:?} after publish; queries for the change: {queries}; hydrates: {hydrates}");
     assert_eq!(
         queries, 1,
@@ -1907,22 +1527,6 @@ async fn fanout_1000_held_tag_feeds_cost_one_query_per_change() {
         "fan-out test took {:?}",
         test_started.elapsed()
     );
-}
-
-/// Waits until the store's query counter stops moving (unchanged for 200 ms, at most 10 s);
-/// returns the settled count.
-async fn settle_queries(store: &runfeed::store::PgStore) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut last = store.query_count();
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = store.query_count();
-        if now == last {
-            return now;
-        }
-        assert!(Instant::now() < deadline, "store queries never settled");
-        last = now;
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1960,17 +1564,7 @@ async fn burst_converges(coalesce_ms: Option<u64>) {
     let (batch_id, batch_fid) = srv.batch(&env).await;
     let mut runs = Vec::new();
     for _ in 0..6 {
-        runs.push(
-            srv.run(
-                &env,
-                RunSpec {
-                    tags: Some(vec!["burst".into()]),
-                    batch_id: Some(batch_id.clone()),
-                    ..RunSpec::default()
-                },
-            )
-            .await,
-        );
+        runs.push(srv.run(&env, tagged_in_batch(&["burst"], &batch_id)).await);
     }
     let headers = with(
         modern(&env.api_key),
@@ -2100,22 +1694,14 @@ async fn burst_converges(coalesce_ms: Option<u64>) {
 /// another secret answers 409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let r1 = srv.tagged_run(&env, &["p"]).await;
-    let r2 = srv.tagged_run(&env, &["p"]).await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let [r1, r2] = srv.tagged_runs(&env, &["p"]).await;
     let h = modern(&env.api_key);
     let peer = srv.peer(|_| {}).await;
 
     let url = tag_url("p");
     let snap = srv.fetch(&url.snapshot(), &h).await;
-    let hop = srv
-        .fetch_at(
-            &peer.base,
-            &url.live(&snap.handle(), &snap.offset(), None),
-            &h,
-        )
-        .await;
+    let hop = srv.fetch_at(&peer.base, &url.live_at(&snap), &h).await;
     assert_feed_headers(&hop, false);
     assert_eq!(
         sorted(hop.ops()),
@@ -2139,33 +1725,15 @@ async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
 
     let run = run_url(&r1.friendly_id);
     let rs = srv.fetch(&run.snapshot(), &h).await;
-    let held = srv
-        .fetch_at(&peer.base, &run.live(&rs.handle(), &rs.offset(), None), &h)
-        .await;
-    assert_feed_headers(&held, false);
-    assert!(
-        held.is_bare_up_to_date(),
-        "nothing newer than the offset watermark: {}",
-        held.text
-    );
-    assert!(
-        held.elapsed >= Duration::from_millis(1_450),
-        "held {:?}",
-        held.elapsed
-    );
+    let held = srv.fetch_at(&peer.base, &run.live_at(&rs), &h).await;
+    let what = "nothing newer than the offset watermark";
+    assert_quiet_hold(&held, Duration::from_millis(1_450), what);
 
     let other = srv
         .peer(|c| c.server.handle_secret = Some("another-secret".into()))
         .await;
-    let r = srv
-        .fetch_at(
-            &other.base,
-            &url.live(&snap.handle(), &snap.offset(), None),
-            &h,
-        )
-        .await;
-    r.assert_status(409);
-    assert_eq!(r.json, json!([{"headers": {"control": "must-refetch"}}]));
+    let r = srv.fetch_at(&other.base, &url.live_at(&snap), &h).await;
+    assert_must_refetch(&r, "a peer with another secret");
     drop((peer, other));
 }
 
@@ -2173,29 +1741,10 @@ async fn instance_hop_handle_resumes_on_a_peer_with_the_same_secret() {
 /// a run older than the pinned window never appears, even when it changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
-    let srv = TestServer::start_with(1_500, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(1_500).await;
     let now = runfeed::clock::now_ms();
-    let old = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["f".into()]),
-                created_at_ms: Some(now - 2 * 3_600_000),
-                ..RunSpec::default()
-            },
-        )
-        .await;
-    let fresh = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["f".into()]),
-                created_at_ms: Some(now - 60_000),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let old = srv.run(&env, tagged_aged(&["f"], now, 2 * 3_600_000)).await;
+    let fresh = srv.run(&env, tagged_aged(&["f"], now, 60_000)).await;
     let h = modern(&env.api_key);
     let snap = srv
         .fetch(&tag_url("f").q("createdAt", "1h").snapshot(), &h)
@@ -2203,20 +1752,11 @@ async fn tag_04_floor_pinned_in_the_handle_wins_over_created_at_param() {
     assert_eq!(snap.ops(), vec![op("insert", &fresh.id)]);
     srv.wait_subscribed(&env.env_id).await;
 
-    let wider = tag_url("f").q("createdAt", "3h");
-    let poll = srv.fetch(&wider.live(&snap.handle(), &snap.offset(), None), &h);
-    let change = async {
-        srv.wait_held("held", |h| h.1 == 1).await;
-        srv.change(&env, &old.id, &["f"], None, "EXECUTING").await
-    };
-    let (r, _) = tokio::join!(poll, change);
-    assert_feed_headers(&r, false);
-    assert!(
-        r.is_bare_up_to_date(),
-        "a run outside the pinned window appeared: {}",
-        r.text
-    );
-    assert!(r.elapsed >= Duration::from_millis(1_450));
+    let live = [tag_url("f").q("createdAt", "3h").live_at(&snap)];
+    let change = srv.change(&env, &old.id, &["f"], None, "EXECUTING");
+    let ([r], _) = srv.polls_during(live, &h, |h| h.1 == 1, change).await;
+    let what = "no run from outside the pinned window";
+    assert_quiet_hold(&r, Duration::from_millis(1_450), what);
     let catch_up = srv
         .fetch(
             &tag_url("f")
@@ -2237,17 +1777,7 @@ async fn tag_08_list_feed_is_capped_newest_first() {
     let now = runfeed::clock::now_ms();
     let mut runs = Vec::new();
     for age in [30_000, 20_000, 10_000] {
-        runs.push(
-            srv.run(
-                &env,
-                RunSpec {
-                    tags: Some(vec!["cap".into()]),
-                    created_at_ms: Some(now - age),
-                    ..RunSpec::default()
-                },
-            )
-            .await,
-        );
+        runs.push(srv.run(&env, tagged_aged(&["cap"], now, age)).await);
     }
     let r = srv
         .fetch(&tag_url("cap").snapshot(), &modern(&env.api_key))
@@ -2263,52 +1793,34 @@ async fn tag_08_list_feed_is_capped_newest_first() {
 /// a same-`updatedAt` change with new content wakes run and tag feeds with an `update`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_same_millisecond_update_with_new_content_is_delivered() {
-    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
     let run = srv.tagged_run(&env, &["m"]).await;
     let h = modern(&env.api_key);
-    let rs = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
-    let ts_ = srv.fetch(&tag_url("m").snapshot(), &h).await;
+    let (run_feed, tag_feed) = (run_url(&run.friendly_id), tag_url("m"));
+    let rs = srv.fetch(&run_feed.snapshot(), &h).await;
+    let ts_ = srv.fetch(&tag_feed.snapshot(), &h).await;
     srv.wait_subscribed(&env.env_id).await;
 
-    let p_run = srv.fetch(
-        &run_url(&run.friendly_id).live(&rs.handle(), &rs.offset(), None),
-        &h,
-    );
-    let p_tag = srv.fetch(&tag_url("m").live(&ts_.handle(), &ts_.offset(), None), &h);
-    let change = async {
-        srv.wait_held("run and tag held", |h| h == (1, 1, 0)).await;
-        let ms = srv
-            .update(
-                &run.id,
-                RunUpdate {
-                    status: Some("EXECUTING".into()),
-                    updated_at_ms: Some(run.updated_at_ms),
-                    ..RunUpdate::default()
-                },
-            )
-            .await;
+    let same_ms_change = async {
+        let set = RunUpdate {
+            status: Some("EXECUTING".into()),
+            updated_at_ms: Some(run.updated_at_ms),
+            ..RunUpdate::default()
+        };
+        let ms = srv.update(&run.id, set).await;
         assert_eq!(ms, run.updated_at_ms);
         srv.publish(&TestServer::record(&env, &run.id, &["m"], None, ms))
             .await;
     };
-    let (a, b, ()) = within(WAIT, "same-ms wake", async {
-        tokio::join!(p_run, p_tag, change)
-    })
-    .await;
+    let live = [run_feed.live_at(&rs), tag_feed.live_at(&ts_)];
+    let ([a, b], ()) = srv
+        .polls_during(live, &h, |h| h == (1, 1, 0), same_ms_change)
+        .await;
     for (name, r) in [("run", &a), ("tag", &b)] {
-        assert_feed_headers(r, false);
-        assert_eq!(r.ops(), vec![op("update", &run.id)], "{name}: {}", r.text);
-        assert_eq!(
-            r.row(&run.id).unwrap()["value"]["status"],
-            "EXECUTING",
-            "{name}"
-        );
-        assert!(
-            r.elapsed < Duration::from_secs(5),
-            "{name}: a same-ms change waited for the backstop ({:?})",
-            r.elapsed
-        );
+        let what = format!("{name}: a same-ms change");
+        assert_woken_by_update(r, &run.id, Duration::from_secs(5), &what);
+        let status = &r.row(&run.id).unwrap()["value"]["status"];
+        assert_eq!(status, "EXECUTING", "{name}");
     }
 }
 
@@ -2316,55 +1828,25 @@ async fn live_same_millisecond_update_with_new_content_is_delivered() {
 /// reaches tag AND batch feeds (the hydrated row decides membership).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
-    let srv = TestServer::start(10_000).await;
-    let env = srv.env().await;
-    let (batch_id, batch_fid) = srv.batch(&env).await;
-    let run = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["pt".into()]),
-                batch_id: Some(batch_id),
-                ..RunSpec::default()
-            },
-        )
-        .await;
+    let (srv, env) = TestServer::with_env(10_000).await;
+    let (run, _, batch_fid) = srv.batched_run(&env, &["pt"]).await;
     let h = modern(&env.api_key);
-    let st = srv.fetch(&tag_url("pt").snapshot(), &h).await;
-    let sb = srv.fetch(&batch_url(&batch_fid).snapshot(), &h).await;
+    let (tag_feed, batch_feed) = (tag_url("pt"), batch_url(&batch_fid));
+    let st = srv.fetch(&tag_feed.snapshot(), &h).await;
+    let sb = srv.fetch(&batch_feed.snapshot(), &h).await;
     srv.wait_subscribed(&env.env_id).await;
 
-    let pt = srv.fetch(&tag_url("pt").live(&st.handle(), &st.offset(), None), &h);
-    let pb = srv.fetch(
-        &batch_url(&batch_fid).live(&sb.handle(), &sb.offset(), None),
-        &h,
-    );
-    let change = async {
-        srv.wait_held("tag and batch held", |h| h == (0, 1, 1))
-            .await;
+    let partial_change = async {
         srv.set_status(&run.id, "EXECUTING").await;
-        let partial = runfeed::changes::ChangeRecord {
-            v: 1,
-            run_id: run.id.clone().into(),
-            env_id: env.env_id.clone().into(),
-            tags: None,
-            batch_id: None,
-            updated_at_ms: None,
-        };
-        srv.publish(&partial).await;
+        srv.publish(&TestServer::partial_record(&env, &run.id))
+            .await;
     };
-    let (a, b, ()) = within(WAIT, "partial record wake", async {
-        tokio::join!(pt, pb, change)
-    })
-    .await;
-    for (name, r) in [("tag", &a), ("batch", &b)] {
-        assert_feed_headers(r, false);
-        assert_eq!(r.ops(), vec![op("update", &run.id)], "{name}: {}", r.text);
-        assert!(
-            r.elapsed < Duration::from_secs(5),
-            "{name}: waited for the backstop ({:?})",
-            r.elapsed
-        );
+    let live = [tag_feed.live_at(&st), batch_feed.live_at(&sb)];
+    let (answers, ()) = srv
+        .polls_during(live, &h, |h| h == (0, 1, 1), partial_change)
+        .await;
+    for (name, r) in ["tag", "batch"].into_iter().zip(&answers) {
+        assert_woken_by_update(r, &run.id, Duration::from_secs(5), name);
     }
 }
 
@@ -2372,62 +1854,32 @@ async fn partial_record_without_tags_or_watermark_wakes_tag_and_batch_feeds() {
 /// replayed record the client already has, does not end the hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_04_non_matching_or_already_seen_changes_keep_holding() {
-    let srv = TestServer::start_with(2_000, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(2_000).await;
     let mine = srv.tagged_run(&env, &["n"]).await;
     let other = srv.tagged_run(&env, &["x"]).await;
     let h = modern(&env.api_key);
-    let st = srv.fetch(&tag_url("n").snapshot(), &h).await;
-    let sr = srv.fetch(&run_url(&mine.friendly_id).snapshot(), &h).await;
+    let (tag_feed, run_feed) = (tag_url("n"), run_url(&mine.friendly_id));
+    let st = srv.fetch(&tag_feed.snapshot(), &h).await;
+    let sr = srv.fetch(&run_feed.snapshot(), &h).await;
     srv.wait_subscribed(&env.env_id).await;
-    let router = srv.running().router.clone();
-    let batches_before = router
-        .stats()
-        .batches
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let batches_before = srv.routed_batches();
 
-    let pt = srv.fetch(&tag_url("n").live(&st.handle(), &st.offset(), None), &h);
-    let pr = srv.fetch(
-        &run_url(&mine.friendly_id).live(&sr.handle(), &sr.offset(), None),
-        &h,
-    );
     let noise = async {
-        srv.wait_held("held", |h| h == (1, 1, 0)).await;
         // A change of a run with another tag (full and partial record).
         let ms = srv.set_status(&other.id, "EXECUTING").await;
         srv.publish(&TestServer::record(&env, &other.id, &["x"], None, ms))
             .await;
-        srv.publish(&runfeed::changes::ChangeRecord {
-            v: 1,
-            run_id: other.id.clone().into(),
-            env_id: env.env_id.clone().into(),
-            ..Default::default()
-        })
-        .await;
+        srv.publish(&TestServer::partial_record(&env, &other.id))
+            .await;
         // A replay of the version the clients already have.
-        srv.publish(&TestServer::record(
-            &env,
-            &mine.id,
-            &["n"],
-            None,
-            mine.updated_at_ms,
-        ))
-        .await;
-        let r = router.clone();
-        wait_until(WAIT, "noise routed", move || {
-            r.stats().batches.load(std::sync::atomic::Ordering::Relaxed) > batches_before
-        })
-        .await;
+        srv.publish_created(&env, &mine, &["n"]).await;
+        srv.wait_routed(batches_before, "noise routed").await;
     };
-    let (a, b, ()) = within(WAIT, "held polls", async { tokio::join!(pt, pr, noise) }).await;
+    let live = [tag_feed.live_at(&st), run_feed.live_at(&sr)];
+    let ([a, b], ()) = srv.polls_during(live, &h, |h| h == (1, 1, 0), noise).await;
     for (name, r) in [("tag", &a), ("run", &b)] {
-        assert_feed_headers(r, false);
-        assert!(r.is_bare_up_to_date(), "{name}: {}", r.text);
-        assert!(
-            r.elapsed >= Duration::from_millis(1_950),
-            "{name}: the hold ended early ({:?})",
-            r.elapsed
-        );
+        let what = format!("{name}: the hold must not end early");
+        assert_quiet_hold(r, Duration::from_millis(1_950), &what);
     }
 }
 
@@ -2443,17 +1895,15 @@ async fn cross_env_record_never_leaks_another_envs_row() {
     let h = modern(&env_a.api_key);
     let snap = srv.fetch(&tag_url("t").snapshot(), &h).await;
     srv.wait_subscribed(&env_a.env_id).await;
-    let poll = srv.fetch(&tag_url("t").live(&snap.handle(), &snap.offset(), None), &h);
     let inject = async {
-        srv.wait_held("held", |h| h.1 == 1).await;
         let ms = srv.set_status(&run_b.id, "EXECUTING").await;
         // On A's channel, naming B's run.
         srv.publish(&TestServer::record(&env_a, &run_b.id, &["t"], None, ms))
             .await;
     };
-    let (r, ()) = tokio::join!(poll, inject);
-    assert_feed_headers(&r, false);
-    assert!(r.is_bare_up_to_date(), "{}", r.text);
+    let live = [tag_url("t").live_at(&snap)];
+    let ([r], ()) = srv.polls_during(live, &h, |h| h.1 == 1, inject).await;
+    assert_quiet_hold(&r, Duration::ZERO, "B's run on A's channel");
     assert!(!r.text.contains(&run_b.id));
 }
 
@@ -2461,20 +1911,9 @@ async fn cross_env_record_never_leaks_another_envs_row() {
 /// filter, batch or feed kind (same environment) → 409 must-refetch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handle_of_another_feed_in_the_same_env_is_409() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
-    let (b1, b1_fid) = srv.batch(&env).await;
+    let (srv, env) = TestServer::with_env(1_500).await;
+    let (r1, _, b1_fid) = srv.batched_run(&env, &["a", "b"]).await;
     let (_, b2_fid) = srv.batch(&env).await;
-    let r1 = srv
-        .run(
-            &env,
-            RunSpec {
-                tags: Some(vec!["a".into(), "b".into()]),
-                batch_id: Some(b1),
-                ..RunSpec::default()
-            },
-        )
-        .await;
     let r2 = srv.tagged_run(&env, &["a"]).await;
     let h = modern(&env.api_key);
     let run1 = srv.fetch(&run_url(&r1.friendly_id).snapshot(), &h).await;
@@ -2498,16 +1937,10 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
         ),
     ] {
         for req in [
-            url.live(&from.handle(), &from.offset(), None),
+            url.live_at(&from),
             url.catch_up(&from.handle(), &from.offset()),
         ] {
-            let r = srv.fetch(&req, &h).await;
-            assert_eq!(r.status, 409, "{what}: {}", r.text);
-            assert_eq!(
-                r.json,
-                json!([{"headers": {"control": "must-refetch"}}]),
-                "{what}"
-            );
+            assert_must_refetch(&srv.fetch(&req, &h).await, what);
         }
     }
     // The tag filter digest is order-insensitive: `b,a` resumes an `a,b` handle.
@@ -2522,8 +1955,7 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
 /// from live `update` rows too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
-    let srv = TestServer::start_with(10_000, |c| c.router.coalesce_ceiling_ms = 0).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::uncoalesced_with_env(10_000).await;
     let run = srv.tagged_run(&env, &["sc"]).await;
     let h = modern(&env.api_key);
     let slim_url = tag_url("sc").q("skipColumns", "payload,output");
@@ -2536,40 +1968,27 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
             .status,
         200
     );
-    let warm = srv.running().router.clone();
-    wait_until(WAIT, "subscription confirmed", || {
-        warm.touch(&runfeed::protocol::EnvId::from(&env.env_id))
-            .epoch
-            != 0
-    })
-    .await;
+    let router = &srv.running().router;
+    wait_confirmed(router, &env.env_id, "subscription confirmed").await;
     let slim = srv.fetch(&slim_url.snapshot(), &h).await;
     let full = srv.fetch(&full_url.snapshot(), &h).await;
     let full2 = srv.fetch(&full_url.snapshot(), &h).await;
     srv.wait_subscribed(&env.env_id).await;
-    let router = srv.running().router.clone();
     let store = srv.running().store.clone();
 
-    let p_slim = srv.fetch(&slim_url.live(&slim.handle(), &slim.offset(), None), &h);
-    let p_full = srv.fetch(&full_url.live(&full.handle(), &full.offset(), None), &h);
-    let p_full2 = srv.fetch(&full_url.live(&full2.handle(), &full2.offset(), None), &h);
     let change = async {
-        srv.wait_held("three tag feeds held", |h| h.1 == 3).await;
-        let q = store.query_count();
-        let hy = router
-            .stats()
-            .hydrates
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let (q, hy) = (store.query_count(), srv.hydrates());
         srv.change(&env, &run.id, &["sc"], None, "EXECUTING").await;
         (q, hy)
     };
-    let (a, b, c, (q, hy)) = within(WAIT, "wake", async {
-        tokio::join!(p_slim, p_full, p_full2, change)
-    })
-    .await;
+    let live = [
+        slim_url.live_at(&slim),
+        full_url.live_at(&full),
+        full_url.live_at(&full2),
+    ];
+    let ([a, b, c], (q, hy)) = srv.polls_during(live, &h, |h| h.1 == 3, change).await;
     for r in [&a, &b, &c] {
-        assert_feed_headers(r, false);
-        assert_eq!(r.ops(), vec![op("update", &run.id)], "{}", r.text);
+        assert_woken_by_update(r, &run.id, WAIT, "a tag feed");
     }
     let slim_row = &a.row(&run.id).unwrap()["value"];
     assert!(
@@ -2579,11 +1998,7 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
     assert!(slim_row.get("status").is_some());
     assert!(b.row(&run.id).unwrap()["value"].get("payload").is_some());
     let queries = store.query_count() - q;
-    let hydrates = router
-        .stats()
-        .hydrates
-        .load(std::sync::atomic::Ordering::Relaxed)
-        - hy;
+    let hydrates = srv.hydrates() - hy;
     println!("two column sets, three feeds: {queries} queries, {hydrates} hydrates for one change");
     assert_eq!(hydrates, 2, "one hydrate per column set");
     assert_eq!(queries, 2, "one query per column set");
@@ -2592,8 +2007,7 @@ async fn live_feeds_with_different_skip_columns_get_their_own_rows() {
 /// HDR-02: an EMPTY `x-trigger-electric-version` counts as absent (legacy names, 422).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hdr_02_empty_electric_version_header_is_legacy() {
-    let srv = TestServer::start(1_500).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(1_500).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let h = with(legacy(&env.api_key), "x-trigger-electric-version", "");
     let r = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
@@ -2635,13 +2049,10 @@ async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
     .await;
     let store = srv.running().store.clone();
     let before = settle_queries(&store).await;
-    let mut tasks = Vec::new();
-    for s in &snaps {
-        let srv = srv.clone();
-        let h = h.clone();
-        let live = url.live(&s.handle(), &s.offset(), None);
-        tasks.push(tokio::spawn(async move { srv.fetch(&live, &h).await }));
-    }
+    let tasks: Vec<_> = snaps
+        .iter()
+        .map(|s| spawn_fetch(&srv, &url.live_at(s), &h))
+        .collect();
     srv.wait_held("all held", |h| h.1 == N).await;
     let cost = settle_queries(&store).await - before;
     for t in &tasks {
@@ -2659,33 +2070,19 @@ async fn fanout_first_live_polls_after_confirmation_do_not_cost_a_query_each() {
 /// for the ~20 s hold or resetting connections.
 #[tokio::test]
 async fn shutdown_answers_every_held_poll_with_up_to_date() {
-    let srv = TestServer::start(20_000).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(20_000).await;
     let run = srv.tagged_run(&env, &["s"]).await;
     let peer = srv.peer(|_| {}).await;
     let h = modern(&env.api_key);
     let snap = srv
         .fetch_at(&peer.base, &run_url(&run.friendly_id).snapshot(), &h)
         .await;
-    let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), None);
+    let live = run_url(&run.friendly_id).live_at(&snap);
+    let full = format!("{}{}", peer.base, live.render());
     let polls: Vec<_> = (0..200)
         .map(|_| {
-            let (srv_base, http, live, h) = (
-                peer.base.clone(),
-                srv.http.clone(),
-                live.render(),
-                h.clone(),
-            );
-            tokio::spawn(async move {
-                let mut req = http.get(format!("{srv_base}{live}"));
-                for (k, v) in &h {
-                    req = req.header(k.as_str(), v.as_str());
-                }
-                let resp = req.send().await.map_err(|e| e.to_string())?;
-                let status = resp.status().as_u16();
-                let body = resp.text().await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((status, body))
-            })
+            let req = with_headers(srv.http.get(&full), &h);
+            tokio::spawn(async move { send(req, WAIT).await.map(|r| (r.status, r.text)) })
         })
         .collect();
     let router = peer.running.router.clone();
@@ -2722,11 +2119,8 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
     let run = srv.tagged_run(&env, &["l"]).await;
     let h = modern(&env.api_key);
     let snap = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
-    let live = run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), None);
-    let spawn_poll = || {
-        let (srv, live, h) = (srv.clone(), live.clone(), h.clone());
-        tokio::spawn(async move { srv.fetch(&live, &h).await.status })
-    };
+    let live = run_url(&run.friendly_id).live_at(&snap);
+    let spawn_poll = || spawn_fetch(&srv, &live, &h);
     let a = spawn_poll();
     let b = spawn_poll();
     srv.wait_held("two live polls held", |held| held.0 == 2)
@@ -2762,40 +2156,14 @@ async fn req_04_live_polls_over_the_env_limit_are_429_and_slots_free_on_abort() 
 async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     let srv = TestServer::start_with(20_000, |c| c.router.hop_margin_ms = 200).await;
     let env = srv.env().await;
-    let r1 = srv.tagged_run(&env, &["hop"]).await;
-    let r2 = srv.tagged_run(&env, &["hop"]).await;
+    let [r1, r2] = srv.tagged_runs(&env, &["hop"]).await;
     let h = modern(&env.api_key);
     let peer = srv.peer(|c| c.router.hop_margin_ms = 200).await;
     let url = tag_url("hop");
     // Both instances already serve this environment (other clients), so their streams are warm.
-    let warm = srv
-        .fetch_at(&peer.base, &run_url(&r2.friendly_id).snapshot(), &h)
-        .await;
-    assert_eq!(warm.status, 200);
-    assert_eq!(
-        srv.fetch(&run_url(&r2.friendly_id).snapshot(), &h)
-            .await
-            .status,
-        200
-    );
-    let router = srv.running().router.clone();
-    wait_until(WAIT, "subscription confirmed", || {
-        router
-            .touch(&runfeed::protocol::EnvId::from(&env.env_id))
-            .epoch
-            != 0
-    })
-    .await;
-    srv.wait_subscribed(&env.env_id).await;
+    let warm = run_url(&r2.friendly_id).snapshot();
+    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
     let peer_router = peer.running.router.clone();
-    wait_until(WAIT, "peer subscription confirmed", || {
-        // A touch returns a usable cursor once the subscription is confirmed.
-        peer_router
-            .touch(&runfeed::protocol::EnvId::from(&env.env_id))
-            .epoch
-            != 0
-    })
-    .await;
     tokio::time::sleep(Duration::from_millis(250)).await; // let the peer's stream age past the hop margin
 
     // The client's previous response comes from instance A …
@@ -2812,25 +2180,9 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
     .await;
     // … and its next live poll lands on the peer.
     let queries_before = peer.running.store.query_count();
-    let hop = srv
-        .fetch_at(
-            &peer.base,
-            &url.live(&snap.handle(), &snap.offset(), None),
-            &h,
-        )
-        .await;
-    assert_eq!(hop.status, 200);
-    assert_eq!(
-        hop.ops(),
-        vec![op("update", &r1.id)],
-        "exactly the gap: {}",
-        hop.text
-    );
-    assert!(
-        hop.elapsed < Duration::from_millis(1_000),
-        "not via the backstop: {:?}",
-        hop.elapsed
-    );
+    let hop = srv.fetch_at(&peer.base, &url.live_at(&snap), &h).await;
+    let what = "exactly the gap, not via the backstop";
+    assert_woken_by_update(&hop, &r1.id, Duration::from_millis(1_000), what);
     let hop_queries = peer.running.store.query_count() - queries_before;
     assert!(
         hop_queries <= 1,
@@ -2844,7 +2196,7 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
 
 /// Three quiet holds on one tag (two connections) → store queries spent by their backstops.
 async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
-    let srv = TestServer::start_with(400, |c| {
+    let (srv, env) = TestServer::start_with_env(400, |c| {
         c.caches.backstop_share_ms = share_ms;
         // Snapshot reads must not be what the backstops reuse.
         c.caches.runset_cache_ttl_ms = 50;
@@ -2852,7 +2204,6 @@ async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
         c.caches.lookup_cache_ttl_ms = 60_000;
     })
     .await;
-    let env = srv.env().await;
     srv.tagged_run(&env, &["quiet"]).await;
     let h = modern(&env.api_key);
     // The first snapshot subscribes the environment; snapshots after the subscription is
@@ -2865,12 +2216,7 @@ async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
     let store = srv.running().store.clone();
     let before = settle_queries(&store).await;
     for at in [&a, &b, &a] {
-        let r = srv
-            .fetch(
-                &tag_url("quiet").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
-                &h,
-            )
-            .await;
+        let r = srv.fetch(&tag_url("quiet").live_after(&at), &h).await;
         r.assert_status(200);
         assert!(r.is_bare_up_to_date(), "a quiet hold answers up-to-date");
     }
@@ -2893,32 +2239,21 @@ async fn backstops_of_one_filter_share_one_read() {
 /// that predates it ends, the next backstop reads again and delivers it as an `update`.
 #[tokio::test]
 async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
-    let srv = TestServer::start_with(300, |c| {
+    let (srv, env) = TestServer::start_with_env(300, |c| {
         c.caches.backstop_share_ms = 1_000;
         c.caches.runset_cache_ttl_ms = 50;
     })
     .await;
-    let env = srv.env().await;
     let run = srv.tagged_run(&env, &["lost"]).await;
     let h = modern(&env.api_key);
     let mut at = srv.fetch(&tag_url("lost").snapshot(), &h).await;
     // One quiet hold: its backstop read is now shared for 1 s.
-    at = srv
-        .fetch(
-            &tag_url("lost").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
-            &h,
-        )
-        .await;
+    at = srv.fetch(&tag_url("lost").live_after(&at), &h).await;
     // Committed, never published.
     srv.set_status(&run.id, "EXECUTING").await;
     let t = Instant::now();
     let delivered = loop {
-        let r = srv
-            .fetch(
-                &tag_url("lost").live(&at.handle(), &at.offset(), at.cursor().as_deref()),
-                &h,
-            )
-            .await;
+        let r = srv.fetch(&tag_url("lost").live_after(&at), &h).await;
         r.assert_status(200);
         if let Some(row) = r.row(&run.id) {
             break (r.ops(), row["value"]["status"].clone());
@@ -2949,7 +2284,7 @@ async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
 /// cached lookup still holds the old tags.
 #[tokio::test]
 async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
-    let srv = TestServer::start_with(20_000, |c| {
+    let (srv, env) = TestServer::start_with_env(20_000, |c| {
         // Authentication lookups expire fast, run reads never (within the test): what is left
         // to count is the run URL lookup.
         c.caches.lookup_cache_ttl_ms = 100;
@@ -2957,9 +2292,8 @@ async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
         c.caches.run_cache_ttl_ms = 60_000;
     })
     .await;
-    let env = srv.env().await;
     let run = srv.run(&env, RunSpec::default()).await;
-    let by_id = modern(&srv.token(&env, &[&format!("read:runs:{}", run.friendly_id)]));
+    let by_id = modern(&srv.run_token(&env, &run));
     let by_tag = modern(&srv.token(&env, &["read:tags:vip"]));
     let url = run_url(&run.friendly_id).snapshot();
     let store = srv.running().store.clone();

@@ -14,7 +14,7 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,22 +22,10 @@ use std::time::Duration;
 use common::*;
 use runfeed::changes::channel_name;
 use runfeed::protocol::encode::format_timestamp_ms;
-use runfeed_dev::fixtures::{DemoEnv, RunSpec};
+use runfeed_dev::fixtures::DemoEnv;
 use sqlx::Row;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-
-fn run_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
-}
-
-fn tag_url(tags: &str) -> Url {
-    Url::new("/realtime/v1/runs").q("tags", tags)
-}
-
-fn batch_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
-}
 
 /// `id → (status, updatedAt)` of a follower's materialized view.
 fn view_of(f: &Follower) -> BTreeMap<String, (String, String)> {
@@ -170,22 +158,7 @@ async fn hops_alternating_instances_miss_no_update() {
     let h = modern(&env.api_key);
     // Both instances already serve this environment (other clients): their streams are warm.
     let warm = run_url(&runs[0].friendly_id).snapshot();
-    srv.fetch(&warm, &h).await.assert_status(200);
-    srv.fetch_at(&peer.base, &warm, &h).await.assert_status(200);
-    for (name, router) in [
-        ("srv", &srv.running().router),
-        ("peer", &peer.running.router),
-    ] {
-        let router = router.clone();
-        wait_until(WAIT, &format!("{name} subscription confirmed"), || {
-            router
-                .touch(&runfeed::protocol::EnvId::from(&env.env_id))
-                .epoch
-                != 0
-        })
-        .await;
-    }
-    srv.wait_subscribed(&env.env_id).await;
+    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
     // Let both streams age past the hop margin (a replay from another instance's cursor starts
     // `hop_margin_ms` before its wall time; the stream must cover that). No observable for it.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -225,22 +198,10 @@ async fn hops_alternating_instances_miss_no_update() {
         let status = statuses[(k / RUNS) % statuses.len()];
         let published;
         if k % 2 == 0 {
-            // In the gap: committed and published before the poll is sent.
+            // In the gap: committed and published before the poll is sent (the polls below
+            // fetch it).
             srv.change(&env, &run.id, &["fleet"], None, status).await;
             published = Instant::now();
-            while f.view[&run.id]["status"] != status
-                && published.elapsed() < Duration::from_secs(5)
-            {
-                let i = n % 2;
-                n += 1;
-                within(
-                    Duration::from_secs(5),
-                    "gap poll",
-                    f.step(&bases[i], &srv.http),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("poll {k} on instance {i}: {e}"));
-            }
         } else {
             // While the poll is held.
             loop {
@@ -278,7 +239,7 @@ async fn hops_alternating_instances_miss_no_update() {
             }
         }
         // The poll that was held may have been answered with a re-delivery it registered with
-        // (see `redundant`): a client simply polls on.
+        // (see `redundant`): a client simply polls on; a change made in the gap is polled for.
         while f.view[&run.id]["status"] != status && published.elapsed() < Duration::from_secs(5) {
             let i = n % 2;
             n += 1;
@@ -340,11 +301,7 @@ struct OwnRedis {
 
 impl OwnRedis {
     fn start() -> OwnRedis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("free port")
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("runfeed-fleet-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("redis dir");
@@ -358,21 +315,9 @@ impl OwnRedis {
     }
 
     fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let child = redis_server(self.port)
             .arg("--dir")
             .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         self.child = Some(child);
@@ -415,6 +360,15 @@ impl OwnRedis {
         while self.up().await != want {
             assert!(Instant::now() < deadline, "{what}");
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits (at most `limit`) until a client is subscribed to `env_id`'s channel.
+    async fn wait_subscriber(&self, env_id: &str, limit: Duration, what: &str) {
+        let deadline = Instant::now() + limit;
+        while self.numsub(env_id).await < 1 {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -507,13 +461,8 @@ async fn redis_restart_during_live_polls_no_5xx_and_views_converge() {
     let srv = TestServer::start_with(20_000, |c| c.redis.url = url.clone()).await;
     let env = srv.env().await;
     let (batch_id, batch_fid) = srv.batch(&env).await;
-    let spec = || RunSpec {
-        tags: Some(vec!["rr".into()]),
-        batch_id: Some(batch_id.clone()),
-        ..RunSpec::default()
-    };
-    let r1 = srv.run(&env, spec()).await;
-    let r2 = srv.run(&env, spec()).await;
+    let r1 = srv.run(&env, tagged_in_batch(&["rr"], &batch_id)).await;
+    let r2 = srv.run(&env, tagged_in_batch(&["rr"], &batch_id)).await;
     let h = modern(&env.api_key);
 
     let statuses = Arc::new(Mutex::new(Vec::new()));
@@ -551,14 +500,8 @@ async fn redis_restart_during_live_polls_no_5xx_and_views_converge() {
         router.held_feeds() == (1, 1, 1)
     })
     .await;
-    let deadline = Instant::now() + WAIT;
-    while redis.numsub(&env.env_id).await < 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the server never subscribed on the own redis"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let what = "the server never subscribed on the own redis";
+    redis.wait_subscriber(&env.env_id, WAIT, what).await;
 
     // Kill Redis under the held polls; change the runs while it is down (commit only).
     redis.kill();
@@ -574,14 +517,10 @@ async fn redis_restart_during_live_polls_no_5xx_and_views_converge() {
         .wait_ping(true, "restarted redis-server never answered PING")
         .await;
     let up = Instant::now();
-    let deadline = up + Duration::from_secs(10);
-    while redis.numsub(&env.env_id).await < 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the server did not re-subscribe within 10 s of Redis coming back"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let what = "the server did not re-subscribe within 10 s of Redis coming back";
+    redis
+        .wait_subscriber(&env.env_id, Duration::from_secs(10), what)
+        .await;
     let resubscribed = up.elapsed();
     // Publish the outage's changes now that Redis is back (trigger.dev's publish needs it).
     for (id, ms) in [(&r1.id, ms1), (&r2.id, ms2)] {
@@ -673,8 +612,7 @@ async fn over_limit_live_polls_get_exactly_n_429s() {
     let h = modern(&env.api_key);
     let snap = srv.fetch(&run_url(&run.friendly_id).snapshot(), &h).await;
     snap.assert_status(200);
-    let live =
-        run_url(&run.friendly_id).live(&snap.handle(), &snap.offset(), snap.cursor().as_deref());
+    let live = run_url(&run.friendly_id).live_after(&snap);
     let bases = [srv.base.clone(), peer.base.clone()];
     let spawn_poll = |i: usize| {
         let (srv, live, h, base) = (srv.clone(), live.clone(), h.clone(), bases[i].clone());
@@ -796,28 +734,13 @@ async fn hop_right_after_a_change_holds_instead_of_redelivering() {
     let run = srv.tagged_run(&env, &["pp"]).await;
     let h = modern(&env.api_key);
     let warm = run_url(&run.friendly_id).snapshot();
-    srv.fetch(&warm, &h).await.assert_status(200);
-    srv.fetch_at(&peer.base, &warm, &h).await.assert_status(200);
-    for router in [&srv.running().router, &peer.running.router] {
-        let router = router.clone();
-        wait_until(WAIT, "subscription confirmed", || {
-            router
-                .touch(&runfeed::protocol::EnvId::from(&env.env_id))
-                .epoch
-                != 0
-        })
-        .await;
-    }
-    srv.wait_subscribed(&env.env_id).await;
+    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
     tokio::time::sleep(Duration::from_millis(300)).await; // streams older than the hop margin
     let url = tag_url("pp");
     let snap = srv.fetch(&url.snapshot(), &h).await;
     // A held poll on A is woken by the change …
     let router = srv.running().router.clone();
-    let poll = srv.fetch(
-        &url.live(&snap.handle(), &snap.offset(), snap.cursor().as_deref()),
-        &h,
-    );
+    let poll = srv.fetch(&url.live_after(&snap), &h);
     let change = async {
         wait_until(WAIT, "held on A", || router.held_feeds().1 == 1).await;
         srv.change(&env, &run.id, &["pp"], None, "EXECUTING").await;
@@ -831,13 +754,7 @@ async fn hop_right_after_a_change_holds_instead_of_redelivering() {
         woken.text
     );
     // … and the client's next poll lands on B at once: nothing new, so it must hold.
-    let next = srv
-        .fetch_at(
-            &peer.base,
-            &url.live(&woken.handle(), &woken.offset(), woken.cursor().as_deref()),
-            &h,
-        )
-        .await;
+    let next = srv.fetch_at(&peer.base, &url.live_after(&woken), &h).await;
     next.assert_status(200);
     assert!(
         next.is_bare_up_to_date() && next.elapsed >= Duration::from_millis(2_900),

@@ -3,73 +3,13 @@
 //! so every `cargo test` exercises them; crashes found by `scripts/fuzz.sh` are pinned here as
 //! regression cases.
 
+#[path = "common/fuzz_checks.rs"]
+mod fuzz_checks;
+
+use fuzz_checks::{check_handle, check_params, check_record, check_token};
 use proptest::prelude::*;
-use runfeed::auth::jwt::{is_public_jwt, unverified_payload, verify_public_token};
-use runfeed::auth::{bearer_token, sanitize_branch_name};
-use runfeed::changes::ChangeRecord;
-use runfeed::protocol::handle::{FeedKind, HandleClaims, HandleKey};
-use runfeed::protocol::offset::{Offset, OffsetParam};
-use runfeed::protocol::params::{is_valid_tag, parse_duration_ms, parse_tags};
-use runfeed::protocol::ColumnSet;
-
-fn check_params(raw: &str) {
-    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw).unwrap_or_default();
-    for v in pairs.iter().map(|(_, v)| v.as_str()).chain([raw]) {
-        if let Ok(OffsetParam::At(o)) = OffsetParam::parse(Some(v)) {
-            let back: Offset = o.to_string().parse().expect("accepted offset re-parses");
-            assert_eq!(back, o);
-        }
-        if let Ok(tags) = parse_tags(Some(v)) {
-            assert!(tags.iter().all(|t| is_valid_tag(t)));
-        }
-        let _ = parse_duration_ms(v);
-        let list: Vec<&str> = v.split(',').collect();
-        let _ = ColumnSet::from_skip_list(&list);
-    }
-}
-
-fn check_record(data: &[u8]) {
-    let record = ChangeRecord::decode(data);
-    // `encode` always stamps `v: 1` (NTF-02); everything else round-trips.
-    let again = ChangeRecord::decode(record.encode().as_bytes());
-    assert_eq!(again.v, 1);
-    assert_eq!(
-        ChangeRecord {
-            v: record.v,
-            ..again
-        },
-        record
-    );
-}
-
-fn check_handle(s: &str) {
-    let key = HandleKey::new(b"fuzz-secret");
-    let _ = key.verify(s);
-    let mid = (0..=s.len() / 2)
-        .rev()
-        .find(|&i| s.is_char_boundary(i))
-        .unwrap_or(0);
-    let (a, b) = s.split_at(mid);
-    let claims = HandleClaims {
-        kind: [FeedKind::Run, FeedKind::Tag, FeedKind::Batch][s.len() % 3],
-        env_id: a.to_string().into(),
-        target: b.to_string(),
-        floor_ms: s.len().is_multiple_of(2).then_some(s.len() as i64),
-        columns: s.len() as u32,
-        nonce: s.len() as u64,
-    };
-    let handle = key.mint(&claims);
-    assert_eq!(key.verify(&handle).ok(), Some(claims));
-    assert!(HandleKey::new(b"other").verify(&handle).is_err());
-}
-
-fn check_token(s: &str) {
-    let _ = bearer_token(Some(s));
-    let _ = sanitize_branch_name(Some(s));
-    let _ = is_public_jwt(s);
-    let _ = unverified_payload(s);
-    assert!(verify_public_token(s, "tr_dev_fuzzkey0000000000000", 1_700_000_000).is_err());
-}
+use runfeed::auth::jwt::is_public_jwt;
+use runfeed::protocol::handle::FeedKind;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
@@ -95,7 +35,9 @@ proptest! {
 
     #[test]
     fn handles_never_panic_and_round_trip(s in "\\PC{0,120}") {
-        check_handle(&s);
+        let kind = [FeedKind::Run, FeedKind::Tag, FeedKind::Batch][s.len() % 3];
+        let floor_ms = s.len().is_multiple_of(2).then_some(s.len() as i64);
+        assert!(check_handle(&s, kind, floor_ms, s.len() as u32), "a minted handle verifies");
     }
 
     #[test]

@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{test_config, within, PG_ADMIN, REDIS_URL, WAIT};
-use runfeed::protocol::ColumnSet;
+use common::{tagged_in_batch, test_config, within, PG_ADMIN, REDIS_URL, WAIT};
+use runfeed::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId};
 use runfeed::store::grants::{self, GrantError, Missing, Server};
-use runfeed::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
-use runfeed_dev::fixtures::{self, RunSpec, TestDb};
+use runfeed::store::{EnvStore, PgStore, ReplicaProbe, RunResource, RunStore};
+use runfeed_dev::fixtures::{self, TestDb};
 
 const ROLE_SQL: &str = "deploy/trigger.dev/runfeed-role.sql";
 
@@ -28,6 +28,18 @@ fn role_sql() -> String {
         "/deploy/trigger.dev/runfeed-role.sql"
     ))
     .expect("reading the role file")
+}
+
+/// psql on the local server as the superuser, without ~/.psqlrc, quietly.
+const PSQL_AS_SUPERUSER: [&str; 6] = ["-X", "-q", "-h", "127.0.0.1", "-U", "postgres"];
+
+/// The error text of `query`, which must fail on `pool`.
+async fn refused(
+    pool: &sqlx::PgPool,
+    what: &str,
+    query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) -> String {
+    query.execute(pool).await.expect_err(what).to_string()
 }
 
 /// A database with trigger.dev's tables and a role created by the role file.
@@ -58,25 +70,17 @@ impl RoleDb {
 
     async fn psql(&self, args: &[&str]) -> std::process::Output {
         let mut cmd = tokio::process::Command::new("psql");
-        cmd.args([
-            "-X",
-            "-q",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-d",
-            &self.db().name,
-        ])
-        .args([
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-v",
-            &format!("role={}", self.role),
-        ])
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stdin(Stdio::null());
+        cmd.args(PSQL_AS_SUPERUSER)
+            .args(["-d", &self.db().name])
+            .args([
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-v",
+                &format!("role={}", self.role),
+            ])
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdin(Stdio::null());
         within(WAIT, "psql", cmd.output())
             .await
             .expect("running psql")
@@ -118,16 +122,7 @@ impl Drop for RoleDb {
     /// the test otherwise.
     fn drop(&mut self) {
         let mut cmd = std::process::Command::new("psql");
-        cmd.args([
-            "-X",
-            "-q",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-d",
-            "postgres",
-        ]);
+        cmd.args(PSQL_AS_SUPERUSER).args(["-d", "postgres"]);
         if let Some(db) = &self.db {
             cmd.args([
                 "-c",
@@ -257,17 +252,8 @@ async fn every_read_runs_as_the_role_and_nothing_can_be_written() {
         .await
         .expect("branch");
     let (batch_id, batch_friendly) = fixtures::create_batch(admin, &env).await.expect("batch");
-    let tagged = fixtures::create_run(
-        admin,
-        &env,
-        RunSpec {
-            tags: Some(vec!["a".into(), "b".into()]),
-            batch_id: Some(batch_id.clone()),
-            ..RunSpec::default()
-        },
-    )
-    .await
-    .expect("run");
+    let spec = tagged_in_batch(&["a", "b"], &batch_id);
+    let tagged = fixtures::create_run(admin, &env, spec).await.expect("run");
     sqlx::query(r#"INSERT INTO "RevokedApiKey" (id, "apiKey", "runtimeEnvironmentId", "expiresAt") VALUES ($1, 'tr_prod_revoked_0123456789', $2, (now() AT TIME ZONE 'UTC') + interval '1 hour')"#)
         .bind(fixtures::new_id())
         .bind(&env.env_id)
@@ -284,123 +270,49 @@ async fn every_read_runs_as_the_role_and_nothing_can_be_written() {
         .await
         .expect("every grant present");
 
-    let e = &env.env_id;
     let cols = ColumnSet::ALL;
     let ok = |what: &str, r: Result<bool, runfeed::store::StoreError>| match r {
         Ok(true) => {}
         Ok(false) => panic!("{what}: wrong result"),
         Err(err) => panic!("{what} as the role: {err}"),
     };
-    ok(
-        "hydrate",
-        store
-            .hydrate(
-                &runfeed::protocol::EnvId::from(e),
-                std::slice::from_ref(&runfeed::protocol::RunId::from(&tagged.id)),
-                cols,
-            )
-            .await
-            .map(|r| r.len() == 1),
+    let e = &EnvId::from(&env.env_id);
+    let run = RunId::from(&tagged.id);
+    let (run_fid, batch) = (
+        FriendlyRunId::from(&tagged.friendly_id),
+        BatchId::from(&batch_id),
     );
-    ok(
-        "read_run",
-        store
-            .read_run(
-                &runfeed::protocol::EnvId::from(e),
-                &runfeed::protocol::RunId::from(&tagged.id),
-                cols,
-            )
-            .await
-            .map(|r| r.is_some()),
-    );
-    ok(
-        "tag set",
-        store
-            .resolve_tag_set(
-                &runfeed::protocol::EnvId::from(e),
-                &["a".into()],
-                0,
-                10,
-                cols,
-            )
-            .await
-            .map(|r| r.len() == 1),
-    );
-    ok(
-        "unfiltered set",
-        store
-            .resolve_tag_set(&runfeed::protocol::EnvId::from(e), &[], 0, 10, cols)
-            .await
-            .map(|r| r.len() == 1),
-    );
-    ok(
-        "batch set",
-        store
-            .resolve_batch_set(
-                &runfeed::protocol::EnvId::from(e),
-                &runfeed::protocol::BatchId::from(&batch_id),
-                10,
-                cols,
-            )
-            .await
-            .map(|r| r.len() == 1),
-    );
-    ok(
-        "find_run",
-        store
-            .find_run(
-                &runfeed::protocol::EnvId::from(e),
-                &runfeed::protocol::FriendlyRunId::from(&tagged.friendly_id),
-            )
-            .await
-            .map(|r| {
-                r.is_some_and(|r| r.batch_friendly_id.as_deref() == Some(batch_friendly.as_str()))
-            }),
-    );
-    ok(
-        "find_batch",
-        store
-            .find_batch(
-                &runfeed::protocol::EnvId::from(e),
-                &runfeed::protocol::FriendlyBatchId::from(&batch_friendly),
-            )
-            .await
-            .map(|r| r.is_some()),
-    );
-    ok(
-        "env_by_api_key",
-        store
-            .env_by_api_key(&env.api_key)
-            .await
-            .map(|r| r.is_some()),
-    );
-    ok(
-        "env_by_revoked_key",
-        store
-            .env_by_revoked_key("tr_prod_revoked_0123456789")
-            .await
-            .map(|r| r.is_some()),
-    );
-    ok(
-        "env_by_id",
-        store
-            .env_by_id(&runfeed::protocol::EnvId::from(&branch.env_id))
-            .await
-            .map(|r| r.is_some_and(|b| b.parent_api_key.is_some())),
-    );
-    ok(
-        "branch_env",
-        store
-            .branch_env(&runfeed::protocol::EnvId::from(e), "feature-x")
-            .await
-            .map(|r| r.is_some()),
-    );
+    let one = std::slice::from_ref(&run);
+    let in_batch = |r: Option<RunResource>| {
+        r.is_some_and(|r| r.batch_friendly_id.as_deref() == Some(batch_friendly.as_str()))
+    };
+    let hydrated = store.hydrate(e, one, cols).await;
+    ok("hydrate", hydrated.map(|r| r.len() == 1));
+    let read = store.read_run(e, &run, cols).await;
+    ok("read_run", read.map(|r| r.is_some()));
+    let tag_set = store.resolve_tag_set(e, &["a".into()], 0, 10, cols).await;
+    ok("tag set", tag_set.map(|r| r.len() == 1));
+    let unfiltered = store.resolve_tag_set(e, &[], 0, 10, cols).await;
+    ok("unfiltered set", unfiltered.map(|r| r.len() == 1));
+    let batch_set = store.resolve_batch_set(e, &batch, 10, cols).await;
+    ok("batch set", batch_set.map(|r| r.len() == 1));
+    ok("find_run", store.find_run(e, &run_fid).await.map(in_batch));
+    let batch_fid = FriendlyBatchId::from(&batch_friendly);
+    let found = store.find_batch(e, &batch_fid).await;
+    ok("find_batch", found.map(|r| r.is_some()));
+    let by_key = store.env_by_api_key(&env.api_key).await;
+    ok("env_by_api_key", by_key.map(|r| r.is_some()));
+    let by_revoked = store.env_by_revoked_key("tr_prod_revoked_0123456789").await;
+    ok("env_by_revoked_key", by_revoked.map(|r| r.is_some()));
+    let by_id = store.env_by_id(&EnvId::from(&branch.env_id)).await;
+    let has_parent_key =
+        |r: Option<runfeed::store::EnvRecord>| r.is_some_and(|b| b.parent_api_key.is_some());
+    ok("env_by_id", by_id.map(has_parent_key));
+    let branch_env = store.branch_env(e, "feature-x").await;
+    ok("branch_env", branch_env.map(|r| r.is_some()));
     ok(
         "revoked_keys",
-        store
-            .revoked_keys(&runfeed::protocol::EnvId::from(e))
-            .await
-            .map(|k| k.len() == 1),
+        store.revoked_keys(e).await.map(|k| k.len() == 1),
     );
     store.primary_lsn().await.expect("primary_lsn as the role");
     assert_eq!(
@@ -413,30 +325,19 @@ async fn every_read_runs_as_the_role_and_nothing_can_be_written() {
 
     // Nothing can be written: no privilege, and read-only transactions by default.
     let role_pool = sqlx::PgPool::connect(&url).await.expect("role pool");
-    let update = sqlx::query(r#"UPDATE "TaskRun" SET status = 'CANCELED' WHERE id = $1"#)
-        .bind(&tagged.id)
-        .execute(&role_pool)
-        .await
-        .expect_err("an UPDATE as the role");
+    let update = sqlx::query(r#"UPDATE "TaskRun" SET status = 'CANCELED' WHERE id = $1"#);
+    let update = refused(&role_pool, "an UPDATE as the role", update.bind(&tagged.id)).await;
+    let denied = |e: &str| e.contains("permission denied");
+    assert!(denied(&update) || update.contains("read-only"), "{update}");
+    let create = sqlx::query("CREATE TABLE runfeed_was_here (x int)");
+    let create = refused(&role_pool, "a CREATE TABLE as the role", create).await;
     assert!(
-        update.to_string().contains("permission denied")
-            || update.to_string().contains("read-only"),
-        "{update}"
-    );
-    let create = sqlx::query("CREATE TABLE runfeed_was_here (x int)")
-        .execute(&role_pool)
-        .await
-        .expect_err("a CREATE TABLE as the role");
-    assert!(
-        create.to_string().contains("read-only transaction")
-            || create.to_string().contains("permission denied"),
+        create.contains("read-only transaction") || denied(&create),
         "{create}"
     );
-    let secret = sqlx::query(r#"SELECT "pkApiKey" FROM "RuntimeEnvironment""#)
-        .execute(&role_pool)
-        .await
-        .expect_err("a column runfeed does not read");
-    assert!(secret.to_string().contains("permission denied"), "{secret}");
+    let secret = sqlx::query(r#"SELECT "pkApiKey" FROM "RuntimeEnvironment""#);
+    let secret = refused(&role_pool, "a column runfeed does not read", secret).await;
+    assert!(denied(&secret), "{secret}");
     role_pool.close().await;
     drop(store);
     rdb.cleanup().await;

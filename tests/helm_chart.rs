@@ -13,10 +13,13 @@
 //!
 //! Every checker returns the problems it found and has a test on a broken input too.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::Parser;
+use common::checks::assert_found_all;
 use runfeed::cli::{Cli, Command};
 use serde_yaml::{Mapping, Value};
 
@@ -1078,21 +1081,19 @@ fn deployment_check_catches_a_broken_deployment() {
             serde_yaml::from_str("[sleep, '40']").unwrap();
     }
     let problems = check_deployment(&deploy);
-    for needle in [
-        "readinessProbe must GET /readyz",
-        "livenessProbe must GET /healthz on port admin",
-        "serve --listen",
-        "env REDIS_URL missing",
-        "RUNFEED_TELEMETRY__ADMIN_LISTEN must be 0.0.0.0",
-        "resources.requests.cpu unset",
-        "resources.limits.memory unset",
-        "terminationGracePeriodSeconds 30 < preStop sleep 40 s",
-    ] {
-        assert!(
-            problems.iter().any(|p| p.contains(needle)),
-            "expected {needle:?} in {problems:#?}"
-        );
-    }
+    assert_found_all(
+        &problems,
+        &[
+            "readinessProbe must GET /readyz",
+            "livenessProbe must GET /healthz on port admin",
+            "serve --listen",
+            "env REDIS_URL missing",
+            "RUNFEED_TELEMETRY__ADMIN_LISTEN must be 0.0.0.0",
+            "resources.requests.cpu unset",
+            "resources.limits.memory unset",
+            "terminationGracePeriodSeconds 30 < preStop sleep 40 s",
+        ],
+    );
 }
 
 #[test]
@@ -1156,19 +1157,17 @@ fn wiring_check_catches_mismatches() {
         }
     }
     let problems = check_wiring(&docs);
-    for needle in [
-        "the Service does not select the pods",
-        "sets neither maxUnavailable nor minAvailable",
-        "HPA minReplicas < 2",
-        "must scrape admin /metrics",
-        "/realtime/v1/streams/run_1/default must stay on the webapp's Ingress",
-        "/realtime/v1/sessions/s_1/out must stay on the webapp's Ingress",
-    ] {
-        assert!(
-            problems.iter().any(|p| p.contains(needle)),
-            "expected {needle:?} in {problems:#?}"
-        );
-    }
+    assert_found_all(
+        &problems,
+        &[
+            "the Service does not select the pods",
+            "sets neither maxUnavailable nor minAvailable",
+            "HPA minReplicas < 2",
+            "must scrape admin /metrics",
+            "/realtime/v1/streams/run_1/default must stay on the webapp's Ingress",
+            "/realtime/v1/sessions/s_1/out must stay on the webapp's Ingress",
+        ],
+    );
     assert!(ingress_path_matches(
         "Prefix",
         "/realtime/v1/runs",

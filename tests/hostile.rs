@@ -150,11 +150,6 @@ fn raw_jwt(header: &Value, payload: &Value, sig: &str) -> String {
     )
 }
 
-fn mint(key: &str, env_id: &str, scopes: &[&str], ttl: Duration) -> String {
-    let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
-    runfeed::auth::mint_public_token(key, env_id, &scopes, ttl, None).expect("mint")
-}
-
 fn forged_handle(secret: &str, kind: FeedKind, env_id: &str, target: &str) -> String {
     HandleKey::new(secret.as_bytes())
         .mint(&HandleClaims {
@@ -168,22 +163,82 @@ fn forged_handle(secret: &str, kind: FeedKind, env_id: &str, target: &str) -> St
         .to_string()
 }
 
+/// The matrix under construction: every request is sent with A's credentials.
+struct Cases {
+    list: Vec<Case>,
+    /// A's secret key as a modern client sends it.
+    modern: Vec<(String, String)>,
+    /// A's secret key as a legacy client sends it.
+    legacy: Vec<(String, String)>,
+}
+
+impl Cases {
+    fn push(
+        &mut self,
+        name: impl Into<String>,
+        path: impl Into<String>,
+        headers: Vec<(String, String)>,
+        exp: Exp,
+    ) {
+        self.list.push(case(name, path, headers, exp));
+    }
+
+    /// The request from a modern client.
+    fn modern(&mut self, name: impl Into<String>, path: impl Into<String>, exp: Exp) {
+        let headers = self.modern.clone();
+        self.push(name, path, headers, exp);
+    }
+
+    /// The request from a modern client (`exp`) and from a legacy one (`legacy_exp`).
+    fn both(&mut self, name: &str, path: &str, (exp, legacy_exp): (Exp, Exp)) {
+        self.modern(name, path, exp);
+        let headers = self.legacy.clone();
+        self.push(format!("{name} legacy"), path, headers, legacy_exp);
+    }
+}
+
+/// Bad input: 400 for a modern client, 422 for a legacy one (docs/protocol.md §8).
+const BAD_INPUT: (Exp, Exp) = (Exp::Is(400), Exp::Is(422));
+/// The same answer for both client generations.
+const fn same(exp: Exp) -> (Exp, Exp) {
+    (exp, exp)
+}
+
+/// `?` or `&`, whichever appends a parameter to `path`.
+fn sep(path: &str) -> char {
+    if path.contains('?') {
+        '&'
+    } else {
+        '?'
+    }
+}
+
+/// `route` at `offset` with `handle` (URL-encoded).
+fn at(route: &str, offset: &str, handle: &str) -> String {
+    format!(
+        "{route}{}offset={offset}&handle={}",
+        sep(route),
+        enc(handle)
+    )
+}
+
 fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
-    let mut cases = Vec::new();
     let run_a = format!("/realtime/v1/runs/{}", a.run_fid);
     let run_b = format!("/realtime/v1/runs/{}", b.run_fid);
     let tags = "/realtime/v1/runs";
     let batch_a = format!("/realtime/v1/batches/{}", a.batch_fid);
     let batch_b = format!("/realtime/v1/batches/{}", b.batch_fid);
     let ka = a.env.api_key.as_str();
-    let m = || modern(ka);
-    let l = || legacy(ka);
+    let mut cases = Cases {
+        list: Vec::new(),
+        modern: modern(ka),
+        legacy: legacy(ka),
+    };
     let routes: Vec<(&str, String)> = vec![
         ("run", run_a.clone()),
         ("tag", format!("{tags}?tags=shared")),
         ("batch", batch_a.clone()),
     ];
-    let sep = |p: &str| if p.contains('?') { '&' } else { '?' };
 
     // ---- offsets (per route, modern 400 / legacy 422) ----
     let bad_offsets = [
@@ -203,88 +258,51 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         "1_2%20",
     ];
     for (route, p) in &routes {
+        let p = p.as_str();
+        let s = sep(p);
         for o in bad_offsets {
-            let path = format!("{p}{}offset={o}&handle=h", sep(p));
-            cases.push(case(
-                format!("{route} offset={o} modern"),
-                &path,
-                m(),
-                Exp::Is(400),
-            ));
-            cases.push(case(
-                format!("{route} offset={o} legacy"),
-                &path,
-                l(),
-                Exp::Is(422),
-            ));
+            let path = format!("{p}{s}offset={o}&handle=h");
+            cases.both(&format!("{route} offset={o}"), &path, BAD_INPUT);
         }
         // A valid-looking offset without a handle.
-        let path = format!("{p}{}offset=1_0", sep(p));
-        cases.push(case(
-            format!("{route} offset w/o handle modern"),
-            &path,
-            m(),
-            Exp::Is(400),
-        ));
-        cases.push(case(
-            format!("{route} offset w/o handle legacy"),
-            &path,
-            l(),
-            Exp::Is(422),
-        ));
+        let path = format!("{p}{s}offset=1_0");
+        cases.both(&format!("{route} offset w/o handle"), &path, BAD_INPUT);
         // Huge offset value (10 KiB of digits).
-        let path = format!("{p}{}offset={}_0&handle=h", sep(p), "9".repeat(10_000));
-        cases.push(case(
-            format!("{route} huge offset"),
-            &path,
-            m(),
-            Exp::Client,
-        ));
+        let path = format!("{p}{s}offset={}_0&handle=h", "9".repeat(10_000));
+        cases.modern(format!("{route} huge offset"), &path, Exp::Client);
         // Junk handle at -1 is a fresh snapshot (docs/protocol.md §4.2).
-        let path = format!("{p}{}offset=-1&handle=junk", sep(p));
-        cases.push(case(
+        cases.modern(
             format!("{route} -1 with junk handle"),
-            &path,
-            m(),
+            at(p, "-1", "junk"),
             Exp::Is(200),
-        ));
+        );
         // Junk handle at a real offset → 409 must-refetch.
-        let path = format!("{p}{}offset=1_0&handle=junk", sep(p));
-        cases.push(case(
-            format!("{route} junk handle"),
-            &path,
-            m(),
-            Exp::Is(409),
-        ));
-        cases.push(case(
-            format!("{route} junk handle legacy"),
-            &path,
-            l(),
-            Exp::Is(409),
-        ));
+        cases.both(
+            &format!("{route} junk handle"),
+            &at(p, "1_0", "junk"),
+            same(Exp::Is(409)),
+        );
         // Repeated params: last value wins.
-        let path = format!("{p}{}offset=-1&offset=zzz", sep(p));
-        cases.push(case(
+        let path = format!("{p}{s}offset=-1&offset=zzz");
+        cases.modern(
             format!("{route} repeated offset last bad"),
             &path,
-            m(),
             Exp::Is(400),
-        ));
-        let path = format!("{p}{}offset=zzz&offset=-1&live=true&live=false", sep(p));
-        cases.push(case(
+        );
+        let path = format!("{p}{s}offset=zzz&offset=-1&live=true&live=false");
+        cases.modern(
             format!("{route} repeated offset last ok"),
             &path,
-            m(),
             Exp::Is(200),
-        ));
+        );
         // Odd skipColumns: unknown names are ignored (trigger forwards them to Electric).
         for sc in ["", ",,,", "id", "nope", "%22%3Bdrop", &"x,".repeat(2000)] {
-            let path = format!("{p}{}offset=-1&skipColumns={sc}", sep(p));
+            let path = format!("{p}{s}offset=-1&skipColumns={sc}");
             let name = format!(
                 "{route} skipColumns={}",
                 sc.chars().take(12).collect::<String>()
             );
-            cases.push(case(name, &path, m(), Exp::OkOr409));
+            cases.modern(name, &path, Exp::OkOr409);
         }
         // Wrong methods.
         for method in [
@@ -293,43 +311,27 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             reqwest::Method::DELETE,
             reqwest::Method::PATCH,
         ] {
-            let mut c = case(format!("{route} {method}"), p.clone(), m(), Exp::Is(405));
-            c.method = method;
-            cases.push(c);
+            cases.modern(format!("{route} {method}"), p, Exp::Is(405));
+            cases.list.last_mut().expect("just pushed").method = method;
         }
         // Credentials.
-        let jwt_b = mint(
-            &b.env.api_key,
-            &b.env.env_id,
-            &["read:all"],
-            Duration::from_secs(900),
-        );
+        let jwt_b = mint(&b.env.api_key, &b.env.env_id, &["read:all"], TOKEN_TTL);
         let expired = mint(ka, &a.env.env_id, &["read:all"], Duration::ZERO);
-        let wrong_key = mint(
-            &b.env.api_key,
-            &a.env.env_id,
-            &["read:all"],
-            Duration::from_secs(900),
-        );
+        let wrong_key = mint(&b.env.api_key, &a.env.env_id, &["read:all"], TOKEN_TTL);
         let payload = serde_json::json!({"pub": true, "sub": a.env.env_id, "scopes": ["read:all"], "exp": 4_000_000_000u64});
+        let alg = |alg: &str| serde_json::json!({ "alg": alg });
         let none = raw_jwt(
             &serde_json::json!({"alg": "none", "typ": "JWT"}),
             &payload,
             "",
         );
-        let none2 = raw_jwt(&serde_json::json!({"alg": "none"}), &payload, "AAAA");
-        let hs512 = raw_jwt(&serde_json::json!({"alg": "HS512"}), &payload, "AAAA");
-        let rs = raw_jwt(&serde_json::json!({"alg": "RS256"}), &payload, "AAAA");
-        let sub_b = raw_jwt(
-            &serde_json::json!({"alg": "HS256"}),
-            &serde_json::json!({"pub": true, "sub": b.env.env_id, "scopes": ["read:all"]}),
-            "AAAA",
-        );
-        let no_sub = raw_jwt(
-            &serde_json::json!({"alg": "HS256"}),
-            &serde_json::json!({"pub": true}),
-            "x",
-        );
+        let none2 = raw_jwt(&alg("none"), &payload, "AAAA");
+        let hs512 = raw_jwt(&alg("HS512"), &payload, "AAAA");
+        let rs = raw_jwt(&alg("RS256"), &payload, "AAAA");
+        let claims_b =
+            serde_json::json!({"pub": true, "sub": b.env.env_id, "scopes": ["read:all"]});
+        let sub_b = raw_jwt(&alg("HS256"), &claims_b, "AAAA");
+        let no_sub = raw_jwt(&alg("HS256"), &serde_json::json!({"pub": true}), "x");
         for (what, auth) in [
             ("no auth", None),
             ("empty bearer", Some("Bearer ".to_string())),
@@ -361,7 +363,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
                 let v = v.replace('\u{1}', "%01");
                 h.push(("authorization".into(), v));
             }
-            let path = format!("{p}{}offset=-1", sep(p));
+            let path = format!("{p}{s}offset=-1");
             // Auth failures are 401 (alg-none/forged/wrong key never authenticate) — except a
             // valid JWT of B, which authenticates as B: 404 on A's run/batch, 200 (B's own
             // rows) on the tag feed — checked by the leak assertion being skipped for it.
@@ -373,7 +375,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             if what == "jwt of B" && *route == "tag" {
                 continue; // B reading B's own tag feed is legitimate.
             }
-            cases.push(case(format!("{route} auth {what}"), &path, h, exp));
+            cases.push(format!("{route} auth {what}"), &path, h, exp);
         }
         // Scopes for other resources → 403.
         for scope in [
@@ -384,14 +386,14 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             "read:runs:".to_string(),
             "read:*".to_string(),
         ] {
-            let tok = mint(ka, &a.env.env_id, &[&scope], Duration::from_secs(900));
-            let path = format!("{p}{}offset=-1", sep(p));
-            cases.push(case(
+            let tok = mint(ka, &a.env.env_id, &[&scope], TOKEN_TTL);
+            let path = format!("{p}{s}offset=-1");
+            cases.push(
                 format!("{route} scope {scope}"),
                 &path,
                 modern(&tok),
                 Exp::Is(403),
-            ));
+            );
         }
     }
 
@@ -408,213 +410,98 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
             format!("/realtime/v1/batches/{}?offset=-1", b.batch_id),
         ),
     ] {
-        cases.push(case(format!("A reads {what}"), &path, m(), Exp::Is(404)));
-        cases.push(case(
-            format!("A reads {what} legacy"),
-            &path,
-            l(),
-            Exp::Is(404),
-        ));
+        cases.both(&format!("A reads {what}"), &path, same(Exp::Is(404)));
     }
-    let h_b_run = &b.run_handle;
-    let h_b_tag = &b.tag_handle;
-    let h_b_batch = &b.batch_handle;
-    for (what, path, exp) in [
-        (
-            "B run handle on A run",
-            format!("{run_a}?offset={}&handle={}", b.run_offset, enc(h_b_run)),
-            Exp::Is(409),
-        ),
-        (
-            "B run handle on A run live",
-            format!(
-                "{run_a}?offset={}&handle={}&live=true",
-                b.run_offset,
-                enc(h_b_run)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "B tag handle on A tags",
-            format!(
-                "{tags}?tags=shared&offset={}&handle={}",
-                b.tag_offset,
-                enc(h_b_tag)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "B batch handle on A batch",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                b.run_offset,
-                enc(h_b_batch)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "A run handle on A tags",
-            format!(
-                "{tags}?tags=shared&offset={}&handle={}",
-                a.run_offset,
-                enc(&a.run_handle)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "A tag handle on A batch",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                a.tag_offset,
-                enc(&a.tag_handle)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "A tag handle other tags",
-            format!(
-                "{tags}?tags=other&offset={}&handle={}",
-                a.tag_offset,
-                enc(&a.tag_handle)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "B handle at -1 on A",
-            format!("{run_a}?offset=-1&handle={}", enc(h_b_run)),
-            Exp::Is(200),
-        ),
-        (
-            "forged env B claims",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Run,
-                    &b.env.env_id,
-                    &b.run_id
-                ))
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "forged A env, B target",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Run,
-                    &a.env.env_id,
-                    &b.run_id
-                ))
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "forged batch A env B target",
-            format!(
-                "{batch_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    HANDLE_SECRET,
-                    FeedKind::Batch,
-                    &a.env.env_id,
-                    &b.batch_id
-                ))
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "wrong-secret handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&forged_handle(
-                    "not-the-secret",
-                    FeedKind::Run,
-                    &a.env.env_id,
-                    &a.run_id
-                ))
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "truncated handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                enc(&a.run_handle[..a.run_handle.len() / 2])
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "huge handle",
-            format!(
-                "{run_a}?offset={}&handle={}",
-                a.run_offset,
-                "h".repeat(7000)
-            ),
-            Exp::Is(409),
-        ),
-        (
-            "shape_id B",
-            format!("{run_a}?offset={}&shape_id={}", b.run_offset, enc(h_b_run)),
-            Exp::Is(409),
-        ),
+    // Handles of B, of A's other feeds and forged ones, at A's offsets → 409 must-refetch.
+    let tags_a = format!("{tags}?tags=shared");
+    let (ea, eb) = (a.env.env_id.as_str(), b.env.env_id.as_str());
+    let (ra, ro) = (run_a.as_str(), a.run_offset.as_str());
+    let forged = |kind, env: &str, target: &str| forged_handle(HANDLE_SECRET, kind, env, target);
+    let b_run = at(ra, &b.run_offset, &b.run_handle);
+    let b_run_live = format!("{b_run}&live=true");
+    let b_tag = at(&tags_a, &b.tag_offset, &b.tag_handle);
+    let b_batch = at(&batch_a, &b.run_offset, &b.batch_handle);
+    let a_run_on_tags = at(&tags_a, ro, &a.run_handle);
+    let a_tag_on_batch = at(&batch_a, &a.tag_offset, &a.tag_handle);
+    let other_tags = format!("{tags}?tags=other");
+    let a_tag_other_tags = at(&other_tags, &a.tag_offset, &a.tag_handle);
+    let claims_b = at(ra, ro, &forged(FeedKind::Run, eb, &b.run_id));
+    let target_b = at(ra, ro, &forged(FeedKind::Run, ea, &b.run_id));
+    let batch_b_target = at(&batch_a, ro, &forged(FeedKind::Batch, ea, &b.batch_id));
+    let other_secret = forged_handle("not-the-secret", FeedKind::Run, ea, &a.run_id);
+    let wrong_secret = at(ra, ro, &other_secret);
+    let truncated = at(ra, ro, &a.run_handle[..a.run_handle.len() / 2]);
+    let huge = at(ra, ro, &"h".repeat(7000));
+    let shape_id_b = format!(
+        "{ra}?offset={}&shape_id={}",
+        b.run_offset,
+        enc(&b.run_handle)
+    );
+    for (what, path) in [
+        ("B run handle on A run", &b_run),
+        ("B run handle on A run live", &b_run_live),
+        ("B tag handle on A tags", &b_tag),
+        ("B batch handle on A batch", &b_batch),
+        ("A run handle on A tags", &a_run_on_tags),
+        ("A tag handle on A batch", &a_tag_on_batch),
+        ("A tag handle other tags", &a_tag_other_tags),
+        ("forged env B claims", &claims_b),
+        ("forged A env, B target", &target_b),
+        ("forged batch A env B target", &batch_b_target),
+        ("wrong-secret handle", &wrong_secret),
+        ("truncated handle", &truncated),
+        ("huge handle", &huge),
+        ("shape_id B", &shape_id_b),
     ] {
-        cases.push(case(format!("handle: {what}"), &path, m(), exp));
-        cases.push(case(format!("handle: {what} legacy"), &path, l(), exp));
+        cases.both(&format!("handle: {what}"), path, same(Exp::Is(409)));
     }
+    // B's handle at -1 on A is a fresh snapshot.
+    let b_at_start = at(ra, "-1", &b.run_handle);
+    let ok = Exp::Is(200);
+    cases.both("handle: B handle at -1 on A", &b_at_start, same(ok));
 
     // ---- tags and createdAt ----
-    for (what, t, exp) in [
-        ("ctl", "a%01b", Exp::Is(400)),
-        ("nul", "a%00", Exp::Is(400)),
-        ("newline", "a%0Ab", Exp::Is(400)),
-        ("del", "a%7F", Exp::Is(400)),
-        ("dquote", "a%22b", Exp::Is(400)),
-        ("backslash", "a%5Cb", Exp::Is(400)),
-        ("empty in list", "a,,b", Exp::Is(400)),
-        ("trailing comma", "a,", Exp::Is(400)),
-        ("squote", "x%27y", Exp::Is(200)),
-        (
-            "sql dquote",
-            "%27%3B%20DROP%20TABLE%20%22TaskRun%22%3B--",
-            Exp::Is(400),
-        ),
-        ("sql", "%27%3B%20DROP%20TABLE%20TaskRun%3B--", Exp::Is(200)),
-        (
-            "sql union",
-            "x%27)%20UNION%20SELECT%20*%20FROM%20%27TaskRun",
-            Exp::Is(200),
-        ),
-        ("sql or", "a%27%20OR%20%271%27%3D%271", Exp::Is(200)),
-        ("unicode", "%C3%BCn%C3%AF", Exp::Is(200)),
-        ("emoji", "%F0%9F%92%A9", Exp::Is(200)),
-        ("rtl", "%E2%80%AEabc", Exp::Is(200)),
-        ("percent", "100%25", Exp::Is(200)),
-        ("plus", "a+b", Exp::Is(200)),
-        ("braces", "%7Ba%7D", Exp::Is(200)),
-        ("pg array", "%7B%22a%22%7D", Exp::Is(400)),
+    let sql_dquote = "%27%3B%20DROP%20TABLE%20%22TaskRun%22%3B--";
+    let sql_union = "x%27)%20UNION%20SELECT%20*%20FROM%20%27TaskRun";
+    let (at_byte_limit, over_byte_limit) = ("t".repeat(256), "t".repeat(257));
+    let tag_list = |n: usize| vec!["t"; n].join(",");
+    let (tags_100, tags_101, tags_1000) = (tag_list(100), tag_list(101), tag_list(1000));
+    let bad_tags = [
+        ("ctl", "a%01b"),
+        ("nul", "a%00"),
+        ("newline", "a%0Ab"),
+        ("del", "a%7F"),
+        ("dquote", "a%22b"),
+        ("backslash", "a%5Cb"),
+        ("empty in list", "a,,b"),
+        ("trailing comma", "a,"),
+        ("sql dquote", sql_dquote),
+        ("pg array", "%7B%22a%22%7D"),
+        ("tag over the byte limit", &over_byte_limit),
+        ("101 tags", &tags_101),
+        ("1000 tags", &tags_1000),
+    ];
+    let good_tags = [
+        ("squote", "x%27y"),
+        ("sql", "%27%3B%20DROP%20TABLE%20TaskRun%3B--"),
+        ("sql union", sql_union),
+        ("sql or", "a%27%20OR%20%271%27%3D%271"),
+        ("unicode", "%C3%BCn%C3%AF"),
+        ("emoji", "%F0%9F%92%A9"),
+        ("rtl", "%E2%80%AEabc"),
+        ("percent", "100%25"),
+        ("plus", "a+b"),
+        ("braces", "%7Ba%7D"),
         // Decoded lossily to U+FFFD, as URLSearchParams does: a tag that matches nothing.
-        ("invalid utf8", "%FF%FE", Exp::Is(200)),
-        ("tag at the byte limit", &"t".repeat(256), Exp::Is(200)),
-        ("tag over the byte limit", &"t".repeat(257), Exp::Is(400)),
-        ("100 tags", &vec!["t"; 100].join(","), Exp::Is(200)),
-        ("101 tags", &vec!["t"; 101].join(","), Exp::Is(400)),
-        ("1000 tags", &vec!["t"; 1000].join(","), Exp::Is(400)),
-    ] {
+        ("invalid utf8", "%FF%FE"),
+        ("tag at the byte limit", &at_byte_limit),
+        ("100 tags", &tags_100),
+    ];
+    let ok = same(Exp::Is(200));
+    let tag_cases = bad_tags.map(|c| (c, BAD_INPUT));
+    for ((what, t), exps) in tag_cases.into_iter().chain(good_tags.map(|c| (c, ok))) {
         let path = format!("{tags}?tags={t}&offset=-1");
-        let modern_exp = exp;
-        let legacy_exp = if exp == Exp::Is(400) {
-            Exp::Is(422)
-        } else {
-            exp
-        };
-        cases.push(case(format!("tags {what}"), &path, m(), modern_exp));
-        cases.push(case(format!("tags {what} legacy"), &path, l(), legacy_exp));
+        cases.both(&format!("tags {what}"), &path, exps);
     }
     for (what, c, exp) in [
         // Saturates, then is clamped to the lookback ceiling.
@@ -629,112 +516,76 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
         ("long", &"1h".repeat(3000), Exp::Client),
     ] {
         let path = format!("{tags}?tags=shared&createdAt={c}&offset=-1");
-        let legacy_exp = if exp == Exp::Client { Exp::Client } else { exp };
-        cases.push(case(format!("createdAt {what}"), &path, m(), exp));
-        cases.push(case(
-            format!("createdAt {what} legacy"),
-            &path,
-            l(),
-            legacy_exp,
-        ));
+        cases.both(&format!("createdAt {what}"), &path, same(exp));
     }
 
     // ---- paths, branches, misc ----
+    let (runs, batches) = ("/realtime/v1/runs", "/realtime/v1/batches");
+    let run_sql = format!("{runs}/run_%27%20OR%201%3D1--?offset=-1");
+    let run_huge = format!("{runs}/{}?offset=-1", "r".repeat(4000));
+    let batch_huge = format!("{batches}/{}?offset=-1", "b".repeat(4000));
+    let double_slash = format!("{runs}//{}", a.run_fid);
+    let url_8k = format!("{run_a}?offset=-1&pad={}", "p".repeat(8200));
+    let url_64k = format!("{tags}?tags={}", "t,".repeat(32_000));
+    let unknown_9k = format!("/x?{}", "q".repeat(9000));
     for (what, path, exp) in [
-        (
-            "unknown route",
-            "/realtime/v1/nope".to_string(),
-            Exp::Is(404),
-        ),
-        (
-            "run id sql",
-            "/realtime/v1/runs/run_%27%20OR%201%3D1--?offset=-1".to_string(),
-            Exp::Is(404),
-        ),
+        ("unknown route", "/realtime/v1/nope", Exp::Is(404)),
+        ("run id sql", &run_sql, Exp::Is(404)),
         (
             "run id unicode",
-            "/realtime/v1/runs/%C3%BC?offset=-1".to_string(),
+            &format!("{runs}/%C3%BC?offset=-1"),
             Exp::Is(404),
         ),
-        (
-            "run id huge",
-            format!("/realtime/v1/runs/{}?offset=-1", "r".repeat(4000)),
-            Exp::Is(404),
-        ),
+        ("run id huge", &run_huge, Exp::Is(404)),
         (
             "batch id nul",
-            "/realtime/v1/batches/b%00?offset=-1".to_string(),
+            &format!("{batches}/b%00?offset=-1"),
             Exp::Is(404),
         ),
         (
             "run id nul",
-            "/realtime/v1/runs/run_%00x?offset=-1".to_string(),
+            &format!("{runs}/run_%00x?offset=-1"),
             Exp::Is(404),
         ),
-        (
-            "batch id huge",
-            format!("/realtime/v1/batches/{}?offset=-1", "b".repeat(4000)),
-            Exp::Is(404),
-        ),
-        (
-            "url over 8 KiB",
-            format!("{run_a}?offset=-1&pad={}", "p".repeat(8200)),
-            Exp::Is(414),
-        ),
-        (
-            "url 64 KiB",
-            format!("/realtime/v1/runs?tags={}", "t,".repeat(32_000)),
-            Exp::Is(414),
-        ),
-        (
-            "unknown route over limit",
-            format!("/x?{}", "q".repeat(9000)),
-            Exp::Is(414),
-        ),
-        (
-            "double slash",
-            format!("/realtime/v1/runs//{}", a.run_fid),
-            Exp::Is(404),
-        ),
-        ("trailing slash", format!("{run_a}/"), Exp::Is(404)),
+        ("batch id huge", &batch_huge, Exp::Is(404)),
+        ("url over 8 KiB", &url_8k, Exp::Is(414)),
+        ("url 64 KiB", &url_64k, Exp::Is(414)),
+        ("unknown route over limit", &unknown_9k, Exp::Is(414)),
+        ("double slash", &double_slash, Exp::Is(404)),
+        ("trailing slash", &format!("{run_a}/"), Exp::Is(404)),
         (
             "bad query encoding",
-            format!("{run_a}?offset=%ZZ"),
+            &format!("{run_a}?offset=%ZZ"),
             Exp::Client,
         ),
         (
             "bare percent",
-            format!("{run_a}?offset=-1&handle=%"),
+            &format!("{run_a}?offset=-1&handle=%"),
             Exp::OkOr409,
         ),
     ] {
-        cases.push(case(format!("path {what}"), &path, m(), exp));
-        cases.push(case(format!("path {what} legacy"), &path, l(), exp));
+        cases.both(&format!("path {what}"), path, same(exp));
     }
     for (what, branch) in [
         ("unknown branch", "nope"),
         ("sql branch", "x'; DROP TABLE x;--"),
         ("long branch", &"b".repeat(3000)),
     ] {
-        let h = with(m(), "x-trigger-branch", branch);
-        cases.push(case(
+        let h = with(modern(ka), "x-trigger-branch", branch);
+        cases.push(
             format!("branch {what}"),
             format!("{run_a}?offset=-1"),
             h,
             Exp::Client,
-        ));
+        );
     }
     // Header bytes over `max_header_bytes` (32 KiB) → 431 JSON, modern and legacy.
-    for (what, h) in [("modern", m()), ("legacy", l())] {
+    for (what, h) in [("modern", modern(ka)), ("legacy", legacy(ka))] {
         let h = with(h, "x-pad", &"p".repeat(40_000));
-        cases.push(case(
-            format!("headers over 32 KiB {what}"),
-            format!("{run_a}?offset=-1"),
-            h,
-            Exp::Is(431),
-        ));
+        let name = format!("headers over 32 KiB {what}");
+        cases.push(name, format!("{run_a}?offset=-1"), h, Exp::Is(431));
     }
-    cases
+    cases.list
 }
 
 fn rss_bytes() -> u64 {
@@ -1145,8 +996,7 @@ async fn request_limits_follow_their_config_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_100_headers_is_a_4xx_from_hyper() {
     let _shared = RSS_QUIET.read().await;
-    let srv = TestServer::start(200).await;
-    let env = srv.env().await;
+    let (srv, env) = TestServer::with_env(200).await;
     let mut h = modern(&env.api_key);
     for i in 0..120 {
         h.push((format!("x-h{i}"), "v".into()));

@@ -34,7 +34,7 @@ use std::time::Duration;
 use common::*;
 use runfeed::changes::ChangeRecord;
 use runfeed::config::Config;
-use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate};
+use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunUpdate};
 use serde_json::{Map, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
@@ -88,14 +88,23 @@ fn replica_base() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-macro_rules! replica_or_skip {
-    () => {
-        match replica_base() {
-            Some(url) => url,
-            None => {
-                println!("{SKIP}");
-                return;
-            }
+/// Runs `body` with the replica's base URL through [`serial`]; without a replica, prints the
+/// skip notice and passes.
+fn with_replica<F: std::future::Future<Output = ()>>(body: impl FnOnce(String) -> F) {
+    match replica_base() {
+        Some(base) => serial(body(base)),
+        None => println!("{SKIP}"),
+    }
+}
+
+/// A `#[test]` whose async body runs with the replica's base URL bound to `$base` (see
+/// [`with_replica`]).
+macro_rules! replica_test {
+    ($(#[$doc:meta])* fn $name:ident($base:ident) $body:block) => {
+        $(#[$doc])*
+        #[test]
+        fn $name() {
+            with_replica(|$base: String| async move $body);
         }
     };
 }
@@ -422,50 +431,20 @@ impl Sub {
                     None => url.snapshot(),
                     Some(h) => url.live(h, &offset, cursor.as_deref()),
                 };
-                let full = format!("{base}{}", req_url.render());
-                let mut req = http.get(&full);
-                for (k, v) in &headers {
-                    req = req.header(k.as_str(), v.as_str());
-                }
-                let started = Instant::now();
-                let answer = tokio::time::timeout(hold + WAIT, async {
-                    let resp = req.send().await.map_err(|e| e.to_string())?;
-                    let status = resp.status().as_u16();
-                    let hdrs = resp.headers().clone();
-                    let text = resp.text().await.map_err(|e| e.to_string())?;
-                    Ok::<_, String>((status, hdrs, text))
-                })
-                .await;
-                let elapsed = started.elapsed();
+                let req = with_headers(http.get(format!("{base}{}", req_url.render())), &headers);
+                let answer = send(req, hold + WAIT).await;
                 let at = Instant::now();
-                let (status, hdrs, text) = match answer {
-                    Ok(Ok(a)) => a,
-                    Ok(Err(e)) => {
-                        obs.lock()
-                            .unwrap()
-                            .errors
-                            .push(format!("{label}: transport: {e}"));
+                let resp = match answer {
+                    Ok(resp) => resp,
+                    Err(e) => {
+                        let e = format!("{label}: transport: {e}");
+                        obs.lock().unwrap().errors.push(e);
                         tick.send_modify(|n| *n += 1);
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
-                    Err(_) => {
-                        obs.lock()
-                            .unwrap()
-                            .errors
-                            .push(format!("{label}: no answer within {:?}", hold + WAIT));
-                        tick.send_modify(|n| *n += 1);
-                        continue;
-                    }
                 };
-                let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-                let resp = Resp {
-                    status,
-                    headers: hdrs,
-                    text,
-                    json,
-                    elapsed,
-                };
+                let (status, elapsed) = (resp.status, resp.elapsed);
                 if status != 200 {
                     {
                         let mut o = obs.lock().unwrap();
@@ -644,25 +623,24 @@ impl Crowd {
         }
     }
 
-    fn errors(&self) -> Vec<String> {
+    /// One list of every follower's observations, concatenated.
+    fn gather<T: Clone>(&self, list: impl Fn(&Observed) -> &Vec<T>) -> Vec<T> {
         self.subs
             .iter()
-            .flat_map(|s| s.observed.lock().unwrap().errors.clone())
+            .flat_map(|s| list(&s.observed.lock().unwrap()).clone())
             .collect()
+    }
+
+    fn errors(&self) -> Vec<String> {
+        self.gather(|o| &o.errors)
     }
 
     fn stale(&self) -> Vec<String> {
-        self.subs
-            .iter()
-            .flat_map(|s| s.observed.lock().unwrap().stale.clone())
-            .collect()
+        self.gather(|o| &o.stale)
     }
 
     fn inconsistent(&self) -> Vec<String> {
-        self.subs
-            .iter()
-            .flat_map(|s| s.observed.lock().unwrap().inconsistent.clone())
-            .collect()
+        self.gather(|o| &o.inconsistent)
     }
 
     fn deliveries(&self) -> usize {
@@ -783,23 +761,68 @@ struct Fixture {
     runs: Vec<CreatedRun>,
 }
 
+impl Fixture {
+    /// A new run in the fixture's batch, tagged `tag`.
+    async fn new_run(&self, rig: &Rig, tag: &str) -> CreatedRun {
+        rig.srv
+            .run(&self.env, tagged_in_batch(&[tag], &self.batch_id))
+            .await
+    }
+
+    /// The change record trigger.dev publishes for `run_id` (tagged `tag`, in the batch):
+    /// `updatedAtMs` for an update, none for a created run.
+    fn record(&self, run_id: &str, tag: &str, updated_at_ms: Option<i64>) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run_id.to_string().into(),
+            env_id: self.env.env_id.clone().into(),
+            tags: Some(vec![tag.to_string()]),
+            batch_id: Some(self.batch_id.clone().into()),
+            updated_at_ms,
+        }
+    }
+
+    /// Commits new `metadata` on `run`, records the version in `crowd`'s ledger (also as
+    /// published when `mark_published`), and publishes its change record.
+    async fn update_and_publish(
+        &self,
+        rig: &Rig,
+        crowd: &Crowd,
+        run: &str,
+        metadata: String,
+        mark_published: bool,
+    ) -> (i64, Instant) {
+        let set = RunUpdate {
+            metadata: Some(metadata.clone()),
+            ..RunUpdate::default()
+        };
+        let ms = rig.srv.update(run, set).await;
+        crowd.commit(run, ms, Some(metadata));
+        if mark_published {
+            crowd.mark_published(run, ms);
+        }
+        let published_at = Instant::now();
+        rig.srv.publish(&self.record(run, TAG, Some(ms))).await;
+        (ms, published_at)
+    }
+}
+
+/// Waits (at most 5 s) until the router holds exactly `held` feeds `(run, tag, batch)`: every
+/// feed re-armed after its last answer.
+async fn wait_rearmed(rig: &Rig, held: (usize, usize, usize)) {
+    let router = rig.srv.running().router.clone();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while router.held_feeds() != held && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 async fn fixture(rig: &Rig, runs: usize) -> Fixture {
     let env = rig.srv.env().await;
     let (batch_id, batch_fid) = rig.srv.batch(&env).await;
     let mut created = Vec::new();
     for _ in 0..runs {
-        created.push(
-            rig.srv
-                .run(
-                    &env,
-                    RunSpec {
-                        tags: Some(vec![TAG.to_string()]),
-                        batch_id: Some(batch_id.clone()),
-                        ..RunSpec::default()
-                    },
-                )
-                .await,
-        );
+        created.push(rig.srv.run(&env, tagged_in_batch(&[TAG], &batch_id)).await);
     }
     // Environment, batch and runs must be readable on the replica before anyone subscribes
     // (authentication and set resolves read the replica).
@@ -810,18 +833,6 @@ async fn fixture(rig: &Rig, runs: usize) -> Fixture {
         batch_fid,
         runs: created,
     }
-}
-
-fn run_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
-}
-
-fn tag_url(tag: &str) -> Url {
-    Url::new("/realtime/v1/runs").q("tags", tag)
-}
-
-fn batch_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
 }
 
 /// Run feed per run, one tag feed, one batch feed.
@@ -910,35 +921,12 @@ async fn update_workload(
     let mut aborted = false;
     for i in 0..updates {
         // Every feed re-armed (a feed between polls would be served by replay: another path).
-        let router = rig.srv.running().router.clone();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while router.held_feeds() != all_held && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        wait_rearmed(rig, all_held).await;
         let run = &fx.runs[i % fx.runs.len()];
         let metadata = format!(r#"{{"step":{i},"gate":"{}"}}"#, rig.gate_label());
-        let ms = rig
-            .srv
-            .update(
-                &run.id,
-                RunUpdate {
-                    metadata: Some(metadata.clone()),
-                    ..RunUpdate::default()
-                },
-            )
+        let (ms, published_at) = fx
+            .update_and_publish(rig, &crowd, &run.id, metadata, true)
             .await;
-        crowd.commit(&run.id, ms, Some(metadata));
-        crowd.mark_published(&run.id, ms);
-        let record = ChangeRecord {
-            v: 1,
-            run_id: run.id.clone().into(),
-            env_id: fx.env.env_id.clone().into(),
-            tags: Some(vec![TAG.to_string()]),
-            batch_id: Some(fx.batch_id.clone().into()),
-            updated_at_ms: Some(ms),
-        };
-        let published_at = Instant::now();
-        rig.srv.publish(&record).await;
         let id = run.id.clone();
         let seen = crowd
             .wait_for(window, |c| {
@@ -1032,160 +1020,126 @@ fn report(rig: &Rig, r: &WorkloadResult) -> String {
 // Tests
 // ---------------------------------------------------------------------------------------------
 
-/// Issue (1), GATE-02/04/05: with the gate on, an update committed on the primary and published
-/// immediately reaches every subscriber (run, tag and batch feeds) with its committed values; no
-/// delivery is older than what was published before it; every view ends equal to the primary.
-#[test]
-fn gate_on_updates_reach_every_subscriber_with_committed_values() {
-    let base = replica_or_skip!();
-    serial(gate_on_updates_reach_every_subscriber_with_committed_values_body(base));
-}
-
-async fn gate_on_updates_reach_every_subscriber_with_committed_values_body(base: String) {
-    let rig = Rig::start(&base, LONG_HOLD_MS, true, GATE_MAX_DELAY_MS).await;
-    let r = update_workload(&rig, UPDATES_ON, WINDOW_ON, Duration::from_secs(5)).await;
-    record_figure(&report(&rig, &r));
-    assert!(r.errors.is_empty(), "follower errors: {:#?}", r.errors);
-    assert!(
-        r.stale.is_empty(),
-        "{} stale deliveries with the gate on: {:#?}",
-        r.stale.len(),
-        r.stale
-    );
-    assert!(
-        r.inconsistent.is_empty(),
-        "deliveries without the committed values: {:#?}",
-        r.inconsistent
-    );
-    assert_eq!(r.missed, 0, "updates not delivered within {WINDOW_ON:?}");
-    assert!(!r.aborted, "workload aborted after too many problems");
-    assert!(
-        r.mismatches.is_empty(),
-        "final views differ from the primary: {:#?}",
-        r.mismatches
-    );
-}
-
-/// Issue (3): the same workload with the gate disabled fails the gate-on assertions (proves the
-/// test above can fail): stale deliveries, or views that differ from the primary right after the
-/// hold-free delivery window. The 20 s hold keeps the backstop from masking it.
-#[test]
-fn gate_off_delivers_stale_versions() {
-    let base = replica_or_skip!();
-    serial(gate_off_delivers_stale_versions_body(base));
-}
-
-async fn gate_off_delivers_stale_versions_body(base: String) {
-    let rig = Rig::start(&base, LONG_HOLD_MS, false, GATE_MAX_DELAY_MS).await;
-    let r = update_workload(&rig, UPDATES_OFF, WINDOW_OFF, Duration::ZERO).await;
-    record_figure(&report(&rig, &r));
-    assert!(r.errors.is_empty(), "follower errors: {:#?}", r.errors);
-    assert!(
-        !r.stale.is_empty() || !r.mismatches.is_empty(),
-        "with the gate off and a {} apply delay, expected stale deliveries or views behind the primary; got neither \
-         (is the replica lagging? is replica_url used?)",
-        rig.apply_delay
-    );
-}
-
-/// Issue (2), §4 item 3, GATE-07: a run created on the primary and published immediately WITHOUT
-/// `updatedAtMs` (trigger.dev's runCreated) appears in its tag feed and its batch feed well within
-/// the hold (the backstop is 20 s away), although the replica has not applied the insert yet
-/// when the record arrives.
-#[test]
-fn created_run_appears_in_tag_and_batch_feeds_without_backstop() {
-    let base = replica_or_skip!();
-    serial(created_run_appears_in_tag_and_batch_feeds_without_backstop_body(base));
-}
-
-async fn created_run_appears_in_tag_and_batch_feeds_without_backstop_body(base: String) {
-    let rig = Rig::start(&base, LONG_HOLD_MS, true, GATE_MAX_DELAY_MS).await;
-    let fx = fixture(&rig, 0).await;
-    let tag = "fresh";
-    let specs = vec![
-        FeedSpec {
-            label: "tag-feed".into(),
-            url: tag_url(tag),
-            runs: Vec::new(),
-        },
-        FeedSpec {
-            label: "batch-feed".into(),
-            url: batch_url(&fx.batch_fid),
-            runs: Vec::new(),
-        },
-    ];
-    let mut crowd = Crowd::start(&rig, specs, modern(&fx.env.api_key), LONG_HOLD_MS);
-    wait_armed(&rig, &mut crowd, (0, 1, 1)).await;
-
-    let limit = Duration::from_secs(3);
-    let mut latencies = Vec::new();
-    for i in 0..3 {
-        let router = rig.srv.running().router.clone();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while router.held_feeds() != (0, 1, 1) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let run = rig
-            .srv
-            .run(
-                &fx.env,
-                RunSpec {
-                    tags: Some(vec![tag.to_string()]),
-                    batch_id: Some(fx.batch_id.clone()),
-                    ..RunSpec::default()
-                },
-            )
-            .await;
-        let record = ChangeRecord {
-            v: 1,
-            run_id: run.id.clone().into(),
-            env_id: fx.env.env_id.clone().into(),
-            tags: Some(vec![tag.to_string()]),
-            batch_id: Some(fx.batch_id.clone().into()),
-            updated_at_ms: None,
-        };
-        let published_at = Instant::now();
-        rig.srv.publish(&record).await;
-        let id = run.id.clone();
-        let arrived = crowd
-            .wait_for(limit, |c| c.subs.iter().all(|s| s.has(&id)))
-            .await;
-        let elapsed = published_at.elapsed();
-        let missing: Vec<&str> = crowd
-            .subs
-            .iter()
-            .filter(|s| !s.has(&id))
-            .map(|s| s.label.as_str())
-            .collect();
-        record_figure(&format!(
-            "created run #{i}: {} in {:?} (apply_delay={}, gate={}, hold={}ms){}",
-            if arrived {
-                "in tag+batch feeds"
-            } else {
-                "NOT in every feed"
-            },
-            elapsed,
-            rig.apply_delay,
-            rig.gate_label(),
-            LONG_HOLD_MS,
-            if missing.is_empty() {
-                String::new()
-            } else {
-                format!(", missing from {missing:?}")
-            }
-        ));
+replica_test! {
+    /// Issue (1), GATE-02/04/05: with the gate on, an update committed on the primary and published
+    /// immediately reaches every subscriber (run, tag and batch feeds) with its committed values; no
+    /// delivery is older than what was published before it; every view ends equal to the primary.
+    fn gate_on_updates_reach_every_subscriber_with_committed_values(base) {
+        let rig = Rig::start(&base, LONG_HOLD_MS, true, GATE_MAX_DELAY_MS).await;
+        let r = update_workload(&rig, UPDATES_ON, WINDOW_ON, Duration::from_secs(5)).await;
+        record_figure(&report(&rig, &r));
+        assert!(r.errors.is_empty(), "follower errors: {:#?}", r.errors);
         assert!(
-            arrived,
-            "run {} (created #{i}, published without updatedAtMs) not in {missing:?} within {limit:?}; \
-             errors: {:?}",
-            run.id,
-            crowd.errors()
+            r.stale.is_empty(),
+            "{} stale deliveries with the gate on: {:#?}",
+            r.stale.len(),
+            r.stale
         );
-        latencies.push(elapsed);
+        assert!(
+            r.inconsistent.is_empty(),
+            "deliveries without the committed values: {:#?}",
+            r.inconsistent
+        );
+        assert_eq!(r.missed, 0, "updates not delivered within {WINDOW_ON:?}");
+        assert!(!r.aborted, "workload aborted after too many problems");
+        assert!(
+            r.mismatches.is_empty(),
+            "final views differ from the primary: {:#?}",
+            r.mismatches
+        );
     }
-    let errors = crowd.errors();
-    assert!(errors.is_empty(), "follower errors: {errors:#?}");
-    println!("created-run latencies: {latencies:?}");
+}
+
+replica_test! {
+    /// Issue (3): the same workload with the gate disabled fails the gate-on assertions (proves the
+    /// test above can fail): stale deliveries, or views that differ from the primary right after the
+    /// hold-free delivery window. The 20 s hold keeps the backstop from masking it.
+    fn gate_off_delivers_stale_versions(base) {
+        let rig = Rig::start(&base, LONG_HOLD_MS, false, GATE_MAX_DELAY_MS).await;
+        let r = update_workload(&rig, UPDATES_OFF, WINDOW_OFF, Duration::ZERO).await;
+        record_figure(&report(&rig, &r));
+        assert!(r.errors.is_empty(), "follower errors: {:#?}", r.errors);
+        assert!(
+            !r.stale.is_empty() || !r.mismatches.is_empty(),
+            "with the gate off and a {} apply delay, expected stale deliveries or views behind the primary; got neither \
+             (is the replica lagging? is replica_url used?)",
+            rig.apply_delay
+        );
+    }
+}
+
+replica_test! {
+    /// Issue (2), §4 item 3, GATE-07: a run created on the primary and published immediately WITHOUT
+    /// `updatedAtMs` (trigger.dev's runCreated) appears in its tag feed and its batch feed well within
+    /// the hold (the backstop is 20 s away), although the replica has not applied the insert yet
+    /// when the record arrives.
+    fn created_run_appears_in_tag_and_batch_feeds_without_backstop(base) {
+        let rig = Rig::start(&base, LONG_HOLD_MS, true, GATE_MAX_DELAY_MS).await;
+        let fx = fixture(&rig, 0).await;
+        let tag = "fresh";
+        let specs = vec![
+            FeedSpec {
+                label: "tag-feed".into(),
+                url: tag_url(tag),
+                runs: Vec::new(),
+            },
+            FeedSpec {
+                label: "batch-feed".into(),
+                url: batch_url(&fx.batch_fid),
+                runs: Vec::new(),
+            },
+        ];
+        let mut crowd = Crowd::start(&rig, specs, modern(&fx.env.api_key), LONG_HOLD_MS);
+        wait_armed(&rig, &mut crowd, (0, 1, 1)).await;
+
+        let limit = Duration::from_secs(3);
+        let mut latencies = Vec::new();
+        for i in 0..3 {
+            wait_rearmed(&rig, (0, 1, 1)).await;
+            let run = fx.new_run(&rig, tag).await;
+            let published_at = Instant::now();
+            rig.srv.publish(&fx.record(&run.id, tag, None)).await;
+            let id = run.id.clone();
+            let arrived = crowd
+                .wait_for(limit, |c| c.subs.iter().all(|s| s.has(&id)))
+                .await;
+            let elapsed = published_at.elapsed();
+            let missing: Vec<&str> = crowd
+                .subs
+                .iter()
+                .filter(|s| !s.has(&id))
+                .map(|s| s.label.as_str())
+                .collect();
+            record_figure(&format!(
+                "created run #{i}: {} in {:?} (apply_delay={}, gate={}, hold={}ms){}",
+                if arrived {
+                    "in tag+batch feeds"
+                } else {
+                    "NOT in every feed"
+                },
+                elapsed,
+                rig.apply_delay,
+                rig.gate_label(),
+                LONG_HOLD_MS,
+                if missing.is_empty() {
+                    String::new()
+                } else {
+                    format!(", missing from {missing:?}")
+                }
+            ));
+            assert!(
+                arrived,
+                "run {} (created #{i}, published without updatedAtMs) not in {missing:?} within {limit:?}; \
+                 errors: {:?}",
+                run.id,
+                crowd.errors()
+            );
+            latencies.push(elapsed);
+        }
+        let errors = crowd.errors();
+        assert!(errors.is_empty(), "follower errors: {errors:#?}");
+        println!("created-run latencies: {latencies:?}");
+    }
 }
 
 /// Resumes replay on the replica when dropped (also when the test panicked).
@@ -1234,217 +1188,169 @@ impl Drop for ReplayPauseGuard {
     }
 }
 
-/// Issue (4), GATE-08: a replica that stops applying degrades freshness, never liveness. With
-/// replay paused, live polls still answer within the hold (+ margin) with 200s, new snapshots
-/// work, nothing errors and nothing panics; after resuming, the views converge on the primary.
-#[test]
-fn paused_replica_degrades_freshness_not_liveness() {
-    let base = replica_or_skip!();
-    serial(paused_replica_degrades_freshness_not_liveness_body(base));
-}
+replica_test! {
+    /// Issue (4), GATE-08: a replica that stops applying degrades freshness, never liveness. With
+    /// replay paused, live polls still answer within the hold (+ margin) with 200s, new snapshots
+    /// work, nothing errors and nothing panics; after resuming, the views converge on the primary.
+    fn paused_replica_degrades_freshness_not_liveness(base) {
+        count_panics();
+        let panics_before = PANICS.load(Ordering::SeqCst);
+        let hold_ms = 2_000u64;
+        let margin = Duration::from_millis(1_500);
+        // The production cap (1 000 ms): a frozen replica costs each gated read at most that.
+        let max_delay_ms = Config::default().replica_lag.max_delay_ms;
+        let rig = Rig::start(&base, hold_ms, true, max_delay_ms).await;
+        let fx = fixture(&rig, 2).await;
+        let mut crowd = Crowd::start(&rig, feed_specs(&fx), modern(&fx.env.api_key), hold_ms);
+        wait_armed(&rig, &mut crowd, (2, 1, 1)).await;
 
-async fn paused_replica_degrades_freshness_not_liveness_body(base: String) {
-    count_panics();
-    let panics_before = PANICS.load(Ordering::SeqCst);
-    let hold_ms = 2_000u64;
-    let margin = Duration::from_millis(1_500);
-    // The production cap (1 000 ms): a frozen replica costs each gated read at most that.
-    let max_delay_ms = Config::default().replica_lag.max_delay_ms;
-    let rig = Rig::start(&base, hold_ms, true, max_delay_ms).await;
-    let fx = fixture(&rig, 2).await;
-    let mut crowd = Crowd::start(&rig, feed_specs(&fx), modern(&fx.env.api_key), hold_ms);
-    wait_armed(&rig, &mut crowd, (2, 1, 1)).await;
+        // Pause replay (and make sure the replica has really stopped applying).
+        sqlx::query("SELECT pg_wal_replay_pause()")
+            .execute(&rig.replica_admin)
+            .await
+            .expect("pg_wal_replay_pause()");
+        let guard = ReplayPauseGuard {
+            admin_url: Some(rig.replica_admin_url.clone()),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let state: String = sqlx::query_scalar("SELECT pg_get_wal_replay_pause_state()")
+                .fetch_one(&rig.replica_admin)
+                .await
+                .expect("pg_get_wal_replay_pause_state()");
+            if state == "paused" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replay never paused (state {state})"
+            );
+            // Replay pauses at the next record: give it one.
+            sqlx::query("SELECT txid_current()")
+                .execute(rig.srv.pool())
+                .await
+                .expect("nudge WAL");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
 
-    // Pause replay (and make sure the replica has really stopped applying).
-    sqlx::query("SELECT pg_wal_replay_pause()")
-        .execute(&rig.replica_admin)
-        .await
-        .expect("pg_wal_replay_pause()");
-    let guard = ReplayPauseGuard {
-        admin_url: Some(rig.replica_admin_url.clone()),
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let state: String = sqlx::query_scalar("SELECT pg_get_wal_replay_pause_state()")
+        let responses_at_pause: Vec<usize> = crowd.subs.iter().map(|s| s.responses()).collect();
+        let mut created = Vec::new();
+        let mut late = None;
+        let pause_started = Instant::now();
+        let mut step = 0usize;
+        // Changes for ~3 holds: updates with a watermark, creations without one, a cold snapshot.
+        while pause_started.elapsed() < Duration::from_millis(3 * hold_ms) {
+            let run = &fx.runs[step % fx.runs.len()];
+            let metadata = format!(r#"{{"paused_step":{step}}}"#);
+            fx.update_and_publish(&rig, &crowd, &run.id, metadata, false)
+                .await;
+            if step % 4 == 1 {
+                let new_run = fx.new_run(&rig, TAG).await;
+                rig.srv.publish(&fx.record(&new_run.id, TAG, None)).await;
+                created.push(new_run);
+            }
+            if step == 3 {
+                // A new subscriber while the replica is frozen: its snapshot must still answer.
+                let run = created.last().expect("a created run").clone();
+                let spec = FeedSpec {
+                    label: "late-run-feed".into(),
+                    url: run_url(&run.friendly_id),
+                    runs: vec![run.id.clone()],
+                };
+                let late_crowd = Crowd::start(&rig, vec![spec], modern(&fx.env.api_key), hold_ms);
+                late = Some(late_crowd);
+            }
+            step += 1;
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // Every follower answers live polls repeatedly while replay stays paused.
+        let enough = crowd
+            .wait_for(Duration::from_millis(3 * hold_ms) + margin * 2, |c| {
+                c.subs
+                    .iter()
+                    .zip(&responses_at_pause)
+                    .all(|(s, &n0)| s.responses() >= n0 + 2)
+            })
+            .await;
+        let still_paused: bool = sqlx::query_scalar("SELECT pg_is_wal_replay_paused()")
             .fetch_one(&rig.replica_admin)
             .await
-            .expect("pg_get_wal_replay_pause_state()");
-        if state == "paused" {
-            break;
+            .expect("pg_is_wal_replay_paused()");
+        let mut late = late.expect("late subscriber started");
+        let late_ok = late.wait_for(WAIT, |c| c.subs[0].responses() >= 1).await;
+        guard.resume().await;
+
+        let errors: Vec<String> = crowd.errors().into_iter().chain(late.errors()).collect();
+        let live_elapsed = crowd.gather(|o| &o.live_elapsed);
+        let slowest = live_elapsed.iter().max().copied().unwrap_or_default();
+        let live_polls = live_elapsed.len();
+        for s in &crowd.subs {
+            let o = s.observed.lock().unwrap();
+            println!(
+                "{}: live polls answered in {:?} ms",
+                s.label,
+                o.live_elapsed
+                    .iter()
+                    .map(|d| d.as_millis())
+                    .collect::<Vec<_>>()
+            );
         }
+        record_figure(&format!(
+            "paused replica: {} live polls answered, slowest {:?} (hold {hold_ms} ms, max_delay_ms {max_delay_ms}), errors={}, panics={}, changes={}, created={}",
+            live_polls,
+            slowest,
+            errors.len(),
+            PANICS.load(Ordering::SeqCst) - panics_before,
+            step,
+            created.len()
+        ));
         assert!(
-            Instant::now() < deadline,
-            "replay never paused (state {state})"
+            still_paused,
+            "replay was resumed during the test (another user of the replica?)"
         );
-        // Replay pauses at the next record: give it one.
-        sqlx::query("SELECT txid_current()")
-            .execute(rig.srv.pool())
-            .await
-            .expect("nudge WAL");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        assert!(
+            errors.is_empty(),
+            "errors while the replica was paused: {errors:#?}"
+        );
+        assert!(
+            enough,
+            "live polls stopped answering while the replica was paused"
+        );
+        assert!(
+            late_ok,
+            "a new subscriber's snapshot did not answer while the replica was paused"
+        );
+        assert!(
+            slowest <= Duration::from_millis(hold_ms) + margin,
+            "a live poll took {slowest:?} (hold {hold_ms} ms + margin {margin:?})"
+        );
+        assert_eq!(
+            PANICS.load(Ordering::SeqCst),
+            panics_before,
+            "something panicked"
+        );
 
-    let responses_at_pause: Vec<usize> = crowd.subs.iter().map(|s| s.responses()).collect();
-    let mut created = Vec::new();
-    let mut late = None;
-    let pause_started = Instant::now();
-    let mut step = 0usize;
-    // Changes for ~3 holds: updates with a watermark, creations without one, a cold snapshot.
-    while pause_started.elapsed() < Duration::from_millis(3 * hold_ms) {
-        let run = &fx.runs[step % fx.runs.len()];
-        let metadata = format!(r#"{{"paused_step":{step}}}"#);
-        let ms = rig
-            .srv
-            .update(
-                &run.id,
-                RunUpdate {
-                    metadata: Some(metadata.clone()),
-                    ..RunUpdate::default()
-                },
-            )
+        // Freshness comes back once the replica applies again (next wake or backstop).
+        let mut ids: Vec<String> = fx.runs.iter().map(|r| r.id.clone()).collect();
+        ids.extend(created.iter().map(|r| r.id.clone()));
+        for sub in crowd
+            .subs
+            .iter_mut()
+            .filter(|s| s.label == "tag-feed" || s.label == "batch-feed")
+        {
+            sub.runs = ids.clone();
+        }
+        rig.catch_up().await;
+        let primary = primary_rows(rig.srv.pool(), &ids).await;
+        let converged = crowd
+            .wait_for(Duration::from_millis(3 * hold_ms) + margin, |c| {
+                view_mismatches(c, &primary).is_empty()
+            })
             .await;
-        crowd.commit(&run.id, ms, Some(metadata));
-        let record = ChangeRecord {
-            v: 1,
-            run_id: run.id.clone().into(),
-            env_id: fx.env.env_id.clone().into(),
-            tags: Some(vec![TAG.to_string()]),
-            batch_id: Some(fx.batch_id.clone().into()),
-            updated_at_ms: Some(ms),
-        };
-        rig.srv.publish(&record).await;
-        if step % 4 == 1 {
-            let new_run = rig
-                .srv
-                .run(
-                    &fx.env,
-                    RunSpec {
-                        tags: Some(vec![TAG.to_string()]),
-                        batch_id: Some(fx.batch_id.clone()),
-                        ..RunSpec::default()
-                    },
-                )
-                .await;
-            let record = ChangeRecord {
-                v: 1,
-                run_id: new_run.id.clone().into(),
-                env_id: fx.env.env_id.clone().into(),
-                tags: Some(vec![TAG.to_string()]),
-                batch_id: Some(fx.batch_id.clone().into()),
-                updated_at_ms: None,
-            };
-            rig.srv.publish(&record).await;
-            created.push(new_run);
-        }
-        if step == 3 {
-            // A new subscriber while the replica is frozen: its snapshot must still answer.
-            let run = created.last().expect("a created run").clone();
-            let spec = FeedSpec {
-                label: "late-run-feed".into(),
-                url: run_url(&run.friendly_id),
-                runs: vec![run.id.clone()],
-            };
-            let late_crowd = Crowd::start(&rig, vec![spec], modern(&fx.env.api_key), hold_ms);
-            late = Some(late_crowd);
-        }
-        step += 1;
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    // Every follower answers live polls repeatedly while replay stays paused.
-    let enough = crowd
-        .wait_for(Duration::from_millis(3 * hold_ms) + margin * 2, |c| {
-            c.subs
-                .iter()
-                .zip(&responses_at_pause)
-                .all(|(s, &n0)| s.responses() >= n0 + 2)
-        })
-        .await;
-    let still_paused: bool = sqlx::query_scalar("SELECT pg_is_wal_replay_paused()")
-        .fetch_one(&rig.replica_admin)
-        .await
-        .expect("pg_is_wal_replay_paused()");
-    let mut late = late.expect("late subscriber started");
-    let late_ok = late.wait_for(WAIT, |c| c.subs[0].responses() >= 1).await;
-    guard.resume().await;
-
-    let errors: Vec<String> = crowd.errors().into_iter().chain(late.errors()).collect();
-    let slowest = crowd
-        .subs
-        .iter()
-        .flat_map(|s| s.observed.lock().unwrap().live_elapsed.clone())
-        .max()
-        .unwrap_or_default();
-    let live_polls: usize = crowd
-        .subs
-        .iter()
-        .map(|s| s.observed.lock().unwrap().live_elapsed.len())
-        .sum();
-    for s in &crowd.subs {
-        let o = s.observed.lock().unwrap();
-        println!(
-            "{}: live polls answered in {:?} ms",
-            s.label,
-            o.live_elapsed
-                .iter()
-                .map(|d| d.as_millis())
-                .collect::<Vec<_>>()
+        assert!(
+            converged,
+            "views did not converge on the primary after replay resumed: {:#?}",
+            view_mismatches(&crowd, &primary)
         );
     }
-    record_figure(&format!(
-        "paused replica: {} live polls answered, slowest {:?} (hold {hold_ms} ms, max_delay_ms {max_delay_ms}), errors={}, panics={}, changes={}, created={}",
-        live_polls,
-        slowest,
-        errors.len(),
-        PANICS.load(Ordering::SeqCst) - panics_before,
-        step,
-        created.len()
-    ));
-    assert!(
-        still_paused,
-        "replay was resumed during the test (another user of the replica?)"
-    );
-    assert!(
-        errors.is_empty(),
-        "errors while the replica was paused: {errors:#?}"
-    );
-    assert!(
-        enough,
-        "live polls stopped answering while the replica was paused"
-    );
-    assert!(
-        late_ok,
-        "a new subscriber's snapshot did not answer while the replica was paused"
-    );
-    assert!(
-        slowest <= Duration::from_millis(hold_ms) + margin,
-        "a live poll took {slowest:?} (hold {hold_ms} ms + margin {margin:?})"
-    );
-    assert_eq!(
-        PANICS.load(Ordering::SeqCst),
-        panics_before,
-        "something panicked"
-    );
-
-    // Freshness comes back once the replica applies again (next wake or backstop).
-    let mut ids: Vec<String> = fx.runs.iter().map(|r| r.id.clone()).collect();
-    ids.extend(created.iter().map(|r| r.id.clone()));
-    for sub in crowd
-        .subs
-        .iter_mut()
-        .filter(|s| s.label == "tag-feed" || s.label == "batch-feed")
-    {
-        sub.runs = ids.clone();
-    }
-    rig.catch_up().await;
-    let primary = primary_rows(rig.srv.pool(), &ids).await;
-    let converged = crowd
-        .wait_for(Duration::from_millis(3 * hold_ms) + margin, |c| {
-            view_mismatches(c, &primary).is_empty()
-        })
-        .await;
-    assert!(
-        converged,
-        "views did not converge on the primary after replay resumed: {:#?}",
-        view_mismatches(&crowd, &primary)
-    );
 }

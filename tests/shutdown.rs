@@ -10,32 +10,20 @@
 //! `runfeed_t_<random>` database per test. Redis: `RUNFEED_TEST_REDIS` (default
 //! `redis://127.0.0.1:6379`).
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use runfeed::changes::ChangeRecord;
+use common::{free_port, redis_url, with_test_db, TestServer};
 use runfeed::redis::{Publisher, RedisOptions};
-use runfeed_dev::fixtures::{self, TestDb};
+use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, TestDb};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 
 const POLLS: usize = 1_000;
-
-fn pg_base() -> String {
-    std::env::var("RUNFEED_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
-}
-
-fn redis_url() -> String {
-    std::env::var("RUNFEED_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
-}
 
 /// A `runfeed serve` child on a random port; returns it with its `host:port` and admin
 /// `host:port`.
@@ -43,7 +31,7 @@ async fn spawn_server(
     db_url: &str,
     extra_env: &[(&str, &str)],
 ) -> anyhow::Result<(Child, String, String)> {
-    let admin = format!("127.0.0.1:{}", free_port()?);
+    let admin = format!("127.0.0.1:{}", free_port());
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_runfeed"));
     cmd.args(["serve", "--listen", "127.0.0.1:0"])
         .args(["--database-url", db_url, "--redis-url", &redis_url()])
@@ -134,6 +122,25 @@ async fn snapshot_position(
     Ok((header("electric-handle")?, header("electric-offset")?))
 }
 
+/// A `runfeed serve` child (with `extra_env`) on `db` serving one run of a new environment,
+/// and the target of a live poll at the run feed's snapshot: `(child, addr, admin, env, run,
+/// target)`.
+async fn serve_one_run(
+    db: &TestDb,
+    extra_env: &[(&str, &str)],
+) -> anyhow::Result<(Child, String, String, DemoEnv, CreatedRun, String)> {
+    let env = fixtures::create_env(&db.pool, "DEVELOPMENT").await?;
+    let run = fixtures::create_run(&db.pool, &env, fixtures::RunSpec::default()).await?;
+    let (child, addr, admin) = spawn_server(&db.url, extra_env).await?;
+    let http = reqwest::Client::new();
+    let (handle, offset) = snapshot_position(&http, &addr, &run.friendly_id, &env.api_key).await?;
+    let target = format!(
+        "/realtime/v1/runs/{}?live=true&handle={handle}&offset={offset}",
+        run.friendly_id
+    );
+    Ok((child, addr, admin, env, run, target))
+}
+
 /// Waits (≤ 60 s) until exactly `n` run feeds are held.
 async fn wait_held(http: &reqwest::Client, admin: &str, n: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -165,18 +172,9 @@ async fn sigterm(child: &Child) -> anyhow::Result<()> {
 async fn sigterm_answers_1000_held_polls_with_up_to_date_and_exits() -> anyhow::Result<()> {
     // 1 000 client sockets here and 1 000 in the child (which inherits the limit).
     rlimit::increase_nofile_limit(u64::MAX).context("raising RLIMIT_NOFILE")?;
-    let db = TestDb::create(&pg_base()).await?;
-    let result = async {
-        let env = fixtures::create_env(&db.pool, "DEVELOPMENT").await?;
-        let run = fixtures::create_run(&db.pool, &env, fixtures::RunSpec::default()).await?;
-        let (mut child, addr, admin) = spawn_server(&db.url, &[]).await?;
+    with_test_db(async |db| {
+        let (mut child, addr, admin, env, _, target) = serve_one_run(db, &[]).await?;
         let http = reqwest::Client::new();
-        let (handle, offset) =
-            snapshot_position(&http, &addr, &run.friendly_id, &env.api_key).await?;
-        let target = format!(
-            "/realtime/v1/runs/{}?live=true&handle={handle}&offset={offset}",
-            run.friendly_id
-        );
         let polls: Vec<_> = (0..POLLS)
             .map(|_| {
                 let (addr, target, key) = (addr.clone(), target.clone(), env.api_key.clone());
@@ -218,11 +216,9 @@ async fn sigterm_answers_1000_held_polls_with_up_to_date_and_exits() -> anyhow::
             "exit took {exited_after:?}"
         );
         println!("SIGTERM: {POLLS} held polls answered, exit after {exited_after:?}");
-        anyhow::Ok(())
-    }
-    .await;
-    db.cleanup().await?;
-    result
+        Ok(())
+    })
+    .await
 }
 
 /// Slowloris: a client that sends half a request head and stalls is disconnected after the
@@ -230,15 +226,9 @@ async fn sigterm_answers_1000_held_polls_with_up_to_date_and_exits() -> anyhow::
 /// still answered (by a change).
 #[tokio::test]
 async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::Result<()> {
-    let db = TestDb::create(&pg_base()).await?;
-    let result = async {
-        let env = fixtures::create_env(&db.pool, "DEVELOPMENT").await?;
-        let run = fixtures::create_run(&db.pool, &env, fixtures::RunSpec::default()).await?;
-        let (child, addr, admin) = spawn_server(
-            &db.url,
-            &[("RUNFEED_SERVER__HEADER_READ_TIMEOUT_MS", "1000")],
-        )
-        .await?;
+    with_test_db(async |db| {
+        let header_timeout = [("RUNFEED_SERVER__HEADER_READ_TIMEOUT_MS", "1000")];
+        let (child, addr, admin, env, run, target) = serve_one_run(db, &header_timeout).await?;
         // Half a head, then silence.
         let mut slow = TcpStream::connect(&addr).await?;
         slow.write_all(b"GET /realtime/v1/runs/x HTTP/1.1\r\nHost: a\r\nX-Slow: ")
@@ -246,12 +236,6 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
         // An idle connection that never sends a byte.
         let mut idle = TcpStream::connect(&addr).await?;
         let http = reqwest::Client::new();
-        let (handle, offset) =
-            snapshot_position(&http, &addr, &run.friendly_id, &env.api_key).await?;
-        let target = format!(
-            "/realtime/v1/runs/{}?live=true&handle={handle}&offset={offset}",
-            run.friendly_id
-        );
         let key = env.api_key.clone();
         let poll_addr = addr.clone();
         let poll = tokio::spawn(async move { raw_get(&poll_addr, &target, &key).await });
@@ -276,30 +260,14 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
             "the held poll ended with the slow ones"
         );
         wait_held(&http, &admin, 1).await?;
-        fixtures::update_run(
-            &db.pool,
-            &run.id,
-            fixtures::RunUpdate {
-                status: Some("EXECUTING".into()),
-                ..Default::default()
-            },
-        )
-        .await?;
-        let options = RedisOptions {
-            url: redis_url(),
-            cluster: false,
-            sharded: false,
+        let executing = fixtures::RunUpdate {
+            status: Some("EXECUTING".into()),
+            ..Default::default()
         };
-        let publisher = Publisher::connect(&options).await?;
+        fixtures::update_run(&db.pool, &run.id, executing).await?;
+        let publisher = Publisher::connect(&RedisOptions::standalone(redis_url())).await?;
         publisher
-            .publish(&ChangeRecord {
-                v: 1,
-                run_id: run.id.clone().into(),
-                env_id: env.env_id.clone().into(),
-                tags: None,
-                batch_id: None,
-                updated_at_ms: None,
-            })
+            .publish(&TestServer::partial_record(&env, &run.id))
             .await?;
         let (status, text) = tokio::time::timeout(Duration::from_secs(15), poll)
             .await
@@ -308,9 +276,7 @@ async fn a_stalled_request_head_is_cut_off_but_a_held_poll_is_not() -> anyhow::R
         assert!(text.contains("EXECUTING"), "{text}");
         println!("slowloris: stalled and idle connections closed after {cut_after:?}");
         drop(child);
-        anyhow::Ok(())
-    }
-    .await;
-    db.cleanup().await?;
-    result
+        Ok(())
+    })
+    .await
 }

@@ -188,16 +188,25 @@ async fn simple_env(pool: &PgPool, org: &str, project: &str, id: &str, env_type:
     .await;
 }
 
+/// Runs `sql` with the text parameters `args` ($1, $2, …).
+async fn execute(pool: &PgPool, what: &str, sql: &'static str, args: &[&str]) {
+    let mut query = sqlx::query(sql);
+    for arg in args {
+        query = query.bind(*arg);
+    }
+    query.execute(pool).await.expect(what);
+}
+
+/// A scratch database with the batch (`id`, `friendly_id`) of `env_a`.
+async fn db_with_batch(id: &str, friendly_id: &str) -> TestDb {
+    let db = TestDb::create().await;
+    insert_batch(&db.pool, id, friendly_id, "env_a").await;
+    db
+}
+
 async fn insert_batch(pool: &PgPool, id: &str, friendly_id: &str, env: &str) {
-    sqlx::query(
-        r#"INSERT INTO "BatchTaskRun" (id, "friendlyId", "runtimeEnvironmentId", "updatedAt") VALUES ($1, $2, $3, now())"#,
-    )
-    .bind(id)
-    .bind(friendly_id)
-    .bind(env)
-    .execute(pool)
-    .await
-    .expect("batch");
+    let sql = r#"INSERT INTO "BatchTaskRun" (id, "friendlyId", "runtimeEnvironmentId", "updatedAt") VALUES ($1, $2, $3, now())"#;
+    execute(pool, "batch", sql, &[id, friendly_id, env]).await;
 }
 
 struct RunFixture<'a> {
@@ -232,6 +241,16 @@ async fn insert_run(pool: &PgPool, run: RunFixture<'_>) {
 }
 
 async fn run_at(pool: &PgPool, id: &str, env: &str, created_at: &str, tags: Option<&[&str]>) {
+    batch_run_at(pool, (id, env, created_at), tags, None).await;
+}
+
+/// A run `(id, env, createdAt)` with `tags`, in the batch with internal id `batch` if any.
+async fn batch_run_at(
+    pool: &PgPool,
+    (id, env, created_at): (&str, &str, &str),
+    tags: Option<&[&str]>,
+    batch: Option<&str>,
+) {
     insert_run(
         pool,
         RunFixture {
@@ -239,7 +258,7 @@ async fn run_at(pool: &PgPool, id: &str, env: &str, created_at: &str, tags: Opti
             env,
             created_at,
             tags,
-            batch: None,
+            batch,
         },
     )
     .await;
@@ -247,6 +266,85 @@ async fn run_at(pool: &PgPool, id: &str, env: &str, created_at: &str, tags: Opti
 
 fn ids(rows: &[runfeed::protocol::RunRow]) -> Vec<String> {
     rows.iter().map(|r| r.id.to_string()).collect()
+}
+
+fn env_id(id: &str) -> runfeed::protocol::EnvId {
+    runfeed::protocol::EnvId::from(id)
+}
+
+/// Runs `(id, createdAt, tags)` of environment `env`, without a batch.
+async fn runs_at(pool: &PgPool, env: &str, runs: &[(&str, &str, Option<&[&str]>)]) {
+    for (id, created_at, tags) in runs {
+        run_at(pool, id, env, created_at, *tags).await;
+    }
+}
+
+/// The ids of `env`'s run set for `tags` (all runs when empty) above `floor`, at most `cap`.
+async fn tag_set(
+    store: &PgStore,
+    env: &str,
+    tags: &[String],
+    floor: i64,
+    cap: usize,
+) -> Vec<String> {
+    let rows = store
+        .resolve_tag_set(&env_id(env), tags, floor, cap, ColumnSet::ALL)
+        .await
+        .expect("resolve tag set");
+    ids(&rows)
+}
+
+/// The ids of `env`'s runs in the batch with internal id `batch`, at most `cap`.
+async fn batch_set(store: &PgStore, env: &str, batch: &str, cap: usize) -> Vec<String> {
+    let batch = runfeed::protocol::BatchId::from(batch);
+    let rows = store
+        .resolve_batch_set(&env_id(env), &batch, cap, ColumnSet::ALL)
+        .await
+        .expect("resolve batch set");
+    ids(&rows)
+}
+
+/// `find_run` of the friendly id `run_fid` in `env`.
+async fn find_run(
+    store: &PgStore,
+    env: &str,
+    run_fid: &str,
+) -> Option<runfeed::store::RunResource> {
+    let fid = runfeed::protocol::FriendlyRunId::from(run_fid);
+    store.find_run(&env_id(env), &fid).await.expect("find run")
+}
+
+/// `find_batch` of the friendly id `batch_fid` in `env`.
+async fn find_batch(
+    store: &PgStore,
+    env: &str,
+    batch_fid: &str,
+) -> Option<runfeed::store::BatchResource> {
+    let found = store.find_batch(&env_id(env), &batch_fid.into()).await;
+    found.expect("find batch")
+}
+
+/// `read_run` of the run with internal id `run` in `env`, all columns.
+async fn read_run(store: &PgStore, env: &str, run: &str) -> Option<runfeed::protocol::RunRow> {
+    let run = runfeed::protocol::RunId::from(run);
+    store
+        .read_run(&env_id(env), &run, ColumnSet::ALL)
+        .await
+        .expect("read run")
+}
+
+/// `hydrate` of the runs with internal ids `runs` in `env`.
+async fn hydrate(
+    store: &PgStore,
+    env: &str,
+    runs: &[&str],
+    cols: ColumnSet,
+) -> Vec<runfeed::protocol::RunRow> {
+    let runs: Vec<runfeed::protocol::RunId> = runs.iter().map(|r| (*r).into()).collect();
+    store
+        .hydrate(&env_id(env), &runs, cols)
+        .await
+        .expect("hydrate")
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -274,54 +372,22 @@ async fn migrate_twice_is_idempotent_and_schema_matches_trigger_facts() {
                 .collect::<BTreeSet<_>>()
         }
     };
-    let set = |cols: &[&str]| cols.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
-    assert_eq!(
-        not_null_no_default("TaskRun").await,
-        set(&[
-            "id",
-            "payload",
-            "runtimeEnvironmentId",
-            "projectId",
-            "updatedAt",
-            "taskIdentifier",
-            "friendlyId",
-            "spanId",
-            "traceId",
-            "queue"
-        ])
-    );
-    assert_eq!(
-        not_null_no_default("RuntimeEnvironment").await,
-        set(&[
-            "id",
-            "slug",
-            "apiKey",
-            "organizationId",
-            "updatedAt",
-            "projectId",
-            "pkApiKey",
-            "shortcode"
-        ])
-    );
-    assert_eq!(
-        not_null_no_default("BatchTaskRun").await,
-        set(&["id", "friendlyId", "runtimeEnvironmentId", "updatedAt"])
-    );
-    assert_eq!(
-        not_null_no_default("Organization").await,
-        set(&["id", "slug", "title", "updatedAt"])
-    );
-    assert_eq!(
-        not_null_no_default("Project").await,
-        set(&[
-            "id",
-            "name",
-            "organizationId",
-            "updatedAt",
-            "slug",
-            "externalRef"
-        ])
-    );
+    for (table, columns) in [
+        (
+            "TaskRun",
+            "id payload runtimeEnvironmentId projectId updatedAt taskIdentifier friendlyId spanId traceId queue",
+        ),
+        (
+            "RuntimeEnvironment",
+            "id slug apiKey organizationId updatedAt projectId pkApiKey shortcode",
+        ),
+        ("BatchTaskRun", "id friendlyId runtimeEnvironmentId updatedAt"),
+        ("Organization", "id slug title updatedAt"),
+        ("Project", "id name organizationId updatedAt slug externalRef"),
+    ] {
+        let want: BTreeSet<String> = columns.split(' ').map(str::to_string).collect();
+        assert_eq!(not_null_no_default(table).await, want, "{table}");
+    }
 
     let labels: Vec<String> = sqlx::query_scalar(
         r#"SELECT enumlabel::text FROM pg_enum WHERE enumtypid = '"TaskRunStatus"'::regtype ORDER BY enumsortorder"#,
@@ -442,20 +508,11 @@ async fn hydrate_is_one_query_for_many_ids_and_scoped_to_the_env() {
     run_at(&db.pool, "b00", "env_b", "2024-01-01 00:00:00.000", None).await;
     wanted.push("b00".into());
     wanted.push("missing".into());
+    let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
 
     let store = db.store();
     let before = store.query_count();
-    let rows = store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &wanted
-                .iter()
-                .map(|w| runfeed::protocol::RunId::from(w.as_str()))
-                .collect::<Vec<_>>(),
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("hydrate");
+    let rows = hydrate(&store, "env_a", &wanted, ColumnSet::ALL).await;
     assert_eq!(
         store.query_count() - before,
         1,
@@ -467,44 +524,21 @@ async fn hydrate_is_one_query_for_many_ids_and_scoped_to_the_env() {
     assert!(!got.contains(&"b00".to_string()));
 
     let before = store.query_count();
-    assert!(store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &[],
-            ColumnSet::ALL
-        )
+    assert!(hydrate(&store, "env_a", &[], ColumnSet::ALL)
         .await
-        .expect("empty")
         .is_empty());
     assert_eq!(store.query_count(), before, "no ids → no query");
 
-    let rows = store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_b"),
-            &["a00".to_string().into()],
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("hydrate b");
-    assert!(rows.is_empty());
+    let of_other_env = hydrate(&store, "env_b", &["a00"], ColumnSet::ALL).await;
+    assert!(of_other_env.is_empty());
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
-    let db = TestDb::create().await;
-    insert_batch(&db.pool, "batch_internal", "batch_friendly", "env_a").await;
-    insert_run(
-        &db.pool,
-        RunFixture {
-            id: "r1",
-            env: "env_a",
-            created_at: "2024-02-03 04:05:06.789",
-            tags: Some(&["t1"]),
-            batch: Some("batch_internal"),
-        },
-    )
-    .await;
+    let db = db_with_batch("batch_internal", "batch_friendly").await;
+    let r1 = ("r1", "env_a", "2024-02-03 04:05:06.789");
+    batch_run_at(&db.pool, r1, Some(&["t1"]), Some("batch_internal")).await;
     sqlx::query(r#"UPDATE "TaskRun" SET output = 'out', metadata = 'meta' WHERE id = 'r1'"#)
         .execute(&db.pool)
         .await
@@ -512,14 +546,8 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
     let store = db.store();
 
     let cols = ColumnSet::from_skip_list(&["payload", "output", "runTags", "updatedAt"]);
-    let row = store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &["r1".to_string().into()],
-            cols,
-        )
+    let row = hydrate(&store, "env_a", &["r1"], cols)
         .await
-        .expect("hydrate")
         .pop()
         .expect("row");
     assert_eq!(row.payload, "", "skipped column is not fetched");
@@ -534,98 +562,33 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
     assert_eq!(row.task_identifier, "my-task");
     assert_eq!(row.status, "PENDING");
 
-    let full = store
-        .read_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::RunId::from("r1"),
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("read")
-        .expect("found");
+    let full = read_run(&store, "env_a", "r1").await.expect("found");
     assert_eq!(full.payload, r#"{"n":1}"#);
     assert_eq!(full.output.as_deref(), Some("out"));
     assert_eq!(full.realtime_streams, Some(vec![]));
-    assert!(store
-        .read_run(
-            &runfeed::protocol::EnvId::from("env_b"),
-            &runfeed::protocol::RunId::from("r1"),
-            ColumnSet::ALL
-        )
-        .await
-        .expect("read")
-        .is_none());
-    assert!(store
-        .read_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::RunId::from("nope"),
-            ColumnSet::ALL
-        )
-        .await
-        .expect("read")
-        .is_none());
+    assert!(read_run(&store, "env_b", "r1").await.is_none());
+    assert!(read_run(&store, "env_a", "nope").await.is_none());
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap() {
     let db = TestDb::create().await;
-    let p = &db.pool;
-    run_at(
-        p,
-        "old",
-        "env_a",
-        "2024-01-01 00:00:00.000",
-        Some(&["a", "b"]),
-    )
-    .await;
-    run_at(
-        p,
-        "at_floor",
-        "env_a",
-        "2024-01-02 00:00:00.000",
-        Some(&["a", "b"]),
-    )
-    .await;
-    run_at(
-        p,
-        "only_a",
-        "env_a",
-        "2024-01-03 00:00:00.000",
-        Some(&["a"]),
-    )
-    .await;
-    run_at(
-        p,
-        "abc",
-        "env_a",
-        "2024-01-04 00:00:00.000",
-        Some(&["c", "b", "a"]),
-    )
-    .await;
-    run_at(
-        p,
-        "ab_tie_x",
-        "env_a",
-        "2024-01-05 00:00:00.000",
-        Some(&["a", "b"]),
-    )
-    .await;
-    run_at(
-        p,
-        "ab_tie_y",
-        "env_a",
-        "2024-01-05 00:00:00.000",
-        Some(&["b", "a"]),
-    )
-    .await;
-    run_at(p, "untagged", "env_a", "2024-01-06 00:00:00.000", None).await;
-    run_at(
-        p,
-        "other_env",
+    let ab: &[&str] = &["a", "b"];
+    let runs_of_a: [(&str, &str, Option<&[&str]>); 7] = [
+        ("old", "2024-01-01 00:00:00.000", Some(ab)),
+        ("at_floor", "2024-01-02 00:00:00.000", Some(ab)),
+        ("only_a", "2024-01-03 00:00:00.000", Some(&["a"])),
+        ("abc", "2024-01-04 00:00:00.000", Some(&["c", "b", "a"])),
+        ("ab_tie_x", "2024-01-05 00:00:00.000", Some(ab)),
+        ("ab_tie_y", "2024-01-05 00:00:00.000", Some(&["b", "a"])),
+        ("untagged", "2024-01-06 00:00:00.000", None),
+    ];
+    runs_at(&db.pool, "env_a", &runs_of_a).await;
+    runs_at(
+        &db.pool,
         "env_b",
-        "2024-01-06 00:00:00.000",
-        Some(&["a", "b"]),
+        &[("other_env", "2024-01-06 00:00:00.000", Some(ab))],
     )
     .await;
     let store = db.store();
@@ -633,218 +596,82 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
     let tags = vec!["a".to_string(), "b".to_string()];
 
     let before = store.query_count();
-    let rows = store
-        .resolve_tag_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &tags,
-            floor,
-            1000,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("resolve");
+    let rows = tag_set(&store, "env_a", &tags, floor, 1000).await;
     assert_eq!(store.query_count() - before, 1);
     assert_eq!(
-        ids(&rows),
+        rows,
         vec!["ab_tie_y", "ab_tie_x", "abc", "at_floor"],
         "createdAt DESC, id DESC; floor inclusive"
     );
 
-    let rows = store
-        .resolve_tag_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &tags,
-            floor,
-            2,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("cap");
-    assert_eq!(ids(&rows), vec!["ab_tie_y", "ab_tie_x"]);
+    let rows = tag_set(&store, "env_a", &tags, floor, 2).await;
+    assert_eq!(rows, vec!["ab_tie_y", "ab_tie_x"]);
 
     // No tags: every run of the env (including NULL runTags) above the floor.
-    let rows = store
-        .resolve_tag_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &[],
-            floor,
-            1000,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("all");
+    let rows = tag_set(&store, "env_a", &[], floor, 1000).await;
     assert_eq!(
-        ids(&rows),
+        rows,
         vec!["untagged", "ab_tie_y", "ab_tie_x", "abc", "only_a", "at_floor"]
     );
 
-    let rows = store
-        .resolve_tag_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &["zzz".to_string()],
-            0,
-            1000,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("none");
-    assert!(rows.is_empty());
+    let unknown_tag = tag_set(&store, "env_a", &["zzz".to_string()], 0, 1000).await;
+    assert!(unknown_tag.is_empty());
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn resolve_batch_set_uses_internal_batch_id_env_scoped_newest_first() {
-    let db = TestDb::create().await;
+    let db = db_with_batch("bi_1", "batch_one").await;
     let p = &db.pool;
-    insert_batch(p, "bi_1", "batch_one", "env_a").await;
-    for (id, at) in [
-        ("r1", "2024-01-01 00:00:00.001"),
-        ("r2", "2024-01-01 00:00:00.003"),
-        ("r3", "2024-01-01 00:00:00.002"),
+    for run in [
+        ("r1", "env_a", "2024-01-01 00:00:00.001"),
+        ("r2", "env_a", "2024-01-01 00:00:00.003"),
+        ("r3", "env_a", "2024-01-01 00:00:00.002"),
+        ("x", "env_b", "2024-01-01 00:00:00.000"),
     ] {
-        insert_run(
-            p,
-            RunFixture {
-                id,
-                env: "env_a",
-                created_at: at,
-                tags: None,
-                batch: Some("bi_1"),
-            },
-        )
-        .await;
+        batch_run_at(p, run, None, Some("bi_1")).await;
     }
-    insert_run(
-        p,
-        RunFixture {
-            id: "x",
-            env: "env_b",
-            created_at: "2024-01-01 00:00:00.000",
-            tags: None,
-            batch: Some("bi_1"),
-        },
-    )
-    .await;
     run_at(p, "loose", "env_a", "2024-01-01 00:00:00.000", None).await;
     let store = db.store();
-    let rows = store
-        .resolve_batch_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::BatchId::from("bi_1"),
-            1000,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("batch");
-    assert_eq!(ids(&rows), vec!["r2", "r3", "r1"]);
-    let rows = store
-        .resolve_batch_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::BatchId::from("bi_1"),
-            1,
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("cap");
-    assert_eq!(ids(&rows), vec!["r2"]);
-    assert!(store
-        .resolve_batch_set(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::BatchId::from("batch_one"),
-            10,
-            ColumnSet::ALL
-        )
-        .await
-        .expect("friendly")
-        .is_empty());
+    assert_eq!(
+        batch_set(&store, "env_a", "bi_1", 1000).await,
+        vec!["r2", "r3", "r1"]
+    );
+    assert_eq!(batch_set(&store, "env_a", "bi_1", 1).await, vec!["r2"]);
+    assert!(batch_set(&store, "env_a", "batch_one", 10).await.is_empty());
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn find_run_returns_batch_friendly_id_and_find_batch_is_env_scoped() {
-    let db = TestDb::create().await;
-    let p = &db.pool;
-    insert_batch(p, "bi_1", "batch_one", "env_a").await;
-    insert_run(
-        p,
-        RunFixture {
-            id: "r1",
-            env: "env_a",
-            created_at: "2024-01-01 00:00:00.000",
-            tags: Some(&["x", "y"]),
-            batch: Some("bi_1"),
-        },
-    )
-    .await;
-    run_at(p, "r2", "env_a", "2024-01-01 00:00:00.000", None).await;
+    let db = db_with_batch("bi_1", "batch_one").await;
+    let r1 = ("r1", "env_a", "2024-01-01 00:00:00.000");
+    batch_run_at(&db.pool, r1, Some(&["x", "y"]), Some("bi_1")).await;
+    run_at(&db.pool, "r2", "env_a", "2024-01-01 00:00:00.000", None).await;
     let store = db.store();
 
-    let run = store
-        .find_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::FriendlyRunId::from("run_r1"),
-        )
-        .await
-        .expect("find")
-        .expect("found");
+    let run = find_run(&store, "env_a", "run_r1").await.expect("found");
     assert_eq!(run.id, "r1");
     assert_eq!(run.friendly_id, "run_r1");
     assert_eq!(run.task_identifier, "my-task");
     assert_eq!(run.tags, vec!["x".to_string(), "y".to_string()]);
     assert_eq!(run.batch_friendly_id.as_deref(), Some("batch_one"));
 
-    let run = store
-        .find_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::FriendlyRunId::from("run_r2"),
-        )
-        .await
-        .expect("find")
-        .expect("found");
+    let run = find_run(&store, "env_a", "run_r2").await.expect("found");
     assert!(run.tags.is_empty(), "NULL runTags → []");
     assert_eq!(run.batch_friendly_id, None);
 
-    assert!(
-        store
-            .find_run(
-                &runfeed::protocol::EnvId::from("env_b"),
-                &runfeed::protocol::FriendlyRunId::from("run_r1")
-            )
-            .await
-            .expect("find")
-            .is_none(),
-        "other env → not found"
-    );
-    assert!(
-        store
-            .find_run(
-                &runfeed::protocol::EnvId::from("env_a"),
-                &runfeed::protocol::FriendlyRunId::from("r1")
-            )
-            .await
-            .expect("find")
-            .is_none(),
-        "internal id is not a friendly id"
-    );
+    let other_env = find_run(&store, "env_b", "run_r1").await;
+    assert!(other_env.is_none(), "other env → not found");
+    let internal = find_run(&store, "env_a", "r1").await;
+    assert!(internal.is_none(), "internal id is not a friendly id");
 
-    let batch = store
-        .find_batch(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::FriendlyBatchId::from("batch_one"),
-        )
+    let batch = find_batch(&store, "env_a", "batch_one")
         .await
-        .expect("batch")
         .expect("found");
     assert_eq!(batch.id, "bi_1");
     assert_eq!(batch.friendly_id, "batch_one");
-    assert!(store
-        .find_batch(
-            &runfeed::protocol::EnvId::from("env_b"),
-            &runfeed::protocol::FriendlyBatchId::from("batch_one")
-        )
-        .await
-        .expect("batch")
-        .is_none());
+    assert!(find_batch(&store, "env_b", "batch_one").await.is_none());
     db.cleanup().await;
 }
 
@@ -864,45 +691,17 @@ async fn find_run_and_batch_fall_back_to_primary_on_replica_miss() {
     let store = PgStore::from_pools(primary.pool.clone(), Some(replica.pool.clone()));
 
     let before = store.query_count();
-    assert!(store
-        .find_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::FriendlyRunId::from("run_r1")
-        )
-        .await
-        .expect("find")
-        .is_some());
+    assert!(find_run(&store, "env_a", "run_r1").await.is_some());
     assert_eq!(
         store.query_count() - before,
         2,
         "replica miss, then primary"
     );
-    assert!(store
-        .find_batch(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::FriendlyBatchId::from("batch_one")
-        )
-        .await
-        .expect("find")
-        .is_some());
-    assert!(store
-        .read_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::RunId::from("r1"),
-            ColumnSet::ALL
-        )
-        .await
-        .expect("read")
-        .is_some());
+    assert!(find_batch(&store, "env_a", "batch_one").await.is_some());
+    assert!(read_run(&store, "env_a", "r1").await.is_some());
     // Set reads are replica-only: nothing there yet.
-    assert!(store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &["r1".to_string().into()],
-            ColumnSet::ALL
-        )
+    assert!(hydrate(&store, "env_a", &["r1"], ColumnSet::ALL)
         .await
-        .expect("hydrate")
         .is_empty());
     primary.cleanup().await;
     replica.cleanup().await;
@@ -919,16 +718,7 @@ async fn timestamps_round_trip_to_the_exact_millisecond() {
     .execute(&db.pool)
     .await
     .expect("update");
-    let store = db.store();
-    let row = store
-        .read_run(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &runfeed::protocol::RunId::from("r1"),
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("read")
-        .expect("row");
+    let row = read_run(&db.store(), "env_a", "r1").await.expect("row");
     assert_eq!(row.created_at_ms, 1_714_979_289_123);
     assert_eq!(row.updated_at_ms, 1_714_979_289_130);
     assert_eq!(row.started_at_ms, Some(ms("1999-12-31 23:59:59.999")));
@@ -965,19 +755,7 @@ async fn error_jsonb_keeps_jsonb_key_order_and_serializes_compactly() {
             .expect("text");
     assert_eq!(pg_text, r#"{"raw": "boom", "type": "STRING_ERROR"}"#);
 
-    let store = db.store();
-    let rows = store
-        .hydrate(
-            &runfeed::protocol::EnvId::from("env_a"),
-            &[
-                "r1".to_string().into(),
-                "r2".to_string().into(),
-                "r3".to_string().into(),
-            ],
-            ColumnSet::ALL,
-        )
-        .await
-        .expect("hydrate");
+    let rows = hydrate(&db.store(), "env_a", &["r1", "r2", "r3"], ColumnSet::ALL).await;
     let by_id = |id: &str| rows.iter().find(|r| r.id == id).expect("row").clone();
     let e1 = by_id("r1").error.expect("error");
     assert_eq!(
@@ -1006,17 +784,95 @@ const OLD_KEY: &str = "tr_prod_OLDOLDOLDOLDOLDOLDOLDOLDOL";
 const EXPIRED_KEY: &str = "tr_prod_EXPEXPEXPEXPEXPEXPEXPEXPEX";
 
 async fn revoke(pool: &PgPool, id: &str, env: &str, key: &str, expires_in: &str) {
-    sqlx::query(
-        r#"INSERT INTO "RevokedApiKey" (id, "apiKey", "runtimeEnvironmentId", "expiresAt")
-           VALUES ($1, $2, $3, (now() AT TIME ZONE 'UTC') + $4::interval)"#,
+    let sql = r#"INSERT INTO "RevokedApiKey" (id, "apiKey", "runtimeEnvironmentId", "expiresAt")
+           VALUES ($1, $2, $3, (now() AT TIME ZONE 'UTC') + $4::interval)"#;
+    execute(pool, "revoke", sql, &[id, key, env, expires_in]).await;
+}
+
+/// The PRODUCTION environment `env_p` (see [`prod_env`]) with two revoked keys: [`OLD_KEY`],
+/// still valid for `grace`, and [`EXPIRED_KEY`], whose grace ended `ended` ago.
+async fn prod_env_with_revoked_keys(db: &TestDb, grace: &str, ended: &str) {
+    prod_env(db).await;
+    revoke(&db.pool, "rk1", "env_p", OLD_KEY, grace).await;
+    revoke(&db.pool, "rk2", "env_p", EXPIRED_KEY, &format!("-{ended}")).await;
+}
+
+/// The id of the environment `Bearer <token>` authenticates as.
+async fn env_of(auth: &Authenticator, token: &str, branch: Option<&str>) -> String {
+    let principal = authenticate(auth, token, branch).await;
+    principal.expect("authenticated").env.id.to_string()
+}
+
+/// Organization + project "a" with the PRODUCTION environment `env_p` (key [`PROD_KEY`]):
+/// `(org, project)`.
+async fn prod_env(db: &TestDb) -> (String, String) {
+    let (org, project) = org_project(&db.pool, "a", false).await;
+    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
+    (org, project)
+}
+
+/// [`prod_env`] and an authenticator over the database.
+async fn prod_auth(db: &TestDb) -> Authenticator {
+    prod_env(db).await;
+    authenticator(db)
+}
+
+const PARENT_KEY: &str = "tr_preview_parentparentparentparent";
+
+/// Organization + project "a" with the PREVIEW environment `env_parent` (key [`PARENT_KEY`])
+/// and its branch environments `(id, key, branch, archived)`: `(org, project)`.
+async fn preview_envs(db: &TestDb, branches: &[(&str, &str, &str, bool)]) -> (String, String) {
+    let (org, project) = org_project(&db.pool, "a", false).await;
+    simple_env(
+        &db.pool,
+        &org,
+        &project,
+        "env_parent",
+        "PREVIEW",
+        PARENT_KEY,
     )
-    .bind(id)
-    .bind(key)
-    .bind(env)
-    .bind(expires_in)
-    .execute(pool)
-    .await
-    .expect("revoke");
+    .await;
+    for &(id, api_key, branch, archived) in branches {
+        let env = EnvFixture {
+            id,
+            env_type: "PREVIEW",
+            api_key,
+            parent: Some("env_parent"),
+            branch: Some(branch),
+            archived,
+        };
+        insert_env(&db.pool, &org, &project, env).await;
+    }
+    (org, project)
+}
+
+/// Authenticates `Bearer <token>` (with the `x-trigger-branch` value `branch`).
+async fn authenticate(
+    auth: &Authenticator,
+    token: &str,
+    branch: Option<&str>,
+) -> Result<runfeed::auth::Principal, AuthError> {
+    auth.authenticate(Some(&bearer(token)), branch).await
+}
+
+/// Authenticating `Bearer <token>` fails with an error of `want`'s kind; returns the error.
+async fn refused(
+    auth: &Authenticator,
+    token: &str,
+    branch: Option<&str>,
+    want: AuthError,
+) -> AuthError {
+    let err = authenticate(auth, token, branch)
+        .await
+        .expect_err("authentication must fail");
+    let same = std::mem::discriminant(&err) == std::mem::discriminant(&want);
+    assert!(same, "{token:?}: {err:?}, want {want:?}");
+    err
+}
+
+/// A public access token for environment `sub` (the default [`claims`]) signed with `key`.
+fn jwt(sub: &str, key: &str) -> String {
+    sign(&claims(sub), key)
 }
 
 fn authenticator(db: &TestDb) -> Authenticator {
@@ -1057,23 +913,15 @@ fn claims(sub: &str) -> Value {
 #[tokio::test]
 async fn secret_key_authenticates_with_full_ability() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
+    let (org, project) = prod_env(&db).await;
     let auth = authenticator(&db);
-    let p = auth
-        .authenticate(Some(&bearer(PROD_KEY)), None)
-        .await
-        .expect("auth");
+    let p = authenticate(&auth, PROD_KEY, None).await.expect("auth");
     assert_eq!(p.env.id, "env_p");
     assert_eq!(p.env.organization_id, org);
     assert_eq!(p.env.project_id, project);
     assert_eq!(p.env.env_type, "PRODUCTION");
     assert_eq!(p.ability, Ability::All);
-    let err = auth
-        .authenticate(Some(&bearer("tr_prod_unknown")), None)
-        .await
-        .expect_err("unknown");
-    assert!(matches!(err, AuthError::InvalidApiKey));
+    let err = refused(&auth, "tr_prod_unknown", None, AuthError::InvalidApiKey).await;
     assert_eq!(err.to_string(), "Invalid API key");
     db.cleanup().await;
 }
@@ -1081,44 +929,19 @@ async fn secret_key_authenticates_with_full_ability() {
 #[tokio::test]
 async fn revoked_key_works_within_grace_and_not_after_expiry() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
     // 30 minutes either side: a session-time-zone mistake (fixture runs at +05:30) would flip these.
-    revoke(&db.pool, "rk1", "env_p", OLD_KEY, "30 minutes").await;
-    revoke(&db.pool, "rk2", "env_p", EXPIRED_KEY, "-30 minutes").await;
+    prod_env_with_revoked_keys(&db, "30 minutes", "30 minutes").await;
     let store = db.store();
-    assert_eq!(
-        store
-            .env_by_revoked_key(OLD_KEY)
-            .await
-            .expect("lookup")
-            .map(|e| e.id)
-            .as_deref(),
-        Some("env_p")
-    );
-    assert!(store
-        .env_by_revoked_key(EXPIRED_KEY)
-        .await
-        .expect("lookup")
-        .is_none());
-    assert_eq!(
-        store
-            .revoked_keys(&runfeed::protocol::EnvId::from("env_p"))
-            .await
-            .expect("keys"),
-        vec![OLD_KEY.to_string()]
-    );
+    let by_old = store.env_by_revoked_key(OLD_KEY).await.expect("lookup");
+    assert_eq!(by_old.map(|e| e.id).as_deref(), Some("env_p"));
+    let by_expired = store.env_by_revoked_key(EXPIRED_KEY).await.expect("lookup");
+    assert!(by_expired.is_none());
+    let keys = store.revoked_keys(&env_id("env_p")).await.expect("keys");
+    assert_eq!(keys, vec![OLD_KEY.to_string()]);
 
     let auth = authenticator(&db);
-    let p = auth
-        .authenticate(Some(&bearer(OLD_KEY)), None)
-        .await
-        .expect("grace");
-    assert_eq!(p.env.id, "env_p");
-    assert!(matches!(
-        auth.authenticate(Some(&bearer(EXPIRED_KEY)), None).await,
-        Err(AuthError::InvalidApiKey)
-    ));
+    assert_eq!(env_of(&auth, OLD_KEY, None).await, "env_p");
+    refused(&auth, EXPIRED_KEY, None, AuthError::InvalidApiKey).await;
     db.cleanup().await;
 }
 
@@ -1128,16 +951,9 @@ async fn deleted_project_rejects_secret_key_and_public_token() {
     let (org, project) = org_project(&db.pool, "d", true).await;
     simple_env(&db.pool, &org, &project, "env_d", "PRODUCTION", PROD_KEY).await;
     let auth = authenticator(&db);
-    assert!(matches!(
-        auth.authenticate(Some(&bearer(PROD_KEY)), None).await,
-        Err(AuthError::InvalidApiKey)
-    ));
-    let token = sign(&claims("env_d"), PROD_KEY);
-    let err = auth
-        .authenticate(Some(&bearer(&token)), None)
-        .await
-        .expect_err("deleted");
-    assert!(matches!(err, AuthError::PublicTokenEnvNotFound));
+    refused(&auth, PROD_KEY, None, AuthError::InvalidApiKey).await;
+    let token = jwt("env_d", PROD_KEY);
+    let err = refused(&auth, &token, None, AuthError::PublicTokenEnvNotFound).await;
     assert_eq!(runfeed::http::ApiError::from(err).status().as_u16(), 401);
     db.cleanup().await;
 }
@@ -1145,39 +961,25 @@ async fn deleted_project_rejects_secret_key_and_public_token() {
 #[tokio::test]
 async fn public_token_valid_expired_bad_signature_wrong_iss_missing_aud() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
-    let auth = authenticator(&db);
+    let auth = prod_auth(&db).await;
+    let batch_x = runfeed::auth::batch_route_resources("batch_x");
 
     let mut c = claims("env_p");
     c["realtime"] = json!({"skipColumns": ["payload"]});
-    let p = auth
-        .authenticate(Some(&bearer(&sign(&c, PROD_KEY))), Some("ignored"))
+    let p = authenticate(&auth, &sign(&c, PROD_KEY), Some("ignored"))
         .await
         .expect("valid");
     assert_eq!(p.env.id, "env_p");
-    assert!(!p
-        .ability
-        .can_read_any(&runfeed::auth::batch_route_resources("batch_x")));
+    assert!(!p.ability.can_read_any(&batch_x));
     assert_eq!(p.ability, Ability::from_scopes(&["read:runs:run_1"]));
     assert_eq!(p.skip_columns, Some(vec!["payload".to_string()]));
 
-    let minted = mint_public_token(
-        PROD_KEY,
-        "env_p",
-        &["read:all".to_string()],
-        Duration::from_secs(60),
-        None,
-    )
-    .expect("mint");
-    let p = auth
-        .authenticate(Some(&bearer(&minted)), None)
-        .await
-        .expect("minted");
+    let scopes = ["read:all".to_string()];
+    let ttl = Duration::from_secs(60);
+    let minted = mint_public_token(PROD_KEY, "env_p", &scopes, ttl, None).expect("mint");
+    let p = authenticate(&auth, &minted, None).await.expect("minted");
     assert_eq!(p.skip_columns, None);
-    assert!(p
-        .ability
-        .can_read_any(&runfeed::auth::batch_route_resources("batch_x")));
+    assert!(p.ability.can_read_any(&batch_x));
 
     let invalid = |edit: &dyn Fn(&mut Value), key: &str| {
         let mut c = claims("env_p");
@@ -1208,15 +1010,8 @@ async fn public_token_valid_expired_bad_signature_wrong_iss_missing_aud() {
         ),
     ];
     for (what, token) in cases {
-        let err = auth
-            .authenticate(Some(&bearer(&token)), None)
-            .await
-            .expect_err(what);
-        assert!(
-            matches!(err, AuthError::InvalidPublicToken),
-            "{what}: {err:?}"
-        );
-        assert_eq!(err.to_string(), "Public Access Token is invalid");
+        let err = refused(&auth, &token, None, AuthError::InvalidPublicToken).await;
+        assert_eq!(err.to_string(), "Public Access Token is invalid", "{what}");
     }
     db.cleanup().await;
 }
@@ -1224,16 +1019,10 @@ async fn public_token_valid_expired_bad_signature_wrong_iss_missing_aud() {
 #[tokio::test]
 async fn jwt_without_pub_true_takes_the_api_key_path() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
-    let auth = authenticator(&db);
+    let auth = prod_auth(&db).await;
     let mut c = claims("env_p");
     c.as_object_mut().expect("obj").remove("pub");
-    let err = auth
-        .authenticate(Some(&bearer(&sign(&c, PROD_KEY))), None)
-        .await
-        .expect_err("no pub");
-    assert!(matches!(err, AuthError::InvalidApiKey));
+    let err = refused(&auth, &sign(&c, PROD_KEY), None, AuthError::InvalidApiKey).await;
     assert_eq!(err.to_string(), "Invalid API key");
     db.cleanup().await;
 }
@@ -1241,152 +1030,65 @@ async fn jwt_without_pub_true_takes_the_api_key_path() {
 #[tokio::test]
 async fn branch_env_public_token_verifies_with_the_parent_key() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    let parent_key = "tr_preview_parentparentparentparent";
     let child_key = "tr_preview_childchildchildchildchi";
-    simple_env(
-        &db.pool,
-        &org,
-        &project,
-        "env_parent",
-        "PREVIEW",
-        parent_key,
-    )
-    .await;
-    insert_env(
-        &db.pool,
-        &org,
-        &project,
-        EnvFixture {
-            id: "env_child",
-            env_type: "PREVIEW",
-            api_key: child_key,
-            parent: Some("env_parent"),
-            branch: Some("feat-x"),
-            archived: false,
-        },
-    )
-    .await;
+    preview_envs(&db, &[("env_child", child_key, "feat-x", false)]).await;
     let store = db.store();
     let child = store
-        .env_by_id(&runfeed::protocol::EnvId::from("env_child"))
+        .env_by_id(&env_id("env_child"))
         .await
         .expect("lookup")
         .expect("child");
-    assert_eq!(child.parent_api_key.as_deref(), Some(parent_key));
+    assert_eq!(child.parent_api_key.as_deref(), Some(PARENT_KEY));
     assert_eq!(child.branch_name.as_deref(), Some("feat-x"));
 
     let auth = authenticator(&db);
-    let p = auth
-        .authenticate(Some(&bearer(&sign(&claims("env_child"), parent_key))), None)
-        .await
-        .expect("parent key");
-    assert_eq!(p.env.id, "env_child");
-    let err = auth
-        .authenticate(Some(&bearer(&sign(&claims("env_child"), child_key))), None)
-        .await
-        .expect_err("child key");
-    assert!(matches!(err, AuthError::InvalidPublicToken));
+    let signed_by_parent = jwt("env_child", PARENT_KEY);
+    assert_eq!(env_of(&auth, &signed_by_parent, None).await, "env_child");
+    let signed_by_child = jwt("env_child", child_key);
+    refused(&auth, &signed_by_child, None, AuthError::InvalidPublicToken).await;
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn public_token_signed_with_a_revoked_key_verifies_during_grace_only() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    simple_env(&db.pool, &org, &project, "env_p", "PRODUCTION", PROD_KEY).await;
-    revoke(&db.pool, "rk1", "env_p", OLD_KEY, "1 hour").await;
-    revoke(&db.pool, "rk2", "env_p", EXPIRED_KEY, "-1 minute").await;
+    prod_env_with_revoked_keys(&db, "1 hour", "1 minute").await;
     let auth = authenticator(&db);
-    let p = auth
-        .authenticate(Some(&bearer(&sign(&claims("env_p"), OLD_KEY))), None)
-        .await
-        .expect("grace retry");
-    assert_eq!(p.env.id, "env_p");
-    let err = auth
-        .authenticate(Some(&bearer(&sign(&claims("env_p"), EXPIRED_KEY))), None)
-        .await
-        .expect_err("expired");
-    assert!(matches!(err, AuthError::InvalidPublicToken));
+    assert_eq!(env_of(&auth, &jwt("env_p", OLD_KEY), None).await, "env_p");
+    let expired_key = jwt("env_p", EXPIRED_KEY);
+    refused(&auth, &expired_key, None, AuthError::InvalidPublicToken).await;
     // Only a signature failure is retried: an expired token signed with the revoked key stays invalid.
     let mut c = claims("env_p");
     c["exp"] = json!(now_s() - 10);
-    let err = auth
-        .authenticate(Some(&bearer(&sign(&c, OLD_KEY))), None)
-        .await
-        .expect_err("expired token");
-    assert!(matches!(err, AuthError::InvalidPublicToken));
+    let expired_token = sign(&c, OLD_KEY);
+    refused(&auth, &expired_token, None, AuthError::InvalidPublicToken).await;
     db.cleanup().await;
 }
 
 #[tokio::test]
 async fn preview_secret_key_requires_branch_header_and_pivots_to_the_child() {
     let db = TestDb::create().await;
-    let (org, project) = org_project(&db.pool, "a", false).await;
-    let parent_key = "tr_preview_parentparentparentparent";
-    simple_env(
-        &db.pool,
-        &org,
-        &project,
-        "env_parent",
-        "PREVIEW",
-        parent_key,
-    )
-    .await;
-    insert_env(
-        &db.pool,
-        &org,
-        &project,
-        EnvFixture {
-            id: "env_child",
-            env_type: "PREVIEW",
-            api_key: "tr_preview_c1",
-            parent: Some("env_parent"),
-            branch: Some("feat-x"),
-            archived: false,
-        },
-    )
-    .await;
-    insert_env(
-        &db.pool,
-        &org,
-        &project,
-        EnvFixture {
-            id: "env_gone",
-            env_type: "PREVIEW",
-            api_key: "tr_preview_c2",
-            parent: Some("env_parent"),
-            branch: Some("old"),
-            archived: true,
-        },
-    )
-    .await;
+    let branches = [
+        ("env_child", "tr_preview_c1", "feat-x", false),
+        ("env_gone", "tr_preview_c2", "old", true),
+    ];
+    let (_, project) = preview_envs(&db, &branches).await;
     let auth = authenticator(&db);
-    let err = auth
-        .authenticate(Some(&bearer(parent_key)), None)
-        .await
-        .expect_err("no branch");
-    assert!(matches!(err, AuthError::BranchRequired));
+    let err = refused(&auth, PARENT_KEY, None, AuthError::BranchRequired).await;
     assert_eq!(
         err.to_string(),
         "x-trigger-branch header required for preview env"
     );
 
-    let p = auth
-        .authenticate(Some(&bearer(parent_key)), Some("refs/heads/feat-x"))
+    let p = authenticate(&auth, PARENT_KEY, Some("refs/heads/feat-x"))
         .await
         .expect("branch");
     assert_eq!(p.env.id, "env_child");
     assert_eq!(p.env.env_type, "PREVIEW");
     assert_eq!(p.env.project_id, project);
 
-    let err = auth
-        .authenticate(Some(&bearer(parent_key)), Some("old"))
-        .await
-        .expect_err("archived");
-    assert!(matches!(err, AuthError::NoMatchingBranch));
-    let err = auth
-        .authenticate(Some(&bearer(parent_key)), Some("nope"))
+    refused(&auth, PARENT_KEY, Some("old"), AuthError::NoMatchingBranch).await;
+    let err = authenticate(&auth, PARENT_KEY, Some("nope"))
         .await
         .expect_err("unknown");
     assert_eq!(err.to_string(), "No matching branch env");

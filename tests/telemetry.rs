@@ -122,6 +122,21 @@ impl Scrape {
         Scrape { samples, families }
     }
 
+    /// Whether a sample matches `series`: `name` or `name{label=value,…}` (the labels it must
+    /// include; values unquoted).
+    fn has(&self, series: &str) -> bool {
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => (name, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        let labels: Vec<(&str, &str)> = labels
+            .split(',')
+            .filter(|l| !l.is_empty())
+            .map(|l| l.split_once('=').expect("label=value"))
+            .collect();
+        self.try_get(name, &labels).is_some()
+    }
+
     /// Sum of the samples named `name` whose labels include `labels`; `None` if there is none.
     fn try_get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         let mut found = None;
@@ -227,19 +242,6 @@ fn gate_on(config: &mut runfeed::config::Config) {
     ));
 }
 
-fn run_url(friendly_id: &str) -> Url {
-    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
-}
-
-fn tag_url(tags: &str) -> Url {
-    Url::new("/realtime/v1/runs").q("tags", tags)
-}
-
-/// The live request after `r`.
-fn next_live(url: &Url, r: &Resp) -> Url {
-    url.live(&r.handle(), &r.offset(), r.cursor().as_deref())
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tests
 
@@ -318,7 +320,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
 
     // B. One wake on a held run feed.
     srv.wait_subscribed(&env.env_id).await;
-    let poll = srv.fetch(&next_live(&u1, &snap), &h);
+    let poll = srv.fetch(&u1.live_after(&snap), &h);
     let change = async {
         srv.wait_held("run feed held", |h| h.0 == 1).await;
         let held = scrape(&srv).await;
@@ -399,7 +401,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         s.get("runfeed_router_arrivals_total", &[]) > arrivals
     })
     .await;
-    let live_c = srv.fetch(&next_live(&u1, &live_b), &h).await;
+    let live_c = srv.fetch(&u1.live_after(&live_b), &h).await;
     live_c.assert_status(200);
     assert_eq!(live_c.changes().len(), 1, "{}", live_c.text);
     let s3 = scrape(&srv).await;
@@ -422,8 +424,8 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     let snap2 = srv.fetch(&u2.snapshot(), &h).await;
     snap2.assert_status(200);
     let s4 = scrape(&srv).await;
-    let idle = srv.fetch(&next_live(&u1, &live_c), &h);
-    let leak = srv.fetch(&next_live(&u2, &snap2), &h);
+    let idle = srv.fetch(&u1.live_after(&live_c), &h);
+    let leak = srv.fetch(&u2.live_after(&snap2), &h);
     let silent_update = async {
         srv.wait_held("both feeds held", |h| h.0 == 2).await;
         srv.set_status(&r2.id, "EXECUTING").await; // no change record
@@ -474,7 +476,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         .no_proxy()
         .build()
         .expect("client");
-    let abandoned = format!("{}{}", srv.base, next_live(&u1, &live_d).render());
+    let abandoned = format!("{}{}", srv.base, u1.live_after(&live_d).render());
     let mut req = short.get(&abandoned);
     for (k, v) in &h {
         req = req.header(k.as_str(), v.as_str());
@@ -502,24 +504,16 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     assert_eq!(tag_snap.changes().len(), 4, "{}", tag_snap.text);
     srv.fetch(&ut.snapshot(), &h).await.assert_status(200);
     let s7 = scrape(&srv).await;
-    assert!(
-        s7.get(
-            "runfeed_runset_resolves_total",
-            &[("kind", "tag"), ("result", "miss")]
-        ) >= 1.0
+    for result in ["miss", "hit"] {
+        let tag_resolves = [("kind", "tag"), ("result", result)];
+        let n = s7.get("runfeed_runset_resolves_total", &tag_resolves);
+        assert!(n >= 1.0, "tag resolves {result}: {n}");
+    }
+    let tag_queries = (
+        "runfeed_runset_query_duration_milliseconds_count",
+        [("kind", "tag")],
     );
-    assert!(
-        s7.get(
-            "runfeed_runset_resolves_total",
-            &[("kind", "tag"), ("result", "hit")]
-        ) >= 1.0
-    );
-    assert!(
-        s7.get(
-            "runfeed_runset_query_duration_milliseconds_count",
-            &[("kind", "tag")]
-        ) >= 1.0
-    );
+    assert!(s7.get(tag_queries.0, &tag_queries.1) >= 1.0);
     let hop = ut.live(
         &tag_snap.handle(),
         &format!("{}_999999999", tag_snap.offset_ms()),
@@ -534,24 +528,17 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         cold.text
     );
     let s8 = scrape(&srv).await;
-    assert_eq!(
-        s8.get(
+    let cold_polls = |s: &Scrape| {
+        s.get(
             "runfeed_feeds_live_polls_total",
-            &[("path", "cold-resolve")]
-        ) - s7.get(
-            "runfeed_feeds_live_polls_total",
-            &[("path", "cold-resolve")]
-        ),
-        1.0
-    );
+            &[("path", "cold-resolve")],
+        )
+    };
+    assert_eq!(cold_polls(&s8) - cold_polls(&s7), 1.0);
     // Neither this instance nor the shared store knows that offset.
     assert!(s8.get("runfeed_feeds_state_lookups_total", &[("result", "miss")]) >= 1.0);
-    assert!(
-        s8.get(
-            "runfeed_feeds_cursor_store_ops_total",
-            &[("op", "get"), ("result", "miss")]
-        ) >= 1.0
-    );
+    let cursor_misses = [("op", "get"), ("result", "miss")];
+    assert!(s8.get("runfeed_feeds_cursor_store_ops_total", &cursor_misses) >= 1.0);
     assert_eq!(
         s8.get(
             "runfeed_feeds_delivery_lag_milliseconds_count",
@@ -596,53 +583,27 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         "no 429 in this workload"
     );
     assert_eq!(s9.get("runfeed_runset_admission_in_use", &[]), 0.0);
-    assert!(s9
-        .try_get("runfeed_runset_admission_waits_total", &[])
-        .is_some());
-    assert!(s9
-        .try_get("runfeed_runset_resolves_total", &[("result", "coalesced")])
-        .is_some());
-    assert!(s9
-        .try_get(
-            "runfeed_router_stale_hydrates_total",
-            &[("outcome", "gave_up")]
-        )
-        .is_some());
-    assert!(s9
-        .try_get(
-            "runfeed_router_stale_hydrates_total",
-            &[("outcome", "recovered")]
-        )
-        .is_some());
-    assert!(s9
-        .try_get(
-            "runfeed_replica_gate_waits_total",
-            &[("outcome", "gave_up")]
-        )
-        .is_some());
+    for series in [
+        "runfeed_runset_admission_waits_total",
+        "runfeed_runset_resolves_total{result=coalesced}",
+        "runfeed_router_stale_hydrates_total{outcome=gave_up}",
+        "runfeed_router_stale_hydrates_total{outcome=recovered}",
+        "runfeed_replica_gate_waits_total{outcome=gave_up}",
+        "runfeed_pg_errors_total{kind=connection}",
+        "runfeed_pg_errors_total{kind=pool_timeout}",
+        "runfeed_pg_errors_total{kind=database}",
+        "runfeed_pg_errors_total{kind=other}",
+        "runfeed_redis_errors_total{kind=connection}",
+        "runfeed_redis_errors_total{kind=command}",
+        "runfeed_redis_errors_total{kind=lagged}",
+        "runfeed_redis_errors_total{kind=lost_subscription}",
+        "runfeed_feeds_delivery_lag_milliseconds_bucket{le=+Inf}",
+    ] {
+        assert!(s9.has(series), "{series} is exported");
+    }
     assert!(s9.get("runfeed_replica_lag_estimate_milliseconds", &[]) >= 0.0);
-    for kind in ["connection", "pool_timeout", "database", "other"] {
-        assert!(
-            s9.try_get("runfeed_pg_errors_total", &[("kind", kind)])
-                .is_some(),
-            "pg errors {kind}"
-        );
-    }
-    for kind in ["connection", "command", "lagged", "lost_subscription"] {
-        assert!(
-            s9.try_get("runfeed_redis_errors_total", &[("kind", kind)])
-                .is_some(),
-            "redis errors {kind}"
-        );
-    }
     assert_eq!(s9.get("runfeed_redis_connected", &[]), 1.0);
     assert!(s9.get("runfeed_process_resident_memory_bytes", &[]) > 1_000_000.0);
-    assert!(s9
-        .try_get(
-            "runfeed_feeds_delivery_lag_milliseconds_bucket",
-            &[("le", "+Inf")]
-        )
-        .is_some());
     assert_eq!(
         s9.try_get(
             "runfeed_feeds_wakeups_total",
@@ -731,13 +692,14 @@ async fn healthz_and_readyz_on_the_admin_listener() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_rejections_count_429s() {
     let srv = TestServer::start_with(5_000, |c| c.feeds.default_concurrency_limit = 1).await;
-    let env = srv.env().await;
-    let run = srv.run(&env, RunSpec::default()).await;
-    let h = modern(&srv.token(&env, &["read:runs"]));
-    let u = run_url(&run.friendly_id);
-    let snap = srv.fetch(&u.snapshot(), &h).await;
-    snap.assert_status(200);
-    let live = next_live(&u, &snap);
+    let FollowedRun {
+        env,
+        run,
+        headers: h,
+        url: u,
+        snap,
+    } = srv.follow_new_run().await;
+    let live = u.live_after(&snap);
     let held = srv.fetch(&live, &h);
     let second = async {
         srv.wait_held("first poll held", |h| h.0 == 1).await;
@@ -976,14 +938,14 @@ async fn dashboard_panels_return_series() {
     let snap = srv.fetch(&u.snapshot(), &h).await;
     snap.assert_status(200);
     srv.wait_subscribed(&env.env_id).await;
-    let poll = srv.fetch(&next_live(&u, &snap), &h);
+    let poll = srv.fetch(&u.live_after(&snap), &h);
     let change = async {
         srv.wait_held("held", |h| h.0 == 1).await;
         srv.change(&env, &run.id, &[], None, "EXECUTING").await;
     };
     let (live, ()) = within(WAIT, "wake", async { tokio::join!(poll, change) }).await;
     live.assert_status(200);
-    let idle = srv.fetch(&next_live(&u, &live), &h).await;
+    let idle = srv.fetch(&u.live_after(&live), &h).await;
     idle.assert_status(200);
     for _ in 0..2 {
         srv.fetch(&tag_url("d").snapshot(), &h)

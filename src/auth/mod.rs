@@ -479,63 +479,40 @@ mod tests {
         lookups: AtomicUsize,
     }
 
+    impl MemEnvs {
+        /// Counts one lookup and finds the first environment matching `pred`.
+        fn lookup(
+            &self,
+            pred: impl Fn(&EnvRecord) -> bool,
+        ) -> Result<Option<EnvRecord>, StoreError> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            Ok(self.envs.lock().unwrap().iter().find(|e| pred(e)).cloned())
+        }
+    }
+
     #[async_trait]
     impl EnvStore for MemEnvs {
         async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
-            self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self
-                .envs
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|e| e.api_key == key)
-                .cloned())
+            self.lookup(|e| e.api_key == key)
         }
         async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
-            self.lookups.fetch_add(1, Ordering::SeqCst);
-            let env_id = self
-                .revoked
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|(_, k)| k == key)
-                .map(|(e, _)| e.clone());
-            Ok(env_id.and_then(|id| {
-                self.envs
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .find(|e| e.id == id)
-                    .cloned()
-            }))
+            let revoked = self.revoked.lock().unwrap();
+            let env_id = revoked.iter().find(|(_, k)| k == key).map(|(e, _)| e);
+            self.lookup(|e| env_id.is_some_and(|id| e.id == *id))
         }
         async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
-            self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self
-                .envs
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|e| &e.id == id)
-                .cloned())
+            self.lookup(|e| &e.id == id)
         }
         async fn branch_env(
             &self,
             parent_id: &EnvId,
             branch: &str,
         ) -> Result<Option<EnvRecord>, StoreError> {
-            self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self
-                .envs
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|e| {
-                    e.parent_environment_id.as_deref() == Some(parent_id)
-                        && e.branch_name.as_deref() == Some(branch)
-                        && !e.archived
-                })
-                .cloned())
+            self.lookup(|e| {
+                e.parent_environment_id.as_deref() == Some(parent_id)
+                    && e.branch_name.as_deref() == Some(branch)
+                    && !e.archived
+            })
         }
         async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
@@ -571,17 +548,27 @@ mod tests {
         Arc::new(store)
     }
 
+    /// A store with `env_1` (PRODUCTION, key `tr_prod_key`) and an authenticator over it whose
+    /// cache keeps lookups for `ttl`.
+    fn prod_auth(ttl: Duration) -> (Arc<MemEnvs>, Authenticator) {
+        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
+        let auth = Authenticator::new(store.clone(), ttl);
+        (store, auth)
+    }
+
+    /// Authenticates `tr_prod_key` three times; returns the store's lookups so far.
+    async fn authenticate_thrice(auth: &Authenticator, store: &MemEnvs) -> usize {
+        for _ in 0..3 {
+            let p = auth.authenticate(Some("Bearer tr_prod_key"), None).await;
+            assert!(p.is_ok(), "{p:?}");
+        }
+        store.lookups.load(Ordering::SeqCst)
+    }
+
     #[tokio::test]
     async fn cache_reuses_found_and_not_found_lookups() {
-        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
-        let auth = Authenticator::new(store.clone(), Duration::from_secs(60));
-        for _ in 0..3 {
-            assert!(auth
-                .authenticate(Some("Bearer tr_prod_key"), None)
-                .await
-                .is_ok());
-        }
-        assert_eq!(store.lookups.load(Ordering::SeqCst), 1);
+        let (store, auth) = prod_auth(Duration::from_secs(60));
+        assert_eq!(authenticate_thrice(&auth, &store).await, 1);
         for _ in 0..3 {
             assert!(matches!(
                 auth.authenticate(Some("Bearer nope"), None).await,
@@ -594,15 +581,8 @@ mod tests {
 
     #[tokio::test]
     async fn zero_ttl_disables_the_cache() {
-        let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
-        let auth = Authenticator::new(store.clone(), Duration::ZERO);
-        for _ in 0..3 {
-            assert!(auth
-                .authenticate(Some("Bearer tr_prod_key"), None)
-                .await
-                .is_ok());
-        }
-        assert_eq!(store.lookups.load(Ordering::SeqCst), 3);
+        let (store, auth) = prod_auth(Duration::ZERO);
+        assert_eq!(authenticate_thrice(&auth, &store).await, 3);
     }
 
     #[tokio::test]

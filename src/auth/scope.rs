@@ -213,6 +213,18 @@ mod tests {
         Ability::from_scopes(scopes)
     }
 
+    /// Each scope of `granted` on its own grants the `route` route (`res`); none of `denied` does.
+    fn assert_scope_matrix(route: &str, res: &[Resource], granted: &[&str], denied: &[&str]) {
+        for scope in granted {
+            let ok = ability(&[scope]).can_read_any(res);
+            assert!(ok, "{scope} should grant the {route} route");
+        }
+        for scope in denied {
+            let ok = ability(&[scope]).can_read_any(res);
+            assert!(!ok, "{scope} must not grant the {route} route");
+        }
+    }
+
     fn run_fixture(tags: &[&str], batch: Option<&str>) -> RunResource {
         RunResource {
             id: "cm_internal".into(),
@@ -227,7 +239,7 @@ mod tests {
     fn run_route_scope_matrix() {
         let tagged = run_fixture(&["user:1", "org_2"], Some("batch_x"));
         let res = run_route_resources(&tagged);
-        for granted in [
+        let granted = [
             "read:runs",
             "read:runs:run_abc",
             "read:tasks",
@@ -242,13 +254,8 @@ mod tests {
             "*:all",
             "*:tags:org_2",
             "admin",
-        ] {
-            assert!(
-                ability(&[granted]).can_read_any(&res),
-                "{granted} should grant the run route"
-            );
-        }
-        for denied in [
+        ];
+        let denied = [
             "read:runs:run_other",
             "read:tasks:other-task",
             "read:tags:user",
@@ -260,12 +267,8 @@ mod tests {
             "admin:runs",
             "read:runs:",
             "read:queues",
-        ] {
-            assert!(
-                !ability(&[denied]).can_read_any(&res),
-                "{denied} must not grant the run route"
-            );
-        }
+        ];
+        assert_scope_matrix("run", &res, &granted, &denied);
     }
 
     #[test]
@@ -281,7 +284,7 @@ mod tests {
     fn runs_list_route_scope_matrix() {
         let tags = vec!["a".to_string(), "b".to_string()];
         let res = runs_list_resources(&tags);
-        for granted in [
+        let granted = [
             "read:runs",
             "read:tags",
             "read:tags:a",
@@ -289,25 +292,16 @@ mod tests {
             "read:all",
             "admin",
             "*:tags",
-        ] {
-            assert!(
-                ability(&[granted]).can_read_any(&res),
-                "{granted} should grant the list route"
-            );
-        }
-        for denied in [
+        ];
+        let denied = [
             "read:runs:run_abc",
             "read:tasks",
             "read:batch",
             "read:tags:c",
             "read",
             "write:runs",
-        ] {
-            assert!(
-                !ability(&[denied]).can_read_any(&res),
-                "{denied} must not grant the list route"
-            );
-        }
+        ];
+        assert_scope_matrix("list", &res, &granted, &denied);
         // No tags filter: `read:tags` still grants (the `{tags}` resource), a tag id does not.
         let none: Vec<String> = Vec::new();
         let res = runs_list_resources(&none);
@@ -318,31 +312,22 @@ mod tests {
     #[test]
     fn batch_route_scope_matrix() {
         let res = batch_route_resources("batch_x");
-        for granted in [
+        let granted = [
             "read:batch",
             "read:batch:batch_x",
             "read:runs",
             "read:all",
             "admin",
             "*:batch",
-        ] {
-            assert!(
-                ability(&[granted]).can_read_any(&res),
-                "{granted} should grant the batch route"
-            );
-        }
-        for denied in [
+        ];
+        let denied = [
             "read:batch:batch_y",
             "read:runs:run_abc",
             "read:tasks",
             "read:tags",
             "write:batch:batch_x",
-        ] {
-            assert!(
-                !ability(&[denied]).can_read_any(&res),
-                "{denied} must not grant the batch route"
-            );
-        }
+        ];
+        assert_scope_matrix("batch", &res, &granted, &denied);
     }
 
     #[test]

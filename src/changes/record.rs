@@ -456,3 +456,23 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+impl ChangeRecord {
+    /// A record of run `run` on environment `e` with `tags`, no batch and the watermark
+    /// `updated_at_ms` (unit tests of the replay buffer and the coalescer).
+    pub(crate) fn test_record(
+        run: &str,
+        tags: Option<Vec<String>>,
+        updated_at_ms: Option<i64>,
+    ) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run.into(),
+            env_id: "e".into(),
+            tags,
+            batch_id: None,
+            updated_at_ms,
+        }
+    }
+}

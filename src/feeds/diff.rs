@@ -172,13 +172,26 @@ mod tests {
         }
     }
 
+    /// A working set of `(run, ms, hash)` versions.
+    fn working_set(versions: &[(&str, i64, u64)]) -> WorkingSet {
+        let mut ws = WorkingSet::new();
+        for &(id, ms, hash) in versions {
+            ws.insert(id.into(), Version { ms, hash });
+        }
+        ws
+    }
+
+    /// The rows a poll collected.
+    fn pending<const N: usize>(rows: [SerializedRow; N]) -> Pending {
+        let mut p = Pending::default();
+        p.extend(rows);
+        p
+    }
+
     #[test]
     fn live_03_insert_for_new_rows_update_for_advanced_skip_unchanged() {
-        let mut ws = WorkingSet::new();
-        ws.insert("a".into(), Version { ms: 10, hash: 1 });
-        ws.insert("b".into(), Version { ms: 10, hash: 1 });
-        let mut p = Pending::default();
-        p.extend([row("a", 11, 2), row("b", 10, 1), row("c", 5, 3)]);
+        let ws = working_set(&[("a", 10, 1), ("b", 10, 1)]);
+        let p = pending([row("a", 11, 2), row("b", 10, 1), row("c", 5, 3)]);
         let mut got: Vec<_> = p
             .changes(&Known::Set(ws))
             .into_iter()
@@ -197,19 +210,15 @@ mod tests {
     #[test]
     fn same_millisecond_different_content_is_still_a_change() {
         // The reference compares updatedAt ms only and suppresses this (docs/behaviours.md §4 item 6).
-        let mut ws = WorkingSet::new();
-        ws.insert("a".into(), Version { ms: 10, hash: 1 });
-        let mut p = Pending::default();
-        p.extend([row("a", 10, 2)]);
+        let ws = working_set(&[("a", 10, 1)]);
+        let p = pending([row("a", 10, 2)]);
         assert_eq!(p.changes(&Known::Set(ws)).len(), 1);
     }
 
     #[test]
     fn an_older_row_from_a_lagging_replica_is_not_a_change() {
-        let mut ws = WorkingSet::new();
-        ws.insert("a".into(), Version { ms: 10, hash: 1 });
-        let mut p = Pending::default();
-        p.extend([row("a", 9, 7)]);
+        let ws = working_set(&[("a", 10, 1)]);
+        let p = pending([row("a", 9, 7)]);
         assert!(p.changes(&Known::Set(ws.clone())).is_empty());
         assert_eq!(
             p.next_working_set(&Known::Set(ws)).get("a"),
@@ -219,8 +228,7 @@ mod tests {
 
     #[test]
     fn live_11_unknown_state_floor_for_run_feeds_full_resync_for_lists() {
-        let mut p = Pending::default();
-        p.extend([row("a", 10, 1), row("b", 5, 1)]);
+        let p = pending([row("a", 10, 1), row("b", 5, 1)]);
         assert_eq!(p.changes(&Known::Floor(7)).len(), 1);
         let all = p.changes(&Known::Nothing);
         assert_eq!(all.len(), 2);
@@ -229,10 +237,8 @@ mod tests {
 
     #[test]
     fn hop_partial_knowledge_skips_listed_unchanged_rows_and_sends_the_rest() {
-        let mut recent = WorkingSet::new();
-        recent.insert("a".into(), Version { ms: 10, hash: 1 });
-        let mut p = Pending::default();
-        p.extend([row("a", 10, 1), row("b", 5, 1)]);
+        let recent = working_set(&[("a", 10, 1)]);
+        let p = pending([row("a", 10, 1), row("b", 5, 1)]);
         let got: Vec<_> = p
             .changes(&Known::Partial(recent))
             .into_iter()
@@ -243,8 +249,7 @@ mod tests {
 
     #[test]
     fn newest_version_of_a_run_wins_inside_one_poll() {
-        let mut p = Pending::default();
-        p.extend([row("a", 12, 2), row("a", 11, 1)]);
+        let p = pending([row("a", 12, 2), row("a", 11, 1)]);
         let changes = p.changes(&Known::Nothing);
         assert_eq!(changes.len(), 1);
         assert_eq!(changes[0].1.meta.updated_at_ms, 12);

@@ -168,23 +168,15 @@ mod tests {
         let a = limiter.acquire("e", "org").await;
         let b = limiter.acquire("e", "org").await;
         assert!(a.is_some() && b.is_some());
-        assert!(
-            limiter.acquire("e", "org").await.is_none(),
-            "third live poll over a limit of 2"
-        );
-        assert!(
-            limiter.acquire("other", "org").await.is_some(),
-            "counted per environment"
-        );
+        let third = limiter.acquire("e", "org").await;
+        assert!(third.is_none(), "third live poll over a limit of 2");
+        let other_env = limiter.acquire("other", "org").await;
+        assert!(other_env.is_some(), "counted per environment");
         drop(a);
-        assert!(
-            limiter.acquire("e", "org").await.is_some(),
-            "a released slot is free at once"
-        );
-        assert!(
-            limiter.acquire("e2", "small").await.is_none(),
-            "REQ-03: a limit of 0 is a real limit"
-        );
+        let freed = limiter.acquire("e", "org").await;
+        assert!(freed.is_some(), "a released slot is free at once");
+        let zero = limiter.acquire("e2", "small").await;
+        assert!(zero.is_none(), "REQ-03: a limit of 0 is a real limit");
         assert_eq!(limiter.stats.rejections.load(Ordering::Relaxed), 2);
     }
 }

@@ -110,7 +110,7 @@ mod tests {
             handle: "t.abc.def".into(),
             offset: Some("1717667130123_7".into()),
             cursor: Some("42".into()),
-            schema: Some(r#"{"id":{"type":"text"}}"#.into()),
+            schema: Some(SCHEMA.into()),
             up_to_date: true,
         }
     }
@@ -119,17 +119,25 @@ mod tests {
         h.get(name).and_then(|v| v.to_str().ok())
     }
 
+    /// The values of `names` in `h` (`None` where absent).
+    fn values<'a, const N: usize>(h: &'a HeaderMap, names: [&str; N]) -> [Option<&'a str>; N] {
+        names.map(|name| get(h, name))
+    }
+
+    const SCHEMA: &str = r#"{"id":{"type":"text"}}"#;
+
     #[test]
     fn hdr_02_modern_names() {
         let mut h = HeaderMap::new();
         sample().apply(&mut h, false);
-        assert_eq!(get(&h, "electric-handle"), Some("t.abc.def"));
-        assert_eq!(get(&h, "electric-offset"), Some("1717667130123_7"));
-        assert_eq!(get(&h, "electric-cursor"), Some("42"));
-        assert_eq!(
-            get(&h, "electric-schema"),
-            Some(r#"{"id":{"type":"text"}}"#)
-        );
+        let modern = [
+            "electric-handle",
+            "electric-offset",
+            "electric-cursor",
+            "electric-schema",
+        ];
+        let want = ["t.abc.def", "1717667130123_7", "42", SCHEMA].map(Some);
+        assert_eq!(values(&h, modern), want);
         assert!(h.contains_key("electric-up-to-date"));
         for legacy in [
             "electric-shape-id",
@@ -146,17 +154,14 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("electric-handle", HeaderValue::from_static("stale"));
         sample().apply(&mut h, true);
-        assert_eq!(get(&h, "electric-shape-id"), Some("t.abc.def"));
+        let handle_and_offset = values(&h, ["electric-shape-id", "electric-chunk-last-offset"]);
         assert_eq!(
-            get(&h, "electric-chunk-last-offset"),
-            Some("1717667130123_7")
+            handle_and_offset,
+            [Some("t.abc.def"), Some("1717667130123_7")]
         );
-        assert_eq!(get(&h, "electric-cursor"), Some("42"));
-        assert_eq!(get(&h, "electric-next-cursor"), Some("42"));
-        assert_eq!(
-            get(&h, "electric-schema"),
-            Some(r#"{"id":{"type":"text"}}"#)
-        );
+        let cursors = values(&h, ["electric-cursor", "electric-next-cursor"]);
+        assert_eq!(cursors, [Some("42"), Some("42")]);
+        assert_eq!(get(&h, "electric-schema"), Some(SCHEMA));
         assert!(h.contains_key("electric-chunk-up-to-date"));
         assert!(h.contains_key("electric-up-to-date"));
         assert!(!h.contains_key("electric-handle"));

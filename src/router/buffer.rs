@@ -144,14 +144,7 @@ mod tests {
     use super::*;
 
     fn rec(run: &str, ms: Option<i64>) -> ChangeRecord {
-        ChangeRecord {
-            v: 1,
-            run_id: run.into(),
-            env_id: "e".into(),
-            tags: Some(vec![]),
-            batch_id: None,
-            updated_at_ms: ms,
-        }
+        ChangeRecord::test_record(run, Some(vec![]), ms)
     }
 
     #[test]

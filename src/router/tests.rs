@@ -100,14 +100,14 @@ impl FakeStore {
     }
 }
 
+/// What the store's set reads return.
+type Rows = Result<Vec<RunRow>, StoreError>;
+/// What the store's single lookups return.
+type Found<T> = Result<Option<T>, StoreError>;
+
 #[async_trait]
 impl RunStore for FakeStore {
-    async fn hydrate(
-        &self,
-        env_id: &EnvId,
-        run_ids: &[RunId],
-        cols: ColumnSet,
-    ) -> Result<Vec<RunRow>, StoreError> {
+    async fn hydrate(&self, env_id: &EnvId, run_ids: &[RunId], cols: ColumnSet) -> Rows {
         self.calls.lock().unwrap().push(HydrateCall {
             env: env_id.to_string(),
             ids: run_ids.iter().map(RunId::to_string).collect(),
@@ -139,50 +139,31 @@ impl RunStore for FakeStore {
         Ok(snapshot)
     }
 
-    async fn read_run(
-        &self,
-        _env_id: &EnvId,
-        _run_id: &RunId,
-        _cols: ColumnSet,
-    ) -> Result<Option<RunRow>, StoreError> {
-        panic!("the router only hydrates")
+    async fn read_run(&self, _: &EnvId, _: &RunId, _: ColumnSet) -> Found<RunRow> {
+        unreachable!("the router only hydrates")
     }
 
     async fn resolve_tag_set(
         &self,
-        _env_id: &EnvId,
-        _tags: &[String],
-        _floor_ms: i64,
-        _cap: usize,
-        _cols: ColumnSet,
-    ) -> Result<Vec<RunRow>, StoreError> {
-        panic!("the router only hydrates")
+        _: &EnvId,
+        _: &[String],
+        _: i64,
+        _: usize,
+        _: ColumnSet,
+    ) -> Rows {
+        unreachable!("the router only hydrates")
     }
 
-    async fn resolve_batch_set(
-        &self,
-        _env_id: &EnvId,
-        _batch_id: &BatchId,
-        _cap: usize,
-        _cols: ColumnSet,
-    ) -> Result<Vec<RunRow>, StoreError> {
-        panic!("the router only hydrates")
+    async fn resolve_batch_set(&self, _: &EnvId, _: &BatchId, _: usize, _: ColumnSet) -> Rows {
+        unreachable!("the router only hydrates")
     }
 
-    async fn find_run(
-        &self,
-        _env_id: &EnvId,
-        _friendly_id: &FriendlyRunId,
-    ) -> Result<Option<RunResource>, StoreError> {
-        panic!("the router only hydrates")
+    async fn find_run(&self, _: &EnvId, _: &FriendlyRunId) -> Found<RunResource> {
+        unreachable!("the router only hydrates")
     }
 
-    async fn find_batch(
-        &self,
-        _env_id: &EnvId,
-        _friendly_id: &FriendlyBatchId,
-    ) -> Result<Option<BatchResource>, StoreError> {
-        panic!("the router only hydrates")
+    async fn find_batch(&self, _: &EnvId, _: &FriendlyBatchId) -> Found<BatchResource> {
+        unreachable!("the router only hydrates")
     }
 }
 
@@ -219,6 +200,14 @@ fn row(id: &str, tags: &[&str], batch: Option<&str>) -> RunRow {
         error: None,
         realtime_streams: None,
         batch_id: batch.map(str::to_string).map(Into::into),
+    }
+}
+
+/// Run `id` (no tags, no batch) at version `updated_at_ms`.
+fn version(id: &str, updated_at_ms: i64) -> RunRow {
+    RunRow {
+        updated_at_ms,
+        ..row(id, &[], None)
     }
 }
 
@@ -277,6 +266,55 @@ fn cfg() -> RouterConfig {
         unsubscribe_linger_ms: 5_000,
         ..RouterConfig::default()
     }
+}
+
+/// [`cfg`] with a replay window of `ms`.
+fn replay_window(ms: u64) -> RouterConfig {
+    RouterConfig {
+        replay_window_ms: ms,
+        ..cfg()
+    }
+}
+
+/// [`cfg`] with an unsubscribe linger of `ms`.
+fn linger(ms: u64) -> RouterConfig {
+    RouterConfig {
+        unsubscribe_linger_ms: ms,
+        ..cfg()
+    }
+}
+
+/// A registration of `filter` on [`ENV`] with all columns, since `cursor`.
+fn feed(filter: FeedFilter, cursor: Option<ReplayCursor>) -> Feed {
+    feed_cols(filter, ColumnSet::ALL, cursor)
+}
+
+fn feed_cols(filter: FeedFilter, cols: ColumnSet, cursor: Option<ReplayCursor>) -> Feed {
+    Feed {
+        env_id: crate::protocol::EnvId::from(ENV),
+        filter,
+        cols,
+        since: cursor,
+    }
+}
+
+/// A tag feed on `tags` with the `createdAt` floor `floor_ms`.
+fn floored_tag_feed(tags: &[&str], floor_ms: i64) -> FeedFilter {
+    FeedFilter::Tag {
+        tags: strings(tags),
+        floor_ms,
+    }
+}
+
+/// `(batches, hydrates, hydrated rows, deliveries)` counted by the router.
+fn fan_out(s: &RouterStats) -> (u64, u64, u64, u64) {
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::SeqCst);
+    (
+        n(&s.batches),
+        n(&s.hydrates),
+        n(&s.hydrated_rows),
+        n(&s.deliveries),
+    )
 }
 
 fn ids(rows: &[SerializedRow]) -> Vec<String> {
@@ -357,6 +395,15 @@ impl Harness {
         }
     }
 
+    /// A harness whose store holds `rows` (of [`ENV`]).
+    fn with_rows(cfg: RouterConfig, rows: impl IntoIterator<Item = RunRow>) -> Harness {
+        let h = Harness::new(cfg);
+        for row in rows {
+            h.store.put(row);
+        }
+        h
+    }
+
     async fn reg(&self, filter: FeedFilter, cursor: Option<ReplayCursor>) -> Registration {
         self.reg_cols(filter, ColumnSet::ALL, cursor).await
     }
@@ -367,19 +414,17 @@ impl Harness {
         cols: ColumnSet,
         cursor: Option<ReplayCursor>,
     ) -> Registration {
-        let reg = timeout(
-            WAIT,
-            self.router.register(Feed {
-                env_id: crate::protocol::EnvId::from(ENV),
-                filter,
-                cols,
-                since: cursor,
-            }),
-        )
-        .await
-        .expect("register hung");
+        let registering = self.router.register(feed_cols(filter, cols, cursor));
+        let reg = timeout(WAIT, registering).await.expect("register hung");
         self.confirmed().await;
         reg
+    }
+
+    /// A feed that only holds [`ENV`] (it never matches), and its cursor at registration.
+    async fn holder(&self) -> (Registration, ReplayCursor) {
+        let holder = self.reg(run_feed("holder"), None).await;
+        let c0 = holder.cursor();
+        (holder, c0)
     }
 
     /// Waits until [`ENV`]'s current subscription is confirmed (the source reports `Subscribed`
@@ -526,9 +571,7 @@ async fn rtr_05_held_feed_counts_and_deregistration() {
 /// RTR-10: a run feed gets only its run; the other run is not even hydrated.
 #[tokio::test]
 async fn rtr_10_run_feed_routes_by_exact_run_id() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
-    h.store.put(row("r2", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None), row("r2", &[], None)]);
     let f = h.reg(run_feed("r1"), None).await;
     h.push(full("r2", &[]));
     h.push(full("r1", &[]));
@@ -543,10 +586,14 @@ async fn rtr_10_run_feed_routes_by_exact_run_id() {
 /// reaches it (no hydrate).
 #[tokio::test]
 async fn rtr_11_batch_feed_routes_by_exact_batch_id() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], Some("other")));
-    h.store.put(row("r2", &[], None));
-    h.store.put(row("r3", &[], Some("b1")));
+    let h = Harness::with_rows(
+        cfg(),
+        [
+            row("r1", &[], Some("other")),
+            row("r2", &[], None),
+            row("r3", &[], Some("b1")),
+        ],
+    );
     let f = h.reg(batch_feed("b1"), None).await;
     h.push(in_batch("r1", "other"));
     h.push(full("r2", &[]));
@@ -559,9 +606,10 @@ async fn rtr_11_batch_feed_routes_by_exact_batch_id() {
 /// non-matching tag causes no hydrate; an unfiltered tag feed gets every full record.
 #[tokio::test]
 async fn rtr_12_tag_overlap_and_unfiltered_tag_feed() {
-    let h = Harness::new(cfg());
-    h.store.put(row("rz", &["z"], None));
-    h.store.put(row("rab", &["a", "b"], None));
+    let h = Harness::with_rows(
+        cfg(),
+        [row("rz", &["z"], None), row("rab", &["a", "b"], None)],
+    );
     let ab = h.reg(tag_feed(&["a", "b"]), None).await;
     h.push(full("rz", &["z"]));
     // Both tags match the feed: still one candidate, one row.
@@ -588,9 +636,7 @@ async fn rtr_12_tag_overlap_and_unfiltered_tag_feed() {
 /// (one hydrate for both feeds).
 #[tokio::test]
 async fn rtr_13_partial_record_hydrate_to_classify() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["a"], None));
-    h.store.put(row("r2", &["z"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["a"], None), row("r2", &["z"], None)]);
     let a = h.reg(tag_feed(&["a"]), None).await;
     let z = h.reg(tag_feed(&["z"]), None).await;
     h.push(partial("r1"));
@@ -609,9 +655,10 @@ async fn rtr_13_partial_record_hydrate_to_classify() {
 /// RTR-15: a batch without candidate feeds hydrates nothing.
 #[tokio::test]
 async fn rtr_15_no_candidate_no_hydrate() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["a"], Some("b1")));
-    h.store.put(row("fence", &[], None));
+    let h = Harness::with_rows(
+        cfg(),
+        [row("r1", &["a"], Some("b1")), row("fence", &[], None)],
+    );
     let fence = h.reg(run_feed("fence"), None).await;
     let _tag = h.reg(tag_feed(&["x"]), None).await;
     let _batch = h.reg(batch_feed("b2"), None).await;
@@ -641,8 +688,7 @@ async fn rtr_15_no_feed_no_hydrate() {
 /// serialized bytes (serialized once, shared).
 #[tokio::test]
 async fn rtr_16_two_tag_feeds_same_tag_one_hydrate_shared_bytes() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);
     let a = h.reg(tag_feed(&["t"]), None).await;
     let b = h.reg(tag_feed(&["t"]), None).await;
     h.push(full("r1", &["t"]));
@@ -742,8 +788,7 @@ async fn a_burst_of_100_records_on_one_run_costs_at_most_3_hydrates() {
 /// deliveries, every inbox holds the (shared) row.
 #[tokio::test]
 async fn rtr_16_thousand_tag_feeds_one_hydrate_thousand_deliveries() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);
     let mut feeds = Vec::new();
     for _ in 0..1000 {
         feeds.push(h.reg(tag_feed(&["t"]), None).await);
@@ -759,20 +804,15 @@ async fn rtr_16_thousand_tag_feeds_one_hydrate_thousand_deliveries() {
         assert_eq!(ids(&rows), vec!["r1"]);
         assert_eq!(rows[0].fragment.as_ptr(), ptr);
     }
-    let stats = h.router.stats();
     assert_eq!(h.store.hydrate_count(), 1);
-    assert_eq!(load(&stats.hydrates), 1);
-    assert_eq!(load(&stats.hydrated_rows), 1);
-    assert_eq!(load(&stats.deliveries), 1000);
-    assert_eq!(load(&stats.batches), 1);
+    assert_eq!(fan_out(h.router.stats()), (1, 1, 1, 1000));
 }
 
 /// RTR-03/16: feeds with different column sets → one hydrate per column set (each with its own
 /// columns), one serialization per set shared inside the set.
 #[tokio::test]
 async fn rtr_03_16_one_hydrate_per_column_set() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);
     let lean = ColumnSet::from_skip_list(&["payload"]);
     let a = h.reg(tag_feed(&["t"]), None).await;
     let b = h.reg_cols(tag_feed(&["t"]), lean, None).await;
@@ -811,9 +851,13 @@ async fn rtr_03_16_one_hydrate_per_column_set() {
 /// RTR-17: the hydrated row is re-checked: contains-ALL tags, and createdAt ≥ floor.
 #[tokio::test]
 async fn rtr_17_tag_feed_contains_all_and_floor() {
-    let h = Harness::new(cfg());
-    h.store.put(row("only_a", &["a"], None));
-    h.store.put(row("abc", &["a", "b", "c"], None));
+    let h = Harness::with_rows(
+        cfg(),
+        [
+            row("only_a", &["a"], None),
+            row("abc", &["a", "b", "c"], None),
+        ],
+    );
     let ab = h.reg(tag_feed(&["a", "b"]), None).await;
     h.push(full("only_a", &["a"]));
     h.push(full("abc", &["a", "b", "c"]));
@@ -828,24 +872,8 @@ async fn rtr_17_tag_feed_contains_all_and_floor() {
     new.created_at_ms = 11_000;
     h.store.put(old);
     h.store.put(new);
-    let floored = h
-        .reg(
-            FeedFilter::Tag {
-                tags: strings(&["f"]),
-                floor_ms: 11_000,
-            },
-            None,
-        )
-        .await;
-    let unfiltered = h
-        .reg(
-            FeedFilter::Tag {
-                tags: vec![],
-                floor_ms: 11_000,
-            },
-            None,
-        )
-        .await;
+    let floored = h.reg(floored_tag_feed(&["f"], 11_000), None).await;
+    let unfiltered = h.reg(floored_tag_feed(&[], 11_000), None).await;
     h.push(full("old", &["f"]));
     h.push(full("new", &["f"]));
     assert_eq!(ids(&wake(&floored).await.rows), vec!["new"]);
@@ -883,8 +911,7 @@ async fn rtr_18_19_missing_row_skipped_no_empty_wake() {
 /// an in-flight batch.
 #[tokio::test]
 async fn rtr_20_feed_registered_during_in_flight_batch_gets_it_by_replay() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
     let f = h.reg(run_feed("r1"), None).await;
     let (gate_in, release) = h.store.gate_next();
     h.push(full("r1", &[]));
@@ -914,8 +941,7 @@ async fn rtr_20_feed_registered_during_in_flight_batch_gets_it_by_replay() {
 /// RTR-21: a hydrate failure is contained (counted, feed not woken, routing continues).
 #[tokio::test]
 async fn rtr_21_hydrate_failure_is_contained() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
     let f = h.reg(run_feed("r1"), None).await;
     h.store.fail_next(1);
     h.push(full("r1", &[]));
@@ -940,9 +966,7 @@ async fn rtr_21_hydrate_failure_is_contained() {
 /// with its cursor replays the record or reports the gap as not covered.
 #[tokio::test]
 async fn rtr_21_failed_hydrate_is_not_skipped_by_the_cursor() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
-    h.store.put(row("r2", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None), row("r2", &["t"], None)]);
     let f = h.reg(tag_feed(&["t"]), None).await;
     h.store.fail_next(1);
     h.push(full("r1", &["t"]));
@@ -983,9 +1007,7 @@ async fn rtr_21_failed_hydrate_is_not_skipped_by_the_cursor() {
 /// RTR-22/23: fan-out and hydrate counters.
 #[tokio::test]
 async fn rtr_22_23_fan_out_and_hydrate_counters() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
-    h.store.put(row("r2", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None), row("r2", &["t"], None)]);
     let a = h.reg(tag_feed(&["t"]), None).await;
     let b = h.reg(run_feed("r1"), None).await;
     h.push(full("r1", &["t"]));
@@ -993,20 +1015,15 @@ async fn rtr_22_23_fan_out_and_hydrate_counters() {
     wake(&b).await;
     h.push(full("r2", &["t"]));
     wake(&a).await;
-    let s = h.router.stats();
-    assert_eq!(load(&s.batches), 2);
-    assert_eq!(load(&s.hydrates), 2);
-    assert_eq!(load(&s.hydrated_rows), 2);
-    assert_eq!(load(&s.deliveries), 3);
-    assert_eq!(load(&s.hydrate_errors), 0);
+    assert_eq!(fan_out(h.router.stats()), (2, 2, 2, 3));
+    assert_eq!(load(&h.router.stats().hydrate_errors), 0);
 }
 
 /// Better than the reference (RTR-14): a match for a registered feed that is not awaiting
 /// `wake()` (building a response, cold re-check) is parked in its inbox, not dropped.
 #[tokio::test]
 async fn better_parked_match_for_busy_feed() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
     let busy = h.reg(run_feed("r1"), None).await;
     let witness = h.reg(run_feed("r1"), None).await;
     h.push(full("r1", &[]));
@@ -1028,9 +1045,10 @@ async fn better_parked_match_for_busy_feed() {
 /// hydrated row is in its batch (live and by replay); one whose row is elsewhere does not.
 #[tokio::test]
 async fn better_10_partial_record_reaches_batch_feed_when_row_is_in_batch() {
-    let h = Harness::new(cfg());
-    h.store.put(row("in", &[], Some("b1")));
-    h.store.put(row("out", &[], Some("b2")));
+    let h = Harness::with_rows(
+        cfg(),
+        [row("in", &[], Some("b1")), row("out", &[], Some("b2"))],
+    );
     let f = h.reg(batch_feed("b1"), None).await;
     let c0 = f.cursor();
     h.push(partial("out"));
@@ -1058,11 +1076,8 @@ async fn better_10_partial_record_reaches_batch_feed_when_row_is_in_batch() {
 /// REP-01: one buffered entry per run (merged), moved to the tail by its latest arrival.
 #[tokio::test]
 async fn rep_01_latest_record_per_run_moves_to_tail() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
-    h.store.put(row("r2", &[], None));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None), row("r2", &[], None)]);
+    let (holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.push(full("r2", &[]));
     h.routed(2).await;
@@ -1099,8 +1114,7 @@ async fn gap_04_evicted_cursor_not_covered() {
     for r in ["r1", "r2", "r3"] {
         h.store.put(row(r, &[], None));
     }
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let (holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
     let c1 = holder.cursor();
@@ -1127,13 +1141,8 @@ async fn gap_04_evicted_cursor_not_covered() {
 /// uncovers cursors before it. (The buffer ages on the std clock: a short real sleep ages r1.)
 #[tokio::test]
 async fn gap_04_window_eviction_uncovers_old_cursor() {
-    let h = Harness::new(RouterConfig {
-        replay_window_ms: 5,
-        ..cfg()
-    });
-    h.store.put(row("r2", &[], None));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(replay_window(5), [row("r2", &[], None)]);
+    let (_holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
     std::thread::sleep(Duration::from_millis(20)); // ages r1 past the 5 ms window
@@ -1149,11 +1158,7 @@ async fn gap_04_window_eviction_uncovers_old_cursor() {
 /// reference) every registration reports the gap as covered.
 #[tokio::test]
 async fn rep_03_zero_window_disables_replay() {
-    let h = Harness::new(RouterConfig {
-        replay_window_ms: 0,
-        ..cfg()
-    });
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(replay_window(0), [row("r1", &[], None)]);
     let a = h.reg(run_feed("r1"), None).await;
     assert!(a.covered(), "replay disabled: always covered (GAP-01)");
     let c = a.cursor();
@@ -1172,12 +1177,15 @@ async fn rep_03_zero_window_disables_replay() {
 /// tag: overlap or partial; unfiltered tag: everything), one hydrate per registration.
 #[tokio::test]
 async fn rep_05_replay_candidates_per_feed_kind() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["a"], Some("b1")));
-    h.store.put(row("r2", &["b"], None));
-    h.store.put(row("r3", &["a"], Some("b1")));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(
+        cfg(),
+        [
+            row("r1", &["a"], Some("b1")),
+            row("r2", &["b"], None),
+            row("r3", &["a"], Some("b1")),
+        ],
+    );
+    let (_holder, c0) = h.holder().await;
     h.push(ChangeRecord {
         batch_id: Some("b1".into()),
         ..full("r1", &["a"])
@@ -1228,20 +1236,12 @@ async fn rep_05_replay_candidates_per_feed_kind() {
 async fn rep_07_replay_stats_and_authoritative_check() {
     let h = Harness::new(cfg());
     h.store.put(row("r1", &["t"], None)); // created 1 000
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let (_holder, c0) = h.holder().await;
     h.push(full("r1", &["t"]));
     h.routed(1).await;
     let lean = ColumnSet::from_skip_list(&["payload"]);
     let late = h
-        .reg_cols(
-            FeedFilter::Tag {
-                tags: strings(&["t"]),
-                floor_ms: 5_000,
-            },
-            lean,
-            Some(c0),
-        )
+        .reg_cols(floored_tag_feed(&["t"], 5_000), lean, Some(c0))
         .await;
     assert!(
         late.take().rows.is_empty(),
@@ -1262,31 +1262,18 @@ async fn rep_07_replay_stats_and_authoritative_check() {
 #[tokio::test]
 async fn rep_07_replay_racing_live_delivery_keeps_newer_version() {
     let h = Harness::new(cfg());
-    let mut v1 = row("r1", &[], None);
-    v1.updated_at_ms = 1;
-    h.store.put(v1);
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    h.store.put(version("r1", 1));
+    let (_holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
 
     let (gate_in, release) = h.store.gate_next();
     let router = h.router.clone();
-    let pending = tokio::spawn(async move {
-        router
-            .register(Feed {
-                env_id: crate::protocol::EnvId::from(ENV),
-                filter: run_feed("r1"),
-                cols: ColumnSet::ALL,
-                since: Some(c0),
-            })
-            .await
-    });
+    let pending =
+        tokio::spawn(async move { router.register(feed(run_feed("r1"), Some(c0))).await });
     entered(gate_in).await; // the replay hydrate read v1 and is blocked
 
-    let mut v2 = row("r1", &[], None);
-    v2.updated_at_ms = 2;
-    h.store.put(v2);
+    h.store.put(version("r1", 2));
     h.push(full("r1", &[]));
     wait_until("live delivery", || load(&h.router.stats().deliveries) == 1).await;
     release.send(()).unwrap();
@@ -1306,8 +1293,7 @@ async fn rep_07_replay_racing_live_delivery_keeps_newer_version() {
 /// registration with the previous cursor: it is in the inbox when `register` returns.
 #[tokio::test]
 async fn rep_08_record_between_polls_is_replayed_on_next_register() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
     let a = h.reg(run_feed("r1"), None).await;
     let c = a.cursor();
     assert!(a.take().rows.is_empty());
@@ -1330,11 +1316,8 @@ async fn rep_08_record_between_polls_is_replayed_on_next_register() {
 /// handed out after the replay.
 #[tokio::test]
 async fn rep_09_replayed_record_not_replayed_again() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
-    h.store.put(row("r2", &["t"], None));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None), row("r2", &["t"], None)]);
+    let (_holder, c0) = h.holder().await;
     h.push(full("r1", &["t"]));
     h.routed(1).await;
     let a = h.reg(tag_feed(&["t"]), Some(c0)).await;
@@ -1355,11 +1338,8 @@ async fn rep_09_replayed_record_not_replayed_again() {
 /// replays more.
 #[tokio::test]
 async fn rep_10_cursor_bounds_replay() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
-    h.store.put(row("r2", &[], None));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None), row("r2", &[], None)]);
+    let (holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
     let c1 = holder.cursor();
@@ -1385,10 +1365,8 @@ async fn rep_10_cursor_bounds_replay() {
 /// re-checks from the store).
 #[tokio::test]
 async fn rep_12_replay_failure_is_not_covered() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
-    let holder = h.reg(run_feed("holder"), None).await;
-    let c0 = holder.cursor();
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
+    let (_holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
     h.store.fail_next(1);
@@ -1410,9 +1388,7 @@ async fn rep_12_replay_failure_is_not_covered() {
 /// F's cursor must get r1 by replay (the reference's wall-clock cursor skips it).
 #[tokio::test]
 async fn better_2_record_routed_while_response_built_is_not_skipped() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &["t"], None));
-    h.store.put(row("r2", &["t"], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None), row("r2", &["t"], None)]);
     let f = h.reg(tag_feed(&["t"]), None).await;
     let witness = h.reg(run_feed("r1"), None).await; // observes X's completion
 
@@ -1449,11 +1425,7 @@ async fn better_2_record_routed_while_response_built_is_not_skipped() {
 /// replayed to the next registration (one hydrate); after the linger it is unsubscribed.
 #[tokio::test(start_paused = true)]
 async fn lng_01_linger_keeps_subscription_and_buffer() {
-    let h = Harness::new(RouterConfig {
-        unsubscribe_linger_ms: 60,
-        ..cfg()
-    });
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(linger(60), [row("r1", &[], None)]);
     let a = h.reg(run_feed("r1"), None).await;
     let c = a.cursor();
     drop(a);
@@ -1483,11 +1455,7 @@ async fn lng_01_linger_keeps_subscription_and_buffer() {
 /// buffer and subscription epoch; the timer is re-armed at the next drop to zero feeds.
 #[tokio::test(start_paused = true)]
 async fn lng_02_04_registration_cancels_teardown_and_timer_rearms() {
-    let h = Harness::new(RouterConfig {
-        unsubscribe_linger_ms: 60,
-        ..cfg()
-    });
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(linger(60), [row("r1", &[], None)]);
     let a = h.reg(run_feed("r1"), None).await;
     let c = a.cursor();
     drop(a); // teardown armed for t=60
@@ -1510,10 +1478,7 @@ async fn lng_02_04_registration_cancels_teardown_and_timer_rearms() {
 /// LNG-01 (touch): `touch` on an idle env arms the linger too.
 #[tokio::test(start_paused = true)]
 async fn lng_01_touch_arms_linger() {
-    let h = Harness::new(RouterConfig {
-        unsubscribe_linger_ms: 60,
-        ..cfg()
-    });
+    let h = Harness::new(linger(60));
     h.router.touch(&crate::protocol::EnvId::from(ENV));
     assert!(h.subscribed());
     advance(61).await;
@@ -1525,10 +1490,7 @@ async fn lng_01_touch_arms_linger() {
 /// registration is a new subscription (old cursors are not covered).
 #[tokio::test]
 async fn lng_03_zero_linger_unsubscribes_at_once() {
-    let h = Harness::new(RouterConfig {
-        unsubscribe_linger_ms: 0,
-        ..cfg()
-    });
+    let h = Harness::new(linger(0));
     let a = h.reg(run_feed("r1"), None).await;
     let b = h.reg(run_feed("r2"), None).await;
     let c = a.cursor();
@@ -1561,10 +1523,7 @@ async fn lng_03_zero_linger_unsubscribes_at_once() {
 /// dropping the last feed while the registration clones a large tag filter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
-    let h = Harness::new(RouterConfig {
-        unsubscribe_linger_ms: 0,
-        ..cfg()
-    });
+    let h = Harness::new(linger(0));
     let many: Vec<String> = (0..20_000).map(|i| format!("tag_{i}")).collect();
     for _ in 0..20 {
         let a = h.reg(run_feed("a"), None).await;
@@ -1587,15 +1546,7 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
             tags: many.clone(),
             floor_ms: 0,
         };
-        let b = h
-            .router
-            .register(Feed {
-                env_id: crate::protocol::EnvId::from(ENV),
-                filter: filter,
-                cols: ColumnSet::ALL,
-                since: None,
-            })
-            .await;
+        let b = h.router.register(feed(filter, None)).await;
         dropper.join().unwrap();
         let ok = h.subscribed() && h.router.active_envs() == 1;
         assert!(
@@ -1640,8 +1591,7 @@ async fn gap_02_cursor_of_another_env_not_covered() {
 /// parked), invalidates every earlier cursor, and routing continues under the new epoch.
 #[tokio::test]
 async fn gap_reconnect_rechecks_held_feeds_and_invalidates_cursors() {
-    let h = Harness::new(cfg());
-    h.store.put(row("r1", &[], None));
+    let h = Harness::with_rows(cfg(), [row("r1", &[], None)]);
     let held = h.reg(run_feed("r1"), None).await;
     let busy = h.reg(tag_feed(&["t"]), None).await;
     let old = held.cursor();
@@ -1737,14 +1687,7 @@ fn subscribed_event(env: &str, generation: u64) -> SourceEvent {
 async fn gap_01_coverage_starts_at_subscription_confirmation() {
     let (router, source, store, tx) = manual(cfg());
     store.put(row("r1", &[], None));
-    let a = router
-        .register(Feed {
-            env_id: crate::protocol::EnvId::from(ENV),
-            filter: run_feed("r1"),
-            cols: ColumnSet::ALL,
-            since: None,
-        })
-        .await;
+    let a = router.register(feed(run_feed("r1"), None)).await;
     assert_eq!(source.calls(), vec![format!("sub:{ENV}")]);
     let early = a.cursor();
     assert_eq!(
@@ -1765,25 +1708,13 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
         1,
         "a confirmation never creates an env"
     );
-    let b = router
-        .register(Feed {
-            env_id: crate::protocol::EnvId::from(ENV),
-            filter: run_feed("r1"),
-            cols: ColumnSet::ALL,
-            since: Some(early),
-        })
-        .await;
+    let b = router.register(feed(run_feed("r1"), Some(early))).await;
     assert!(
         !b.covered(),
         "a cursor from before the confirmation is not covered"
     );
     let c = router
-        .register(Feed {
-            env_id: crate::protocol::EnvId::from(ENV),
-            filter: run_feed("r1"),
-            cols: ColumnSet::ALL,
-            since: Some(a.cursor()),
-        })
+        .register(feed(run_feed("r1"), Some(a.cursor())))
         .await;
     assert!(c.covered());
 }
@@ -1796,31 +1727,14 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
 /// then sees the stale confirmation. It carries generation 1, the new env waits for 2.
 #[tokio::test]
 async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
-    let (router, source, store, tx) = manual(RouterConfig {
-        unsubscribe_linger_ms: 0,
-        ..cfg()
-    });
+    let (router, source, store, tx) = manual(linger(0));
     store.put(row("r1", &[], None));
     // No await point below lets the pump run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
-    let a = router
-        .register(Feed {
-            env_id: crate::protocol::EnvId::from(ENV),
-            filter: run_feed("zz"),
-            cols: ColumnSet::ALL,
-            since: None,
-        })
-        .await;
+    let a = router.register(feed(run_feed("zz"), None)).await;
     tx.send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
     drop(a);
-    let b = router
-        .register(Feed {
-            env_id: crate::protocol::EnvId::from(ENV),
-            filter: run_feed("r1"),
-            cols: ColumnSet::ALL,
-            since: None,
-        })
-        .await;
+    let b = router.register(feed(run_feed("r1"), None)).await;
     assert_eq!(
         source.calls(),
         vec![
@@ -1926,17 +1840,11 @@ async fn gate_02_hydrate_waits_for_the_replica_to_replay_the_commit() {
 async fn gate_06_stale_row_is_withheld_and_the_fresh_version_delivered() {
     let (h, _replica) = gated(1_000, 3);
     let f = h.reg(run_feed("r1"), None).await;
-    h.store.put(RunRow {
-        updated_at_ms: 1_000,
-        ..row("r1", &[], None)
-    }); // stale copy
+    h.store.put(version("r1", 1_000)); // stale copy
     h.push(watermarked("r1", 2_000));
     eventually("first hydrate", || h.store.hydrate_count() >= 1).await;
     assert!(f.take().rows.is_empty(), "stale row withheld");
-    h.store.put(RunRow {
-        updated_at_ms: 2_000,
-        ..row("r1", &[], None)
-    });
+    h.store.put(version("r1", 2_000));
     let w = wake(&f).await;
     assert_eq!(
         w.rows
@@ -1970,10 +1878,7 @@ async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
     let (h, _replica) = gated(1_000, 0);
     let f = h.reg(run_feed("r1"), None).await;
     let now = crate::clock::now_ms();
-    h.store.put(RunRow {
-        updated_at_ms: now - 10,
-        ..row("r1", &[], None)
-    });
+    h.store.put(version("r1", now - 10));
     h.push(watermarked("r1", now));
     let first = wake(&f).await;
     assert_eq!(
@@ -1982,10 +1887,7 @@ async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
         "liveness: stale row delivered"
     );
     assert_eq!(load(&h.router.stats().stale_gave_up), 1);
-    h.store.put(RunRow {
-        updated_at_ms: now,
-        ..row("r1", &[], None)
-    });
+    h.store.put(version("r1", now));
     let echo = wake(&f).await;
     assert_eq!(echo.rows[0].meta.updated_at_ms, now);
 }
@@ -1996,10 +1898,7 @@ async fn gate_09_gave_up_delivers_stale_then_echo_delivers_fresh() {
 async fn gate_10_applied_gate_trusts_records_without_watermark() {
     let (h, _replica) = gated(1_000, 3);
     let f = h.reg(run_feed("r1"), None).await;
-    h.store.put(RunRow {
-        updated_at_ms: 1,
-        ..row("r1", &[], None)
-    });
+    h.store.put(version("r1", 1));
     h.push(full("r1", &[]));
     let w = wake(&f).await;
     assert_eq!(ids(&w.rows), vec!["r1"]);

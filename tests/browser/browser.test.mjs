@@ -73,19 +73,13 @@ before(async () => {
 });
 
 after(async () => {
-  try {
-    await context?.close();
-  } catch {}
-  try {
-    await browser?.close();
-  } catch {}
-  web?.server.close();
-  try {
-    await server?.stop();
-  } catch {}
-  try {
-    await fixture?.close();
-  } catch {}
+  // Every step runs, whichever of them fails.
+  const steps = [() => context?.close(), () => browser?.close(), () => web?.server.close(), () => server?.stop(), () => fixture?.close()];
+  for (const step of steps) {
+    try {
+      await step();
+    } catch {}
+  }
   if (db) await dropDatabase(db.name).catch(() => {});
 });
 

@@ -8,8 +8,14 @@
 
 #![allow(dead_code)]
 
+pub mod checks;
+pub mod feed;
+#[allow(unused_imports)] // not every test binary asserts on feeds
+pub use feed::*;
+
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fred::interfaces::{ClientLike, PubsubInterface};
@@ -18,7 +24,9 @@ use runfeed::app::{self, Running};
 use runfeed::auth::mint_public_token;
 use runfeed::changes::{channel_name, ChangeRecord};
 use runfeed::config::Config;
+use runfeed::protocol::EnvId;
 use runfeed::redis::{Publisher, RedisOptions};
+use runfeed::router::Router;
 use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, RunUpdate, TestDb};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -33,12 +41,73 @@ pub const CURRENT_API_VERSION: &str = "2025-07-16";
 /// Bound on any single awaited operation that is not a deliberate long hold.
 pub const WAIT: Duration = Duration::from_secs(30);
 
+/// The Postgres server of tests that drive the binary: `RUNFEED_TEST_PG`, else [`PG_ADMIN`].
+pub fn pg_base() -> String {
+    std::env::var("RUNFEED_TEST_PG").unwrap_or_else(|_| PG_ADMIN.to_string())
+}
+
+/// The Redis of tests that drive the binary: `RUNFEED_TEST_REDIS`, else [`REDIS_URL`].
+pub fn redis_url() -> String {
+    std::env::var("RUNFEED_TEST_REDIS").unwrap_or_else(|_| REDIS_URL.to_string())
+}
+
+/// Runs `test` on a fresh database of [`pg_base`] and drops the database afterwards (also when
+/// `test` returned an error).
+pub async fn with_test_db(
+    test: impl AsyncFnOnce(&TestDb) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let db = TestDb::create(&pg_base()).await?;
+    let result = test(&db).await;
+    db.cleanup().await?;
+    result
+}
+
 /// Awaits `fut` for at most `limit`, panicking with `what` otherwise.
 pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
     match tokio::time::timeout(limit, fut).await {
         Ok(v) => v,
         Err(_) => panic!("timed out after {limit:?}: {what}"),
     }
+}
+
+/// Awaits a fixture step (bounded by [`WAIT`]), panicking with `what` if it fails.
+pub async fn made<T>(what: &str, fut: impl Future<Output = anyhow::Result<T>>) -> T {
+    within(WAIT, what, fut)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+}
+
+/// Waits until the store's query counter stops moving (unchanged for 200 ms, at most 10 s);
+/// returns the settled count.
+pub async fn settle_queries(store: &runfeed::store::PgStore) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = store.query_count();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = store.query_count();
+        if now == last {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "store queries never settled");
+        last = now;
+    }
+}
+
+/// A TCP port on 127.0.0.1 nothing listens on (bound, read, released).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// A `redis-server` command for 127.0.0.1:`port` without persistence, its output discarded; the
+/// caller adds arguments and spawns it.
+pub fn redis_server(port: u16) -> std::process::Command {
+    let mut cmd = std::process::Command::new("redis-server");
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    cmd
 }
 
 /// Polls `cond` every 5 ms until it holds or `limit` passes (waiting on an observable).
@@ -218,6 +287,16 @@ impl Url {
         self.clone().q("log", "full").q("offset", "-1")
     }
 
+    /// The live request the client sends after response `r`: its handle, offset and cursor.
+    pub fn live_after(&self, r: &Resp) -> Url {
+        self.live(&r.handle(), &r.offset(), r.cursor().as_deref())
+    }
+
+    /// A live request at response `r`'s handle and offset, without a cursor.
+    pub fn live_at(&self, r: &Resp) -> Url {
+        self.live(&r.handle(), &r.offset(), None)
+    }
+
     /// The live request following a response with (`handle`, `offset`, `cursor`).
     pub fn live(&self, handle: &str, offset: &str, cursor: Option<&str>) -> Url {
         self.clone()
@@ -234,6 +313,50 @@ impl Url {
             .q("handle", handle)
             .q("log", "full")
             .q("offset", offset)
+    }
+}
+
+/// The run feed of run `friendly_id` (`/realtime/v1/runs/:runId`).
+pub fn run_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/runs/{friendly_id}"))
+}
+
+/// The tag feed of the comma-separated `tags` (`/realtime/v1/runs?tags=…`).
+pub fn tag_url(tags: &str) -> Url {
+    Url::new("/realtime/v1/runs").q("tags", tags)
+}
+
+/// The batch feed of batch `friendly_id` (`/realtime/v1/batches/:batchId`).
+pub fn batch_url(friendly_id: &str) -> Url {
+    Url::new(&format!("/realtime/v1/batches/{friendly_id}"))
+}
+
+/// The run, tag and batch feeds of one run: `[run_url, tag_url, batch_url]`.
+pub fn feed_urls(run_fid: &str, tags: &str, batch_fid: &str) -> [Url; 3] {
+    [run_url(run_fid), tag_url(tags), batch_url(batch_fid)]
+}
+
+/// A run spec with `tags` and otherwise the fixture defaults.
+pub fn tagged(tags: &[&str]) -> RunSpec {
+    RunSpec {
+        tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+        ..RunSpec::default()
+    }
+}
+
+/// A run spec with `tags`, in the batch with internal id `batch_id`.
+pub fn tagged_in_batch(tags: &[&str], batch_id: &str) -> RunSpec {
+    RunSpec {
+        batch_id: Some(batch_id.to_string()),
+        ..tagged(tags)
+    }
+}
+
+/// A run spec with `tags`, created `age_ms` before `now_ms`.
+pub fn tagged_aged(tags: &[&str], now_ms: i64, age_ms: i64) -> RunSpec {
+    RunSpec {
+        created_at_ms: Some(now_ms - age_ms),
+        ..tagged(tags)
     }
 }
 
@@ -255,6 +378,51 @@ pub fn with(mut headers: Vec<(String, String)>, name: &str, value: &str) -> Vec<
     headers
 }
 
+/// Sends `url` with `headers` to `srv` from a task of its own (abort the task to have the client
+/// go away mid-request).
+pub fn spawn_fetch(
+    srv: &std::sync::Arc<TestServer>,
+    url: &Url,
+    headers: &[(String, String)],
+) -> tokio::task::JoinHandle<Resp> {
+    let (srv, url, headers) = (srv.clone(), url.clone(), headers.to_vec());
+    tokio::spawn(async move { srv.fetch(&url, &headers).await })
+}
+
+/// `req` with `headers` added.
+pub fn with_headers(
+    mut req: reqwest::RequestBuilder,
+    headers: &[(String, String)],
+) -> reqwest::RequestBuilder {
+    for (k, v) in headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    req
+}
+
+/// Sends `req` and reads the whole response, each step bounded by `limit`.
+pub async fn send(req: reqwest::RequestBuilder, limit: Duration) -> Result<Resp, String> {
+    let started = Instant::now();
+    let resp = tokio::time::timeout(limit, req.send())
+        .await
+        .map_err(|_| format!("no response within {limit:?}"))?
+        .map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let text = tokio::time::timeout(limit, resp.text())
+        .await
+        .map_err(|_| format!("no body within {limit:?}"))?
+        .map_err(|e| e.to_string())?;
+    let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Ok(Resp {
+        status,
+        headers,
+        text,
+        json,
+        elapsed: started.elapsed(),
+    })
+}
+
 /// One in-process runfeed server with its own database.
 pub struct TestServer {
     running: Option<Running>,
@@ -268,6 +436,26 @@ pub struct TestServer {
     pub config: Config,
 }
 
+/// One run of a new environment, followed on its run feed by a modern client with a
+/// `read:runs` token: the headers, the feed and its (200) snapshot.
+pub struct FollowedRun {
+    pub env: DemoEnv,
+    pub run: CreatedRun,
+    pub headers: Vec<(String, String)>,
+    pub url: Url,
+    pub snap: Resp,
+}
+
+/// One run tagged `tag` of a new environment and the snapshots of its run feed and of the tag
+/// feed, taken by a client with `headers`.
+pub struct RunAndTagSnapshots {
+    pub env: DemoEnv,
+    pub run: CreatedRun,
+    pub headers: Vec<(String, String)>,
+    /// `(run feed, its snapshot)`, then `(tag feed, its snapshot)`.
+    pub feeds: Vec<(Url, Resp)>,
+}
+
 /// Another runfeed instance on the same database (instance hop, restart).
 pub struct Peer {
     pub running: Running,
@@ -278,6 +466,29 @@ impl TestServer {
     /// A server with the given live hold (ms) and otherwise [`test_config`] defaults.
     pub async fn start(hold_ms: u64) -> TestServer {
         Self::start_with(hold_ms, |_| {}).await
+    }
+
+    /// A server with the given live hold and a new environment on it.
+    pub async fn with_env(hold_ms: u64) -> (TestServer, DemoEnv) {
+        let srv = Self::start(hold_ms).await;
+        let env = srv.env().await;
+        (srv, env)
+    }
+
+    /// A server that routes every change record on its own (no coalescing window), with the
+    /// given live hold, and a new environment on it.
+    pub async fn uncoalesced_with_env(hold_ms: u64) -> (TestServer, DemoEnv) {
+        Self::start_with_env(hold_ms, |c| c.router.coalesce_ceiling_ms = 0).await
+    }
+
+    /// [`TestServer::start_with`] and a new environment on the server.
+    pub async fn start_with_env(
+        hold_ms: u64,
+        tweak: impl FnOnce(&mut Config),
+    ) -> (TestServer, DemoEnv) {
+        let srv = Self::start_with(hold_ms, tweak).await;
+        let env = srv.env().await;
+        (srv, env)
     }
 
     /// A server with the given live hold; `tweak` edits the config before start.
@@ -336,26 +547,31 @@ impl TestServer {
         Peer { running, base }
     }
 
+    /// Has this server and `peer` both serve `env_id` (a 200 for `warm` from each), then waits
+    /// until both routers have a confirmed subscription and Redis counts the subscriber.
+    pub async fn warm_with_peer(
+        &self,
+        peer: &Peer,
+        env_id: &str,
+        warm: &Url,
+        headers: &[(String, String)],
+    ) {
+        self.fetch(warm, headers).await.assert_status(200);
+        self.fetch_at(&peer.base, warm, headers)
+            .await
+            .assert_status(200);
+        wait_confirmed(&self.running().router, env_id, "subscription confirmed").await;
+        wait_confirmed(&peer.running.router, env_id, "peer subscription confirmed").await;
+        self.wait_subscribed(env_id).await;
+    }
+
     /// `GET url` on another instance.
     pub async fn fetch_at(&self, base: &str, url: &Url, headers: &[(String, String)]) -> Resp {
         let full = format!("{base}{}", url.render());
-        let mut req = self.http.get(&full);
-        for (k, v) in headers {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        let started = Instant::now();
-        let resp = within(WAIT, &full, req.send()).await.expect("send");
-        let status = resp.status().as_u16();
-        let hdrs = resp.headers().clone();
-        let text = within(WAIT, &full, resp.text()).await.expect("body");
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp {
-            status,
-            headers: hdrs,
-            text,
-            json,
-            elapsed: started.elapsed(),
-        }
+        let req = with_headers(self.http.get(&full), headers);
+        send(req, WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("GET {full}: {e}"))
     }
 
     pub fn running(&self) -> &Running {
@@ -389,29 +605,10 @@ impl TestServer {
         headers: &[(String, String)],
         limit: Duration,
     ) -> Resp {
-        let url = format!("{}{}", self.base, path);
-        let mut req = client.get(&url);
-        for (k, v) in headers {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        let started = Instant::now();
-        let resp = within(limit, &format!("GET {path}"), req.send())
+        let req = with_headers(client.get(format!("{}{}", self.base, path)), headers);
+        send(req, limit)
             .await
-            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
-        let status = resp.status().as_u16();
-        let hdrs = resp.headers().clone();
-        let text = within(limit, &format!("body of GET {path}"), resp.text())
-            .await
-            .expect("read body");
-        let elapsed = started.elapsed();
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp {
-            status,
-            headers: hdrs,
-            text,
-            json,
-            elapsed,
-        }
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
     }
 
     /// An arbitrary request (e.g. `OPTIONS`).
@@ -422,56 +619,99 @@ impl TestServer {
         headers: &[(String, String)],
     ) -> Resp {
         let url = format!("{}{}", self.base, path);
-        let mut req = self.http.request(method, &url);
-        for (k, v) in headers {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        let started = Instant::now();
-        let resp = within(WAIT, path, req.send()).await.expect("send");
-        let status = resp.status().as_u16();
-        let hdrs = resp.headers().clone();
-        let text = within(WAIT, path, resp.text()).await.expect("body");
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp {
-            status,
-            headers: hdrs,
-            text,
-            json,
-            elapsed: started.elapsed(),
-        }
+        let req = with_headers(self.http.request(method.clone(), &url), headers);
+        send(req, WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
     }
 
     // ----- fixtures -----
 
     pub async fn env(&self) -> DemoEnv {
-        within(
-            WAIT,
+        made(
             "create env",
             fixtures::create_env(self.pool(), "DEVELOPMENT"),
         )
         .await
-        .expect("create env")
     }
 
     pub async fn run(&self, env: &DemoEnv, spec: RunSpec) -> CreatedRun {
-        within(
-            WAIT,
-            "create run",
-            fixtures::create_run(self.pool(), env, spec),
-        )
-        .await
-        .expect("create run")
+        made("create run", fixtures::create_run(self.pool(), env, spec)).await
     }
 
-    /// A PENDING run with `tags` (and optional internal batch id).
+    /// A new environment's run and its run feed's snapshot (see [`FollowedRun`]).
+    pub async fn follow_new_run(&self) -> FollowedRun {
+        let env = self.env().await;
+        let run = self.run(&env, RunSpec::default()).await;
+        let headers = modern(&self.token(&env, &["read:runs"]));
+        let url = run_url(&run.friendly_id);
+        let snap = self.fetch(&url.snapshot(), &headers).await;
+        snap.assert_status(200);
+        FollowedRun {
+            env,
+            run,
+            headers,
+            url,
+            snap,
+        }
+    }
+
+    /// See [`RunAndTagSnapshots`]; `headers_of` builds the client's headers from the
+    /// environment's secret key ([`modern`] or [`legacy`]).
+    pub async fn run_and_tag_snapshots(
+        &self,
+        tag: &str,
+        headers_of: fn(&str) -> Vec<(String, String)>,
+    ) -> RunAndTagSnapshots {
+        let env = self.env().await;
+        let run = self.tagged_run(&env, &[tag]).await;
+        let headers = headers_of(&env.api_key);
+        let mut feeds = Vec::new();
+        for url in [run_url(&run.friendly_id), tag_url(tag)] {
+            let snap = self.fetch(&url.snapshot(), &headers).await;
+            feeds.push((url, snap));
+        }
+        RunAndTagSnapshots {
+            env,
+            run,
+            headers,
+            feeds,
+        }
+    }
+
+    /// `N` runs of `env` with the fixture defaults.
+    pub async fn default_runs<const N: usize>(&self, env: &DemoEnv) -> [CreatedRun; N] {
+        let mut runs = Vec::with_capacity(N);
+        for _ in 0..N {
+            runs.push(self.run(env, RunSpec::default()).await);
+        }
+        runs.try_into().expect("N runs")
+    }
+
+    /// A public access token of `env` scoped to `run` alone (`read:runs:<friendly id>`).
+    pub fn run_token(&self, env: &DemoEnv, run: &CreatedRun) -> String {
+        token(env, &[&format!("read:runs:{}", run.friendly_id)])
+    }
+
+    /// A PENDING run with `tags`.
     pub async fn tagged_run(&self, env: &DemoEnv, tags: &[&str]) -> CreatedRun {
-        let spec = RunSpec {
-            tags: Some(tags.iter().map(|t| t.to_string()).collect()),
-            ..RunSpec::default()
-        };
-        self.run(env, spec).await
+        self.run(env, tagged(tags)).await
     }
 
+    /// `N` PENDING runs, each with `tags`.
+    pub async fn tagged_runs<const N: usize>(
+        &self,
+        env: &DemoEnv,
+        tags: &[&str],
+    ) -> [CreatedRun; N] {
+        let mut runs = Vec::with_capacity(N);
+        for _ in 0..N {
+            runs.push(self.tagged_run(env, tags).await);
+        }
+        runs.try_into().expect("N runs")
+    }
+
+    /// A run without tags in the batch with internal id `batch_id`.
     pub async fn batch_run(&self, env: &DemoEnv, batch_id: &str) -> CreatedRun {
         let spec = RunSpec {
             batch_id: Some(batch_id.to_string()),
@@ -480,37 +720,39 @@ impl TestServer {
         self.run(env, spec).await
     }
 
+    /// A new batch with one run carrying `tags` in it: `(run, internal batch id, friendly batch id)`.
+    pub async fn batched_run(&self, env: &DemoEnv, tags: &[&str]) -> (CreatedRun, String, String) {
+        let (batch_id, batch_fid) = self.batch(env).await;
+        let run = self.run(env, tagged_in_batch(tags, &batch_id)).await;
+        (run, batch_id, batch_fid)
+    }
+
     /// `(internal id, friendly id)`.
     pub async fn batch(&self, env: &DemoEnv) -> (String, String) {
-        within(
-            WAIT,
-            "create batch",
-            fixtures::create_batch(self.pool(), env),
-        )
-        .await
-        .expect("create batch")
+        made("create batch", fixtures::create_batch(self.pool(), env)).await
     }
 
     /// Applies `set`; returns the committed `updatedAt` ms.
     pub async fn update(&self, run_id: &str, set: RunUpdate) -> i64 {
-        within(
-            WAIT,
-            "update run",
-            fixtures::update_run(self.pool(), run_id, set),
-        )
-        .await
-        .expect("update run")
+        made("update run", fixtures::update_run(self.pool(), run_id, set)).await
     }
 
     pub async fn set_status(&self, run_id: &str, status: &str) -> i64 {
-        self.update(
-            run_id,
-            RunUpdate {
-                status: Some(status.into()),
-                ..RunUpdate::default()
-            },
-        )
-        .await
+        let set = RunUpdate {
+            status: Some(status.into()),
+            ..RunUpdate::default()
+        };
+        self.update(run_id, set).await
+    }
+
+    /// `url` is refused as bad input: 400 for a modern client, 422 for a legacy one (which
+    /// loops on 400), each with a JSON `{"error": …}` (docs/protocol.md §8).
+    pub async fn assert_bad_input(&self, url: &Url, key: &str, what: &str) {
+        for (headers, status) in [(modern(key), 400), (legacy(key), 422)] {
+            let r = self.fetch(url, &headers).await;
+            assert_eq!(r.status, status, "{what}: {}", r.text);
+            assert!(r.json["error"].is_string(), "{what}: {}", r.text);
+        }
     }
 
     // ----- change records -----
@@ -570,6 +812,23 @@ impl TestServer {
         }
     }
 
+    /// A record naming only the run (no tags, no batch id, no `updatedAtMs`): docs/trigger-dev.md §5's
+    /// partial records.
+    pub fn partial_record(env: &DemoEnv, run_id: &str) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run_id.to_string().into(),
+            env_id: env.env_id.clone().into(),
+            ..ChangeRecord::default()
+        }
+    }
+
+    /// Publishes the record of `run` as it was created (tags as given, its `updatedAt`).
+    pub async fn publish_created(&self, env: &DemoEnv, run: &CreatedRun, tags: &[&str]) {
+        self.publish(&Self::record(env, &run.id, tags, None, run.updated_at_ms))
+            .await;
+    }
+
     /// Updates the status of a run and publishes its change record.
     pub async fn change(
         &self,
@@ -594,16 +853,7 @@ impl TestServer {
 
     /// A public access token with a `realtime.skipColumns` claim.
     pub fn token_skip(&self, env: &DemoEnv, scopes: &[&str], skip: &[&str]) -> String {
-        let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
-        let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
-        mint_public_token(
-            &env.api_key,
-            &env.env_id,
-            &scopes,
-            Duration::from_secs(900),
-            Some(&skip),
-        )
-        .expect("mint token")
+        mint_with(&env.api_key, &env.env_id, scopes, TOKEN_TTL, Some(skip))
     }
 
     /// `http://<admin listener>` (`/metrics`, `/healthz`, `/readyz`).
@@ -624,9 +874,51 @@ impl TestServer {
             .expect("/metrics body")
     }
 
+    /// Record batches the router has routed so far.
+    pub fn routed_batches(&self) -> u64 {
+        self.running().router.stats().batches.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the router has routed more than `before` record batches.
+    pub async fn wait_routed(&self, before: u64, what: &str) {
+        let router = self.running().router.clone();
+        wait_until(WAIT, what, || {
+            router.stats().batches.load(Ordering::SeqCst) > before
+        })
+        .await;
+    }
+
+    /// Store hydrates the router has made so far.
+    pub fn hydrates(&self) -> u64 {
+        self.running()
+            .router
+            .stats()
+            .hydrates
+            .load(Ordering::SeqCst)
+    }
+
     /// Held feeds `(run, tag, batch)`.
     pub fn held(&self) -> (usize, usize, usize) {
         self.running().router.held_feeds()
+    }
+
+    /// Sends the `live` requests, runs `act` once the router's held feeds `(run, tag, batch)`
+    /// satisfy `held`, and returns the answers (in order) with `act`'s result; bounded by [`WAIT`].
+    pub async fn polls_during<const N: usize, T>(
+        &self,
+        live: [Url; N],
+        headers: &[(String, String)],
+        held: impl Fn((usize, usize, usize)) -> bool,
+        act: impl Future<Output = T>,
+    ) -> ([Resp; N], T) {
+        let polls = futures::future::join_all(live.iter().map(|u| self.fetch(u, headers)));
+        let act = async {
+            self.wait_held("the live polls held", held).await;
+            act.await
+        };
+        let (answers, out) =
+            within(WAIT, "held live polls", async { tokio::join!(polls, act) }).await;
+        (answers.try_into().expect("one answer per poll"), out)
     }
 
     /// Waits until `held()` satisfies `cond`.
@@ -636,16 +928,37 @@ impl TestServer {
     }
 }
 
+/// Waits until `router` has a confirmed subscription for `env_id` (a touch then hands out a
+/// usable cursor).
+pub async fn wait_confirmed(router: &Router, env_id: &str, what: &str) {
+    let env_id = EnvId::from(env_id);
+    wait_until(WAIT, what, || router.touch(&env_id).epoch != 0).await;
+}
+
+/// The lifetime of the tests' public access tokens.
+pub const TOKEN_TTL: Duration = Duration::from_secs(900);
+
+/// A public access token for `env` with `scopes` ([`TOKEN_TTL`]).
 pub fn token(env: &DemoEnv, scopes: &[&str]) -> String {
+    mint(&env.api_key, &env.env_id, scopes, TOKEN_TTL)
+}
+
+/// A public access token for `env_id` signed with `key`, valid for `ttl`.
+pub fn mint(key: &str, env_id: &str, scopes: &[&str], ttl: Duration) -> String {
+    mint_with(key, env_id, scopes, ttl, None)
+}
+
+/// [`mint`] with an optional `realtime.skipColumns` claim.
+pub fn mint_with(
+    key: &str,
+    env_id: &str,
+    scopes: &[&str],
+    ttl: Duration,
+    skip: Option<&[&str]>,
+) -> String {
     let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
-    mint_public_token(
-        &env.api_key,
-        &env.env_id,
-        &scopes,
-        Duration::from_secs(900),
-        None,
-    )
-    .expect("mint token")
+    let skip: Option<Vec<String>> = skip.map(|s| s.iter().map(|c| c.to_string()).collect());
+    mint_public_token(key, env_id, &scopes, ttl, skip.as_deref()).expect("mint token")
 }
 
 impl Drop for TestServer {
@@ -731,29 +1044,12 @@ impl Follower {
             None => self.url.snapshot(),
             Some(h) => self.url.live(h, &self.offset, self.cursor.as_deref()),
         };
-        let full = format!("{srv_base}{}", url.render());
-        let mut req = client.get(&full);
-        for (k, v) in &self.headers {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        let resp = tokio::time::timeout(WAIT, req.send())
-            .await
-            .map_err(|_| "timeout".to_string())?
-            .map_err(|e| e.to_string())?;
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let text = tokio::time::timeout(WAIT, resp.text())
-            .await
-            .map_err(|_| "timeout".to_string())?
-            .map_err(|e| e.to_string())?;
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        let r = Resp {
-            status,
-            headers,
-            text,
-            json,
-            elapsed: Duration::ZERO,
-        };
+        let req = with_headers(
+            client.get(format!("{srv_base}{}", url.render())),
+            &self.headers,
+        );
+        let r = send(req, WAIT).await?;
+        let status = r.status;
         if status != 200 {
             return Err(format!("status {status}: {}", r.text));
         }

@@ -3,9 +3,9 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import {
-  setupWorld,
+  setupEnvWorld,
   raw,
-  qs,
+  runPath,
   openShape,
   sdkSubscribe,
   isUpToDate,
@@ -18,18 +18,10 @@ const HOLD_MS = 3000;
 let world, fx, env, token, short;
 
 before(async () => {
-  world = await setupWorld({ servers: { short: { holdMs: HOLD_MS } } });
-  fx = world.fixture;
-  short = world.servers.short.baseUrl;
-  env = await fx.createEnv();
-  token = await world.token(env.id, ["read:runs"]);
+  ({ world, fx, env, token, base: short } = await setupEnvWorld({ short: { holdMs: HOLD_MS } }));
 });
 
-after(async () => {
-  await world?.teardown();
-});
-
-const runPath = (run, params = {}) => `/realtime/v1/runs/${run.friendlyId}${qs(params)}`;
+after(() => world?.teardown());
 
 function assertEndsUpToDate(res) {
   assert.ok(Array.isArray(res.json), `body is not a JSON array: ${res.text.slice(0, 300)}`);
@@ -316,18 +308,6 @@ test("scenario 24: skipColumns", async () => {
 test("scenario 28: timestamps", async () => {
   const base = Date.now() - 120000;
   const ms = (k) => base - (base % 1000) + k;
-  const run = await fx.createRun(env, {
-    createdAt: ms(123),
-    updatedAt: ms(5456),
-    queuedAt: ms(1001),
-    startedAt: ms(2789),
-    completedAt: ms(4999),
-    delayUntil: ms(7),
-    expiredAt: ms(90),
-  });
-  const res = await raw(short, runPath(run, { log: "full", offset: "-1" }), { token });
-  assert.equal(res.status, 200, res.text);
-  const value = res.json.find(isChange).value;
   const expected = {
     createdAt: ms(123),
     updatedAt: ms(5456),
@@ -337,6 +317,10 @@ test("scenario 28: timestamps", async () => {
     delayUntil: ms(7),
     expiredAt: ms(90),
   };
+  const run = await fx.createRun(env, { ...expected });
+  const res = await raw(short, runPath(run, { log: "full", offset: "-1" }), { token });
+  assert.equal(res.status, 200, res.text);
+  const value = res.json.find(isChange).value;
   for (const [col, v] of Object.entries(expected)) {
     assert.match(value[col], WIRE_TS, `${col}=${value[col]}`);
     assert.equal(value[col], wireTs(v), col);

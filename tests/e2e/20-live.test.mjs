@@ -5,26 +5,29 @@ import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
-import { setupWorld, raw, qs, openShape, sdkSubscribe, isUpToDate, isChange, sleep, waitFor, E2E_DIR, SDK_HEADERS } from "./lib.mjs";
+import { setupEnvWorld, raw, runPath, openShape, sdkSubscribe, isUpToDate, isChange, sleep, waitFor, E2E_DIR, SDK_HEADERS } from "./lib.mjs";
 
 const SHORT_HOLD_MS = 2500;
 const LONG_HOLD_MS = 20000; // the production default: a change that only arrived through the backstop would take ~20 s
 let world, fx, env, token, short, long;
 
 before(async () => {
-  world = await setupWorld({ servers: { short: { holdMs: SHORT_HOLD_MS }, long: { holdMs: LONG_HOLD_MS } } });
-  fx = world.fixture;
-  short = world.servers.short.baseUrl;
-  long = world.servers.long.baseUrl;
-  env = await fx.createEnv();
-  token = await world.token(env.id, ["read:runs"]);
+  let bases;
+  ({ world, fx, env, token, bases } = await setupEnvWorld({ short: { holdMs: SHORT_HOLD_MS }, long: { holdMs: LONG_HOLD_MS } }));
+  ({ short, long } = bases);
 });
 
-after(async () => {
-  await world?.teardown();
-});
+after(() => world?.teardown());
 
-const runPath = (run, params = {}) => `/realtime/v1/runs/${run.friendlyId}${qs(params)}`;
+/** A Shape and an SDK subscription of `run` on the long-hold server; the Shape holds a live request. */
+async function followLive(run) {
+  const c = await openShape({ baseUrl: long, path: runPath(run), token });
+  world.track(() => c.close());
+  const s = await sdkSubscribe({ baseUrl: long, token, kind: "run", id: run.friendlyId });
+  world.track(() => s.close());
+  await c.waitLive();
+  return { c, s };
+}
 
 test("scenario 04: live hold with no change", async (t) => {
   const run = await fx.createRun(env, { status: "EXECUTING" });
@@ -77,11 +80,7 @@ test("scenario 04: live hold with no change", async (t) => {
 
 test("scenario 05: live wake on change", async () => {
   const run = await fx.createRun(env, { status: "PENDING", tags: ["user:bob"] });
-  const c = await openShape({ baseUrl: long, path: runPath(run), token });
-  world.track(() => c.close());
-  const s = await sdkSubscribe({ baseUrl: long, token, kind: "run", id: run.friendlyId });
-  world.track(() => s.close());
-  await c.waitLive();
+  const { c, s } = await followLive(run);
   await s.waitFor(() => s.runs.length === 1 && s.pendingLive(), { what: "SDK first run + live request" });
   const held = c.pendingLive();
   const key = [...c.rows.keys()][0];
@@ -111,11 +110,7 @@ test("scenario 05: live wake on change", async () => {
 
 test("latency: a committed + published change reaches the client well under a second", async (t) => {
   const run = await fx.createRun(env, { status: "EXECUTING", tags: ["latency"] });
-  const c = await openShape({ baseUrl: long, path: runPath(run), token });
-  world.track(() => c.close());
-  const s = await sdkSubscribe({ baseUrl: long, token, kind: "run", id: run.friendlyId });
-  world.track(() => s.close());
-  await c.waitLive();
+  const { c, s } = await followLive(run);
   await s.waitFor(() => s.runs.length >= 1 && s.pendingLive(), { what: "SDK live" });
   const key = [...c.rows.keys()][0];
   const shapeMs = [];

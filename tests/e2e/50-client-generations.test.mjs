@@ -3,24 +3,16 @@
 // (docs/protocol.md §1, §8, §10; §11 scenarios 25, 26).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { setupWorld, raw, qs, openShape, isUpToDate, isChange } from "./lib.mjs";
+import { setupEnvWorld, raw, qs, runPath, openShape, isUpToDate, isChange } from "./lib.mjs";
 
 const HOLD_MS = 20000;
 let world, fx, env, token, base;
 
 before(async () => {
-  world = await setupWorld({ servers: { main: { holdMs: HOLD_MS } } });
-  fx = world.fixture;
-  base = world.servers.main.baseUrl;
-  env = await fx.createEnv();
-  token = await world.token(env.id, ["read:runs"]);
+  ({ world, fx, env, token, base } = await setupEnvWorld({ main: { holdMs: HOLD_MS } }));
 });
 
-after(async () => {
-  await world?.teardown();
-});
-
-const runPath = (run, params = {}) => `/realtime/v1/runs/${run.friendlyId}${qs(params)}`;
+after(() => world?.teardown());
 
 test("scenario 25: legacy 0.6.3 client", async () => {
   const run = await fx.createRun(env, { status: "PENDING", tags: ["legacy"] });

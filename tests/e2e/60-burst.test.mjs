@@ -3,7 +3,7 @@
 // view must equal the database. The live hold is 20 s, so nothing may rely on the backstop.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { setupWorld, openShape, sdkSubscribe, publish, qs, waitFor, withTimeout, sleep } from "./lib.mjs";
+import { setupEnvWorld, openShape, sdkSubscribe, publish, qs, waitFor, withTimeout, sleep } from "./lib.mjs";
 
 const HOLD_MS = 20000;
 const UPDATES = 100;
@@ -11,16 +11,10 @@ const SPREAD_MS = 3000;
 let world, fx, env, token, base;
 
 before(async () => {
-  world = await setupWorld({ servers: { main: { holdMs: HOLD_MS } } });
-  fx = world.fixture;
-  base = world.servers.main.baseUrl;
-  env = await fx.createEnv();
-  token = await world.token(env.id, ["read:runs"]);
+  ({ world, fx, env, token, base } = await setupEnvWorld({ main: { holdMs: HOLD_MS } }));
 });
 
-after(async () => {
-  await world?.teardown();
-});
+after(() => world?.teardown());
 
 // A deterministic PRNG so a failure can be replayed (seed printed in the test output).
 function prng(seed) {

@@ -575,6 +575,20 @@ export async function setupWorld({ servers = { main: {} } } = {}) {
   return world;
 }
 
+/**
+ * setupWorld with one environment and a `read:runs` token for it:
+ * `{ world, fx, env, token, bases, base }` (`bases`: server name → base URL; `base`: the
+ * first server's).
+ */
+export async function setupEnvWorld(servers) {
+  const world = await setupWorld({ servers });
+  const fx = world.fixture;
+  const bases = Object.fromEntries(Object.entries(world.servers).map(([name, s]) => [name, s.baseUrl]));
+  const env = await fx.createEnv();
+  const token = await world.token(env.id, ["read:runs"]);
+  return { world, fx, env, token, bases, base: Object.values(bases)[0] };
+}
+
 // ---------------------------------------------------------------------------------------------
 // raw HTTP (exact status/header checks)
 
@@ -602,6 +616,9 @@ export function qs(params) {
   const s = u.toString();
   return s ? `?${s}` : "";
 }
+
+/** The run feed of `run` (friendly id) with the query `params`. */
+export const runPath = (run, params = {}) => `/realtime/v1/runs/${run.friendlyId}${qs(params)}`;
 
 export const isUpToDate = (m) => m?.headers?.control === "up-to-date";
 export const isChange = (m) => m && typeof m === "object" && "key" in m;

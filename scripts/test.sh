@@ -48,7 +48,7 @@ summary() {
 
 cargo_tests() {
   local log="$LOG_DIR/cargo-test.log"
-  cargo test --locked 2>&1 | tee "$log"
+  cargo test --locked --no-fail-fast 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   # Sum the "test result:" lines of every test binary (unit, integration, doc).
   read -r CARGO_PASSED CARGO_FAILED < <(awk '/^test result:/ {

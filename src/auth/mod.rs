@@ -139,6 +139,30 @@ struct Caches {
     by_id: Cache<EnvId, Option<EnvRecord>>,
     branch: Cache<(EnvId, String), Option<EnvRecord>>,
     revoked_keys: Cache<EnvId, Vec<String>>,
+    /// Public tokens already verified with their environment's current signing key: a live
+    /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
+    /// largest single cost of a delivery (BENCHMARKS.md §3c).
+    verified: Cache<String, VerifiedToken>,
+}
+
+/// What a verified public token grants, kept so the next request with the same token skips the
+/// base64 + JSON decoding and the HMAC. Reused only while the environment's signing key is the
+/// one it was verified with and the token's own `nbf`/`exp` (seconds) allow it.
+#[derive(Clone)]
+struct VerifiedToken {
+    env_id: EnvId,
+    signing_key: Arc<str>,
+    not_before_s: Option<f64>,
+    expires_s: Option<f64>,
+    ability: Ability,
+    skip_columns: Option<Vec<String>>,
+}
+
+impl VerifiedToken {
+    fn usable_at(&self, now_s: u64) -> bool {
+        let now = now_s as f64;
+        self.not_before_s.is_none_or(|nbf| nbf <= now) && self.expires_s.is_none_or(|exp| exp > now)
+    }
 }
 
 /// Found environments by id (the public-token path) live `found`, misses `missing`.
@@ -186,6 +210,7 @@ impl Caches {
                 .build(),
             branch: build(ttl),
             revoked_keys: build(ttl),
+            verified: build(found_by_id_ttl.max(ttl)),
         }
     }
 }
@@ -302,6 +327,9 @@ impl Authenticator {
         branch: Option<&str>,
     ) -> Result<Principal, AuthError> {
         let token = bearer_token(authorization).ok_or(AuthError::Missing)?;
+        if let Some(principal) = self.reverify_public_token(token).await? {
+            return Ok(principal);
+        }
         if let Some(payload) = jwt::unverified_payload(token) {
             if payload.get("pub") == Some(&serde_json::Value::Bool(true)) {
                 let sub = payload
@@ -330,7 +358,11 @@ impl Authenticator {
         let signing_key = env.parent_api_key.as_deref().unwrap_or(&env.api_key);
         let now = jwt::now_s();
         let claims = match jwt::verify_public_token(token, signing_key, now) {
-            Ok(claims) => claims,
+            Ok(claims) => {
+                self.remember_verified(token, &env, signing_key, &claims)
+                    .await;
+                claims
+            }
             Err(VerifyFailure::Invalid) => return Err(AuthError::InvalidPublicToken),
             Err(VerifyFailure::Signature) => {
                 let signing_env_id = match (&env.parent_api_key, &env.parent_environment_id) {
@@ -352,6 +384,60 @@ impl Authenticator {
             ability: Ability::from_scopes(&jwt::scopes_claim(&claims)),
             skip_columns: jwt::skip_columns_claim(&claims),
         })
+    }
+
+    /// A public token verified earlier with its environment's current signing key, still inside
+    /// its `nbf`/`exp`: the same [`Principal`] without decoding or verifying again. `None` when
+    /// the token was not verified before (or is no longer usable): the full path decides.
+    async fn reverify_public_token(&self, token: &str) -> Result<Option<Principal>, AuthError> {
+        let Some(caches) = &self.caches else {
+            return Ok(None);
+        };
+        if !token.contains('.') {
+            return Ok(None);
+        }
+        let Some(verified) = caches.verified.get(token).await else {
+            return Ok(None);
+        };
+        if !verified.usable_at(jwt::now_s()) {
+            return Ok(None);
+        }
+        let env = match self.env_by_id(&verified.env_id).await? {
+            Some(env) if !env.project_deleted => env,
+            _ => return Ok(None),
+        };
+        let signing_key = env.parent_api_key.as_deref().unwrap_or(&env.api_key);
+        if signing_key != &*verified.signing_key {
+            return Ok(None);
+        }
+        Ok(Some(Principal {
+            env: AuthedEnv::of(&env),
+            ability: verified.ability,
+            skip_columns: verified.skip_columns,
+        }))
+    }
+
+    /// Keeps what `claims` (verified with `signing_key`, the current key of `env`) grant.
+    async fn remember_verified(
+        &self,
+        token: &str,
+        env: &EnvRecord,
+        signing_key: &str,
+        claims: &serde_json::Map<String, serde_json::Value>,
+    ) {
+        let Some(caches) = &self.caches else {
+            return;
+        };
+        let seconds = |name: &str| claims.get(name).and_then(serde_json::Value::as_f64);
+        let verified = VerifiedToken {
+            env_id: env.id.clone(),
+            signing_key: Arc::from(signing_key),
+            not_before_s: seconds("nbf"),
+            expires_s: seconds("exp"),
+            ability: Ability::from_scopes(&jwt::scopes_claim(claims)),
+            skip_columns: jwt::skip_columns_claim(claims),
+        };
+        caches.verified.insert(token.to_string(), verified).await;
     }
 
     async fn authenticate_secret_key(
@@ -687,5 +773,73 @@ mod tests {
             1,
             "only the miss is looked up again"
         );
+    }
+
+    /// A public token verified once is not decoded again, and grants exactly what it did.
+    #[tokio::test]
+    async fn a_reused_public_token_grants_what_it_granted_without_a_second_verification() {
+        let (_store, auth) = prod_auth(Duration::from_secs(60));
+        let skip = vec!["payload".to_string()];
+        let token = mint_public_token(
+            "tr_prod_key",
+            "env_1",
+            &["read:runs:run_1".to_string()],
+            Duration::from_secs(60),
+            Some(&skip),
+        )
+        .unwrap();
+        assert!(auth.reverify_public_token(&token).await.unwrap().is_none());
+        let first = auth
+            .authenticate(Some(&format!("Bearer {token}")), None)
+            .await
+            .unwrap();
+        let reused = auth
+            .reverify_public_token(&token)
+            .await
+            .unwrap()
+            .expect("the verified token is reused");
+        assert_eq!(reused.env.id, first.env.id);
+        assert_eq!(reused.ability, first.ability);
+        assert_eq!(reused.skip_columns, Some(skip));
+        let again = auth
+            .authenticate(Some(&format!("Bearer {token}")), None)
+            .await
+            .unwrap();
+        assert_eq!(again.ability, first.ability);
+    }
+
+    /// A token verified with a key that has since been rotated away is verified again (and
+    /// refused), not reused.
+    #[tokio::test]
+    async fn a_reused_public_token_is_refused_once_its_signing_key_rotates() {
+        let (store, auth) = prod_auth(Duration::from_secs(60));
+        let token =
+            mint_public_token("tr_prod_key", "env_1", &[], Duration::from_secs(60), None).unwrap();
+        let bearer = format!("Bearer {token}");
+        assert!(auth.authenticate(Some(&bearer), None).await.is_ok());
+        store.envs.lock().unwrap()[0].api_key = "tr_prod_rotated".into();
+        auth.caches.as_ref().unwrap().by_id.invalidate_all();
+        assert!(auth.reverify_public_token(&token).await.unwrap().is_none());
+        assert!(matches!(
+            auth.authenticate(Some(&bearer), None).await,
+            Err(AuthError::InvalidPublicToken)
+        ));
+    }
+
+    /// A remembered token is usable only inside its own `nbf`..`exp` (seconds).
+    #[test]
+    fn a_remembered_token_is_usable_only_inside_its_nbf_and_exp() {
+        let verified = VerifiedToken {
+            env_id: EnvId::new("env_1"),
+            signing_key: Arc::from("k"),
+            not_before_s: Some(100.0),
+            expires_s: Some(200.0),
+            ability: Ability::All,
+            skip_columns: None,
+        };
+        assert!(!verified.usable_at(99));
+        assert!(verified.usable_at(100));
+        assert!(verified.usable_at(199));
+        assert!(!verified.usable_at(200), "exp is exclusive, as in check_claims");
     }
 }

@@ -369,3 +369,40 @@ async fn late_redis_is_connected_in_background() {
     publisher.close().await;
     source.shutdown().await;
 }
+
+/// The concurrency script is sent by its SHA-1; when Redis no longer has it (a restarted or new
+/// node, `SCRIPT FLUSH`), it is loaded again, and admission keeps counting in Redis.
+#[tokio::test]
+async fn the_concurrency_script_is_loaded_again_when_redis_forgot_it() {
+    let redis = runfeed::redis::Redis::connect(standalone(REDIS_URL)).expect("client");
+    let script = redis.concurrency();
+    let env_id = env();
+    let admin = Client::new(Config::from_url(REDIS_URL).expect("url"), None, None, None);
+    admin.init().await.expect("admin connect");
+    let _: () = admin
+        .custom(
+            CustomCommand::new_static("SCRIPT", None, false),
+            vec!["FLUSH"],
+        )
+        .await
+        .expect("SCRIPT FLUSH");
+    let now = runfeed::clock::now_ms();
+    let first = timeout(WAIT, script.admit(&env_id, "a", 1, now)).await;
+    assert!(
+        matches!(first, Ok(Ok(true))),
+        "admitted after a flush: {first:?}"
+    );
+    let second = timeout(WAIT, script.admit(&env_id, "b", 1, now)).await;
+    assert!(
+        matches!(second, Ok(Ok(false))),
+        "the limit of 1 still holds: {second:?}"
+    );
+    let key = format!("{}{env_id}", runfeed::redis::limit::KEY_PREFIX);
+    let members: Vec<String> = admin
+        .zrange(&key, 0, -1, None, false, None, false)
+        .await
+        .expect("zrange");
+    assert_eq!(members, vec!["a".to_string()]);
+    let _: i64 = admin.del(&key).await.expect("del");
+    admin.quit().await.expect("quit");
+}

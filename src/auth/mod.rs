@@ -840,6 +840,9 @@ mod tests {
         assert!(!verified.usable_at(99));
         assert!(verified.usable_at(100));
         assert!(verified.usable_at(199));
-        assert!(!verified.usable_at(200), "exp is exclusive, as in check_claims");
+        assert!(
+            !verified.usable_at(200),
+            "exp is exclusive, as in check_claims"
+        );
     }
 }

@@ -158,22 +158,26 @@ impl Params {
     /// Query parameters; a repeated key keeps its last value (`Object.fromEntries`); unknown
     /// keys (`log`, `expired_handle`, `table`, …) are ignored.
     fn parse(raw: Option<&str>) -> Params {
-        let pairs: Vec<(String, String)> =
-            serde_urlencoded::from_str(raw.unwrap_or("")).unwrap_or_default();
         let mut p = Params::default();
         let mut shape_id = None;
-        for (k, v) in pairs {
-            match k.as_str() {
-                "offset" => p.offset = Some(v),
-                "handle" => p.handle = Some(v),
-                "shape_id" => shape_id = Some(v),
-                "live" => p.live = v == "true",
-                "cursor" => p.cursor = Some(v),
-                "tags" => p.tags = Some(v),
-                "createdAt" => p.created_at = Some(v),
-                "skipColumns" => p.skip_columns = Some(v),
-                _ => {}
-            }
+        // Percent- and `+`-decoded, invalid UTF-8 replaced (WHATWG `application/x-www-form-urlencoded`
+        // parsing, as `URLSearchParams` does); only the keys read here are copied.
+        for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+            let slot = match &*k {
+                "offset" => &mut p.offset,
+                "handle" => &mut p.handle,
+                "shape_id" => &mut shape_id,
+                "live" => {
+                    p.live = v == "true";
+                    continue;
+                }
+                "cursor" => &mut p.cursor,
+                "tags" => &mut p.tags,
+                "createdAt" => &mut p.created_at,
+                "skipColumns" => &mut p.skip_columns,
+                _ => continue,
+            };
+            *slot = Some(v.into_owned());
         }
         p.handle = p.handle.or(shape_id).filter(|h| !h.is_empty());
         p

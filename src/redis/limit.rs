@@ -5,8 +5,11 @@
 //! TTL, and rejects (removing the member again) when the cardinality exceeds the limit. The
 //! admission policy around it (fallback, slot guards) is `http::admit`.
 
+use std::sync::{Arc, LazyLock};
+
 use fred::clients::Client;
-use fred::interfaces::{LuaInterface, SortedSetsInterface};
+use fred::interfaces::SortedSetsInterface;
+use fred::types::scripts::Script;
 
 use super::RedisError;
 
@@ -31,16 +34,24 @@ end
 return 1
 "#;
 
+/// [`ADMIT`] with its SHA-1: sent as `EVALSHA` (40 bytes instead of the body, and Redis does not
+/// hash the body per call), loaded again on `NOSCRIPT` (a restarted or new node).
+static ADMIT_SCRIPT: LazyLock<Arc<Script>> = LazyLock::new(|| Arc::new(Script::from_lua(ADMIT)));
+
 /// The concurrency script on a key/value client (see [`super::Redis::concurrency`]).
 #[derive(Clone)]
 pub struct ConcurrencyScript {
     client: Client,
+    script: Arc<Script>,
 }
 
 impl ConcurrencyScript {
     /// The script on `client`.
     pub fn new(client: Client) -> ConcurrencyScript {
-        ConcurrencyScript { client }
+        ConcurrencyScript {
+            client,
+            script: ADMIT_SCRIPT.clone(),
+        }
     }
 
     /// Adds `member` to `env_id`'s set at `now_ms` unless the set then holds more than `limit`
@@ -62,8 +73,8 @@ impl ConcurrencyScript {
             ENTRY_TTL_S.to_string(),
         ];
         let admitted: i64 = self
-            .client
-            .eval(ADMIT, vec![format!("{KEY_PREFIX}{env_id}")], args)
+            .script
+            .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
             .await
             .map_err(|source| RedisError::Command {
                 op: "concurrency admit",

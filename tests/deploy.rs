@@ -61,8 +61,6 @@ fn dockerfile() -> Vec<Instr> {
     parse_dockerfile(&read("Dockerfile"))
 }
 
-/// Fails with every problem listed.
-
 // ---------------------------------------------------------------------------------------------
 // Environment, the CLI parser and the configuration loader
 

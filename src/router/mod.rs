@@ -41,6 +41,9 @@ use crate::store::RunStore;
 use crate::telemetry::metrics::Metrics;
 use batch::{Arrival, BatchLimits, Batcher, Routed};
 
+/// Rows of one hydrate, by environment and run.
+type HydratedRows = HashMap<(EnvId, RunId), SerializedRow>;
+
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
 /// "no usable position" (subscription not confirmed yet, or unknown).
@@ -822,8 +825,7 @@ impl Inner {
         }
         if !window.is_zero() {
             let cap = self.cfg.replay_max_runs;
-            let mut seq = first_seq;
-            for record in records.iter().cloned() {
+            for (seq, record) in (first_seq..).zip(records.iter().cloned()) {
                 for eviction in state.buffer.insert(seq, record, now, window, cap) {
                     let counter = match eviction {
                         Eviction::Window => &self.stats.evictions_window,
@@ -831,7 +833,6 @@ impl Inner {
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
                 }
-                seq += 1;
             }
         }
         if matches.is_empty() {
@@ -902,8 +903,7 @@ impl Inner {
             async move { (cols, inner.hydrate_many(&runs, cols).await.ok()) }
         }))
         .await;
-        let hydrated: HashMap<ColumnSet, Option<HashMap<(EnvId, RunId), SerializedRow>>> =
-            hydrated.into_iter().collect();
+        let hydrated: HashMap<ColumnSet, Option<HydratedRows>> = hydrated.into_iter().collect();
         // 3. Per arrival: tripwire, then deliver.
         let mut woken = Vec::new();
         let mut deliveries = 0u64;

@@ -12,13 +12,18 @@ pub const RECENT_MAX: usize = 64;
 /// `instance:epoch:seq:wall_ms` (instance in hex), then `;run,ms,hash` per recent run version
 /// (runs whose id contains `;` or `,` are left out).
 pub fn encode(cursor: &ReplayCursor, recent: &[(RunId, Version)]) -> String {
-    let mut out = format!(
+    use std::fmt::Write as _;
+    let shown = recent.len().min(RECENT_MAX);
+    let mut out = String::with_capacity(48 + shown * 48);
+    // Writing into a String cannot fail.
+    let _ = write!(
+        out,
         "{:x}:{}:{}:{}",
         cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms
     );
     for (id, v) in recent.iter().take(RECENT_MAX) {
         if !id.contains([';', ',']) {
-            out.push_str(&format!(";{id},{},{:x}", v.ms, v.hash));
+            let _ = write!(out, ";{id},{},{:x}", v.ms, v.hash);
         }
     }
     out

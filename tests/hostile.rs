@@ -243,7 +243,7 @@ fn matrix(a: &EnvFx, b: &EnvFx) -> Vec<Case> {
     // ---- offsets (per route, modern 400 / legacy 422) ----
     let bad_offsets = [
         "abc",
-        "now",
+        "later",
         "5",
         "5_",
         "_5",

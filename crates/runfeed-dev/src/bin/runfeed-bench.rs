@@ -1006,9 +1006,9 @@ async fn churn_pass(
         );
         followers.push(tokio::spawn(async move {
             let feed = &feed;
-            let token = Bench::token(&env, &feed);
+            let token = Bench::token(&env, feed);
             let client = b.client().clone();
-            let mut at = match b.snapshot(&token, &feed).await {
+            let mut at = match b.snapshot(&token, feed).await {
                 Ok(r) => r,
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
@@ -1061,7 +1061,7 @@ async fn churn_pass(
                 return;
             }
             while !stop.load(Ordering::Relaxed) {
-                match b.live(&client, &token, &feed, &at).await {
+                match b.live(&client, &token, feed, &at).await {
                     Ok(r) if r.status == 200 => {
                         let now = Instant::now();
                         let ids = r.changed_ids();
@@ -1078,7 +1078,7 @@ async fn churn_pass(
                     }
                     Ok(r) if r.status == 409 => {
                         // Must refetch: start over.
-                        match b.snapshot(&token, &feed).await {
+                        match b.snapshot(&token, feed).await {
                             Ok(r) => at = r,
                             Err(_) => return,
                         }

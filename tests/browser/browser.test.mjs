@@ -312,8 +312,14 @@ test("browser: the SSE switch (@electric-sql/client 1.5, liveSse) follows the ru
       streams.push({ status: r.status(), contentType: r.headers()["content-type"] ?? "" });
     }
   });
+  const requests = [];
+  page.on("request", (r) => r.url().startsWith(base) && requests.push(`${r.method()} ${r.url().slice(base.length)}`));
   await page.goto(pageUrl({ baseURL: base, token, run: runS.friendlyId, sse: "1" }));
-  await page.waitForSelector('[data-testid="sse-run"][data-status="PENDING"]', { timeout: 10000 });
+  await page.waitForSelector('[data-testid="sse-run"][data-status="PENDING"]', { timeout: 10000 }).catch(async (e) => {
+    const text = await page.textContent("main").catch(() => "?");
+    const log = consoleLog.filter((m) => m.page === "sse").map((m) => `${m.type}: ${m.text}`);
+    throw new Error(`SSE run card not shown (${e.message})\npage: ${text}\nrequests: ${requests.join("\n")}\nconsole: ${log.join("\n")}`);
+  });
   // The client goes live over SSE once up to date: wait for the stream's headers.
   const deadline = Date.now() + 10000;
   while (!streams.some((s) => s.status === 200)) {

@@ -10,7 +10,9 @@
 //! keep-alive comment goes out after `feeds.sse_keepalive_ms` without any event. The stream
 //! ends after `feeds.sse_max_duration_ms` (the client reconnects at its last offset), when the
 //! server drains (after the hold in progress has answered), or when a hold fails (the client
-//! retries). Dropping the stream (client gone) drops the hold in progress at once.
+//! retries). Dropping the stream (client gone) drops the hold in progress at once. A hold
+//! dropped that way, or because the stream reached its maximum duration, counts as an `abort`
+//! wakeup, as a long-poll whose client left does.
 
 use std::collections::VecDeque;
 use std::future::Future;

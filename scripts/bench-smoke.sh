@@ -66,9 +66,9 @@ scenario() { # name, args...
     log "scenario $name FAILED"; FAILED=1
   fi
 }
-scenario held --n "${SMOKE_N:-200}" --settle-ms 300
-scenario fanout --f "${SMOKE_F:-200}"
-scenario churn --rate 20 --envs 2 --runs 4 --held 40 --duration-s 2
+scenario held --n "${SMOKE_N:-200}" --settle-ms 300 --transport both
+scenario fanout --f "${SMOKE_F:-200}" --transport both
+scenario churn --rate 20 --envs 2 --runs 4 --held 40 --duration-s 2 --transport both
 scenario stampede --k "${SMOKE_K:-100}"
 scenario idle --held 50 --distinct 5 --duration-s 2
 scenario idle --held 20 --distinct 5 --kind run --duration-s 1

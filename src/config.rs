@@ -11,6 +11,10 @@ use figment::Figment;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// `@electric-sql/client` 1.5 aborts a live long-poll after this long, ms (`liveRequestTimeoutMs`,
+/// default 45 000, the package's `src/client.ts`); start-up refuses holds that could reach it.
+pub const CLIENT_LIVE_REQUEST_TIMEOUT_MS: u64 = 45_000;
+
 /// The whole configuration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
@@ -155,6 +159,23 @@ pub struct FeedsConfig {
     pub max_tags: usize,
     /// Longest tag in a tag-feed filter, bytes; longer → 400 (422 legacy) (256).
     pub max_tag_bytes: usize,
+    /// SSE live mode (`live_sse=true`): a keep-alive comment is sent after this long without
+    /// any other event, ms (15 000; Electric sends one every 21 s, under common proxy idle
+    /// timeouts of 30–60 s).
+    pub sse_keepalive_ms: u64,
+    /// SSE live mode: the server ends a stream after this long, ms, so that proxies and CDNs
+    /// recycle it; the client reconnects at its last offset (60 000, Electric's value).
+    pub sse_max_duration_ms: u64,
+}
+
+impl FeedsConfig {
+    /// The longest a live long-poll can be held, ms: the hold with its largest jitter plus the
+    /// backstop read's bound (`live_poll_timeout_ms / 4 + 1`, `feeds::Feeds::live`). Must stay
+    /// under the 45 s after which `@electric-sql/client` 1.5 aborts a live request.
+    pub fn max_hold_ms(&self) -> u64 {
+        let t = self.live_poll_timeout_ms as f64;
+        (t * (1.0 + self.live_poll_jitter_ratio)).ceil() as u64 + self.live_poll_timeout_ms / 4 + 1
+    }
 }
 
 impl Default for FeedsConfig {
@@ -171,6 +192,8 @@ impl Default for FeedsConfig {
             concurrency_limit_overrides: std::collections::BTreeMap::new(),
             max_tags: 100,
             max_tag_bytes: 256,
+            sse_keepalive_ms: 15_000,
+            sse_max_duration_ms: 60_000,
         }
     }
 }
@@ -400,6 +423,28 @@ impl Config {
                 "feeds.live_poll_timeout_ms must be > 0".into(),
             ));
         }
+        // `@electric-sql/client` 1.5 aborts a live request after 45 s (`liveRequestTimeoutMs`);
+        // keep 5 s of margin for the network and the response.
+        let hold_limit = crate::config::CLIENT_LIVE_REQUEST_TIMEOUT_MS - 5_000;
+        if f.max_hold_ms() > hold_limit {
+            return Err(ConfigError::Invalid(format!(
+                "feeds.live_poll_timeout_ms with its jitter and backstop can hold a live poll {} ms; \
+                 at most {hold_limit} ms, because @electric-sql/client 1.5 aborts a live request after 45 s",
+                f.max_hold_ms()
+            )));
+        }
+        if f.sse_keepalive_ms == 0 || f.sse_max_duration_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "feeds.sse_keepalive_ms and feeds.sse_max_duration_ms must be > 0".into(),
+            ));
+        }
+        // A stream holds its concurrency slot for its whole life; the limiter sweeps slots
+        // older than 300 s (`redis::limit::ENTRY_TTL_S`), so a stream must end well before.
+        if f.sse_max_duration_ms > 240_000 {
+            return Err(ConfigError::Invalid(
+                "feeds.sse_max_duration_ms must be at most 240000 (concurrency slots are swept after 300 s)".into(),
+            ));
+        }
         if f.max_list_results == 0 {
             return Err(ConfigError::Invalid(
                 "feeds.max_list_results must be > 0".into(),
@@ -458,6 +503,24 @@ mod tests {
             assert_eq!(config.feeds.live_poll_timeout_ms, 3000);
             Ok(())
         });
+    }
+
+    /// `@electric-sql/client` 1.5 aborts a live request at 45 s: a hold that could reach it is
+    /// refused at start-up.
+    #[test]
+    fn a_hold_the_1_5_client_would_abort_is_rejected() {
+        let mut c = Config::default();
+        assert_eq!(c.feeds.max_hold_ms(), 28_001);
+        c.feeds.live_poll_timeout_ms = 30_000;
+        let err = c.validate().expect_err("30 s ± 15 % + backstop > 40 s");
+        assert!(err.to_string().contains("45 s"), "{err}");
+        c.feeds.live_poll_timeout_ms = 25_000;
+        c.feeds.live_poll_jitter_ratio = 0.5;
+        assert!(c.validate().is_err(), "{}", c.feeds.max_hold_ms());
+        c.feeds.live_poll_jitter_ratio = 0.15;
+        assert!(c.validate().is_ok(), "{}", c.feeds.max_hold_ms());
+        c.feeds.sse_keepalive_ms = 0;
+        assert!(c.validate().is_err());
     }
 
     #[test]

@@ -39,7 +39,10 @@ async fn spawn_server(
         .env_remove("DATABASE_READ_REPLICA_URL")
         .env_remove("REDIS_URL")
         .env("RUNFEED_TELEMETRY__ADMIN_LISTEN", &admin)
-        .env("RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS", "120000")
+        // Holds longer than any step of these tests, yet under the limit start-up enforces for
+        // `@electric-sql/client` 1.5's 45 s watchdog (31 s, no jitter, + backstop ≤ 40 s).
+        .env("RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS", "31000")
+        .env("RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO", "0")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -63,6 +63,8 @@ impl Running {
 ///
 /// Errors: an unparsable database URL, a Redis configuration fred refuses, the address in use.
 pub async fn start(config: Config) -> anyhow::Result<Running> {
+    // Refused here too, not only when loaded: e.g. a hold the 1.5 client's watchdog would abort.
+    config.validate()?;
     let db = &config.database;
     let store = Arc::new(
         PgStore::connect_lazy_with(

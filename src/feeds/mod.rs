@@ -9,6 +9,7 @@
 pub mod cursors;
 pub mod diff;
 pub mod sets;
+pub mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::body::{FragmentBody, Operation};
-use crate::protocol::cursor::{next_cursor, next_seq};
+use crate::protocol::cursor::{next_cursor, next_lsn_seq, next_seq};
+use crate::protocol::electric::LogMode;
 use crate::protocol::encode::schema_header;
 use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
@@ -51,12 +53,19 @@ pub struct FeedRequest {
     pub cursor: Option<String>,
     /// `x-trigger-api-version` is not the current one: rewrite `DEQUEUED` to `EXECUTING`.
     pub legacy_api_version: bool,
+    /// `log=full` or `log=changes_only` (a `changes_only` snapshot carries no rows).
+    pub log: LogMode,
+    /// The reply feeds an SSE stream: the offsets it mints have an LSN form
+    /// (`Offset::lsn`), because the SSE client builds its next offset from the LSN.
+    pub sse: bool,
 }
 
 /// A successful (2xx) feed answer.
 #[derive(Debug)]
 pub struct FeedReply {
     pub headers: ElectricHeaders,
+    /// The offset the reply leaves the client at (also in `headers`).
+    pub offset: Offset,
     pub body: FragmentBody,
     /// Rows carried (for logs and metrics).
     pub rows: usize,
@@ -246,7 +255,7 @@ impl Feeds {
     pub async fn serve(&self, req: FeedRequest) -> Result<FeedReply, FeedError> {
         let offset = match req.offset {
             // Boxed: only the live path's state may size the future a held poll keeps.
-            OffsetParam::Initial => return Box::pin(self.snapshot(&req)).await,
+            OffsetParam::Initial | OffsetParam::Now => return Box::pin(self.snapshot(&req)).await,
             OffsetParam::At(offset) => offset,
         };
         let Some(handle) = req.handle.as_ref() else {
@@ -269,6 +278,31 @@ impl Feeds {
         } else {
             Box::pin(self.catch_up(poll)).await
         }
+    }
+
+    /// Checks, without holding, what [`Feeds::serve`] would refuse before holding a live
+    /// request at an issued offset: a missing handle, or one not issued for this feed
+    /// (409 must-refetch). The SSE mode checks this before it sends its 200 headers, so that a
+    /// must-refetch stays an ordinary 409 (docs/protocol.md §13.4).
+    pub fn check(&self, req: &FeedRequest) -> Result<(), FeedError> {
+        if let OffsetParam::At(offset) = req.offset {
+            let handle = req
+                .handle
+                .as_ref()
+                .ok_or_else(|| FeedError::HandleRequired(offset.to_string()))?;
+            self.verify(req, handle)?;
+        }
+        Ok(())
+    }
+
+    /// The shutdown signal (cancelled when the server starts draining).
+    pub fn shutdown_token(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    /// The feeds configuration.
+    pub fn config(&self) -> &FeedsConfig {
+        &self.cfg
     }
 
     fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {
@@ -353,6 +387,7 @@ impl Feeds {
             FragmentBody::changes_then_up_to_date(&refs, req.legacy_api_version)
         };
         FeedReply {
+            offset,
             headers: ElectricHeaders {
                 handle,
                 offset: Some(offset.to_string()),
@@ -455,6 +490,11 @@ impl Feeds {
     /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01,
     /// TAG-01..03, BAT-02).
     ///
+    /// `offset=now` and `log=changes_only` (Electric's semantics,
+    /// <https://electric-sql.com/docs/api/http>): the same snapshot is taken and recorded as the
+    /// client's working set, but the reply carries no rows — only `up-to-date` at the current
+    /// offset — so the client goes live from here and receives later changes as usual.
+    ///
     /// Never older than a version whose change record this instance received before the
     /// request: the read may come from the shared cache, taken before such records, so the
     /// records routed since its cursor are replayed on top of it (through the read-your-writes
@@ -507,8 +547,10 @@ impl Feeds {
         let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
         let offset = Offset {
             ms: max_ms(0, &changes),
-            seq: next_seq(),
+            seq: if req.sse { next_lsn_seq() } else { next_seq() },
         };
+        let rowless = req.offset == OffsetParam::Now || req.log == LogMode::ChangesOnly;
+        let changes = if rowless { Vec::new() } else { changes };
         let ws = pending.next_working_set(&Known::Nothing);
         // The versions the snapshot carried travel with its shared cursor: an instance the
         // next poll lands on must not send an older version of them.
@@ -608,7 +650,7 @@ impl Feeds {
         }
         let next = Offset {
             ms: max_ms(offset.ms, &changes),
-            seq: next_seq(),
+            seq: if req.sse { next_lsn_seq() } else { next_seq() },
         };
         self.record(
             req,

@@ -14,6 +14,7 @@
 pub mod admit;
 pub mod error;
 pub mod serve;
+pub mod sse;
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use axum::http::{HeaderMap, HeaderValue, Method};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
+use bytes::Bytes;
 use serde_json::json;
 use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
@@ -30,6 +32,7 @@ use crate::auth::{
 };
 use crate::clock::now_ms;
 use crate::feeds::{FeedReply, FeedRequest, Feeds, Freshness, Target};
+use crate::protocol::electric::{self, LogMode};
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, Handle};
@@ -40,6 +43,11 @@ pub use error::{ApiError, ClientGeneration};
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
 /// legacy `DEQUEUED → EXECUTING` rewrite (docs/trigger-dev.md §3).
 pub const CURRENT_API_VERSION: &str = "2025-07-16";
+
+/// Response header of a tag feed whose `createdAt` asked for more than
+/// `feeds.maximum_created_at_filter_age_ms`: its value is the window served, ms (README,
+/// "Protocol"). Without it, the requested window was served as asked.
+pub const CREATED_AT_CLAMPED_HEADER: &str = "x-runfeed-created-at-clamped";
 
 /// Shared state of the HTTP layer.
 #[derive(Clone)]
@@ -111,16 +119,24 @@ pub fn app(state: AppState) -> axum::Router {
     let limits = state.limits;
     let cors = CorsLayer::new()
         .allow_origin(Any)
-        .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS])
+        // POST: `@electric-sql/client` 1.5 may POST subset snapshots (`subsetMethod: 'POST'`);
+        // the preflight must pass for the browser to show the 400 that refuses them.
+        .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS, Method::POST])
         // `Authorization` cannot be wildcarded (Fetch spec): mirror what the preflight asks for.
         .allow_headers(AllowHeaders::mirror_request())
         .expose_headers(Any)
         .max_age(std::time::Duration::from_secs(86_400));
     axum::Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/realtime/v1/runs/{run_id}", get(run_feed))
-        .route("/realtime/v1/runs", get(tag_feed))
-        .route("/realtime/v1/batches/{batch_id}", get(batch_feed))
+        .route(
+            "/realtime/v1/runs/{run_id}",
+            get(run_feed).post(subset_post),
+        )
+        .route("/realtime/v1/runs", get(tag_feed).post(subset_post))
+        .route(
+            "/realtime/v1/batches/{batch_id}",
+            get(batch_feed).post(subset_post),
+        )
         .fallback(|| async {
             ApiError::NotFound {
                 should_retry: false,
@@ -152,11 +168,17 @@ struct Params {
     tags: Option<String>,
     created_at: Option<String>,
     skip_columns: Option<String>,
+    /// `log` as sent (`full`, `changes_only`, or something refused).
+    log: Option<String>,
+    /// `live_sse=true` or `experimental_live_sse=true`.
+    sse: bool,
+    /// The first `subset__*` parameter, which is refused (docs/protocol.md §13.1).
+    subset: Option<String>,
 }
 
 impl Params {
     /// Query parameters; a repeated key keeps its last value (`Object.fromEntries`); unknown
-    /// keys (`log`, `expired_handle`, `table`, …) are ignored.
+    /// keys (`expired_handle`, `table`, `cache-buster`, …) are ignored.
     fn parse(raw: Option<&str>) -> Params {
         let mut p = Params::default();
         let mut shape_id = None;
@@ -175,12 +197,37 @@ impl Params {
                 "tags" => &mut p.tags,
                 "createdAt" => &mut p.created_at,
                 "skipColumns" => &mut p.skip_columns,
+                "log" => &mut p.log,
+                k if electric::LIVE_SSE_PARAMS.contains(&k) => {
+                    p.sse |= v == "true";
+                    continue;
+                }
+                k if electric::is_subset_param(k) => {
+                    p.subset.get_or_insert_with(|| k.chars().take(64).collect());
+                    continue;
+                }
                 _ => continue,
             };
             *slot = Some(v.into_owned());
         }
         p.handle = p.handle.or(shape_id).filter(|h| !h.is_empty());
         p
+    }
+
+    /// The `log` mode; an unknown value is a 400 naming it.
+    fn log_mode(&self, client: ClientGeneration) -> Result<LogMode, ApiError> {
+        match self.log.as_deref() {
+            None => Ok(LogMode::Full),
+            Some(raw) => LogMode::parse(raw).ok_or_else(|| {
+                ApiError::bad_request(
+                    client,
+                    format!(
+                        "Invalid log {:?}: expected full or changes_only",
+                        raw.chars().take(64).collect::<String>()
+                    ),
+                )
+            }),
+        }
     }
 }
 
@@ -248,6 +295,7 @@ struct Begun {
     principal: Principal,
     ctx: Ctx,
     offset: OffsetParam,
+    log: LogMode,
 }
 
 impl axum::extract::FromRequestParts<AppState> for Begun {
@@ -262,11 +310,19 @@ impl axum::extract::FromRequestParts<AppState> for Begun {
         let (principal, mut ctx) = authenticate(state, &headers).await?;
         drop(headers);
         ctx.params = Params::parse(query.as_deref());
+        if let Some(param) = &ctx.params.subset {
+            return Err(ApiError::bad_request(
+                ctx.client,
+                electric::subset_refusal(param),
+            ));
+        }
         let offset = parse_offset(&ctx)?;
+        let log = ctx.params.log_mode(ctx.client)?;
         Ok(Begun {
             principal,
             ctx,
             offset,
+            log,
         })
     }
 }
@@ -333,10 +389,15 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
         )));
     }
     let max_age = state.max_created_at_age_ms;
+    // A window longer than the maximum is served clamped, and the response says so.
+    let mut clamped = false;
     let lookback = match begun.ctx.params.created_at.as_deref() {
         None => max_age,
         Some(raw) => match parse_duration_ms(raw) {
-            Some(ms) => ms.min(max_age),
+            Some(ms) => {
+                clamped = ms > max_age;
+                ms.min(max_age)
+            }
             None => {
                 return Err(bad(format!(
                     "Invalid createdAt {:?}: expected a duration like 1h, 30m, 2d",
@@ -354,7 +415,21 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
         return Err(ApiError::Forbidden);
     }
     let target = Target::Tag { tags, floor_ms };
-    serve(&state, &begun, target).await
+    let mut response = serve(&state, &begun, target).await?;
+    if clamped {
+        response
+            .headers_mut()
+            .insert(CREATED_AT_CLAMPED_HEADER, HeaderValue::from(max_age));
+    }
+    Ok(response)
+}
+
+/// `POST` to a feed route: `@electric-sql/client` 1.5 sends subset snapshots this way
+/// (`subsetMethod: 'POST'`, a JSON body). runfeed serves no subsets: after authentication and
+/// the query checks, a 400 names the first body parameter (docs/protocol.md §13.1).
+async fn subset_post(begun: Begun, body: Bytes) -> ApiError {
+    let param = electric::subset_body_param(&body);
+    ApiError::bad_request(begun.ctx.client, electric::subset_refusal(&param))
 }
 
 async fn batch_feed(
@@ -387,6 +462,7 @@ async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Respon
         principal,
         ctx,
         offset,
+        log,
     } = begun;
     let offset = *offset;
     let req = FeedRequest {
@@ -398,10 +474,20 @@ async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Respon
         live: ctx.params.live,
         cursor: ctx.params.cursor.clone(),
         legacy_api_version: ctx.legacy_api_version,
+        log: *log,
+        sse: false,
     };
+    let sse = req.live && ctx.params.sse && matches!(req.offset, OffsetParam::At(_));
+    if sse {
+        // A stale handle stays an ordinary 409 (checked before the stream's 200).
+        state
+            .feeds
+            .check(&req)
+            .map_err(|err| ApiError::from_feed(err, ctx.client))?;
+    }
     // Only live polls take a concurrency slot (REQ-02); it is released when this future ends,
     // whether answered or dropped because the client went away.
-    let _slot = if req.live && matches!(req.offset, OffsetParam::At(_)) {
+    let slot = if req.live && matches!(req.offset, OffsetParam::At(_)) {
         let acquire = state
             .limiter
             .acquire(&principal.env.id, &principal.env.organization_id);
@@ -409,6 +495,10 @@ async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Respon
     } else {
         None
     };
+    if sse {
+        // The stream keeps the slot for its whole life.
+        return Ok(sse::response(state.feeds.clone(), req, slot, ctx.client));
+    }
     let reply = state
         .feeds
         .serve(req)

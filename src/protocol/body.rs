@@ -17,6 +17,8 @@ use super::SerializedRow;
 const OPEN: &[u8] = b"[";
 const INSERT_SEP: &[u8] = b"insert\"}},";
 const UPDATE_SEP: &[u8] = b"update\"}},";
+const INSERT_END: &[u8] = b"insert\"}}";
+const UPDATE_END: &[u8] = b"update\"}}";
 const UP_TO_DATE_CLOSE: &[u8] = b"{\"headers\":{\"control\":\"up-to-date\"}}]";
 const UP_TO_DATE_BODY: &[u8] = b"[{\"headers\":{\"control\":\"up-to-date\"}}]";
 const MUST_REFETCH_BODY: &[u8] = b"[{\"headers\":{\"control\":\"must-refetch\"}}]";
@@ -88,6 +90,28 @@ impl FragmentBody {
             chunks: self.chunks.into_iter(),
             remaining,
         }
+    }
+
+    /// The change messages of a body built by [`FragmentBody::changes_then_up_to_date`], each as
+    /// its shared row fragment and the static end of its message (`insert"}}` / `update"}}`),
+    /// without the trailing `up-to-date`. Concatenated, each pair is one JSON message: the SSE
+    /// mode sends it as one `data:` event without copying the row.
+    pub fn change_messages(&self) -> Vec<(Bytes, &'static [u8])> {
+        let n = self.chunks.len();
+        if n < 4 || self.chunks[0].as_ref() != OPEN {
+            return Vec::new();
+        }
+        self.chunks[1..n - 1]
+            .chunks_exact(2)
+            .map(|pair| {
+                let end = if pair[1].as_ref() == INSERT_SEP {
+                    INSERT_END
+                } else {
+                    UPDATE_END
+                };
+                (pair[0].clone(), end)
+            })
+            .collect()
     }
 
     /// Total length in bytes.
@@ -228,6 +252,26 @@ mod tests {
         assert_eq!(arr[1]["key"], json!("\"public\".\"TaskRun\"/\"cm_run_2\""));
         assert_eq!(arr[2], json!({"headers": {"control": "up-to-date"}}));
         assert_eq!(body.len(), body.to_bytes().len());
+    }
+
+    #[test]
+    fn change_messages_are_the_bodys_messages_without_up_to_date() {
+        let a = serialize_row(&sample_row(), ColumnSet::ALL);
+        let body = FragmentBody::changes_then_up_to_date(
+            &[(Operation::Insert, &a), (Operation::Update, &a)],
+            false,
+        );
+        let messages = body.change_messages();
+        assert_eq!(messages.len(), 2);
+        let whole = parse(&body);
+        for (i, (fragment, end)) in messages.iter().enumerate() {
+            assert_eq!(fragment.as_ptr(), a.fragment.as_ptr(), "shared, not copied");
+            let mut one = fragment.to_vec();
+            one.extend_from_slice(end);
+            let v: Value = serde_json::from_slice(&one).expect("one JSON message");
+            assert_eq!(v, whole[i]);
+        }
+        assert!(FragmentBody::up_to_date().change_messages().is_empty());
     }
 
     #[test]

@@ -55,6 +55,13 @@ pub fn next_seq() -> u64 {
     SEQ.fetch_add(1, Ordering::AcqRel).wrapping_add(1)
 }
 
+/// A `seq` for an offset that SSE clients receive (in `1..10⁶`, so the offset has an LSN form,
+/// [`crate::protocol::offset::Offset::lsn`]). Taken from the same counter as [`next_seq`]; two
+/// responses of one connection that share a `ms` would need 10⁶ responses in between to collide.
+pub fn next_lsn_seq() -> u64 {
+    next_seq() % (super::offset::LSN_SEQ_SPAN - 1) + 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +91,14 @@ mod tests {
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), n);
+    }
+
+    #[test]
+    fn lsn_seq_is_never_zero_and_below_a_million() {
+        for _ in 0..10_000 {
+            let s = next_lsn_seq();
+            assert!((1..1_000_000).contains(&s), "{s}");
+        }
     }
 
     #[test]

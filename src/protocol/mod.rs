@@ -8,10 +8,13 @@
 //! - [`offset`], [`handle`], [`cursor`]: resume tokens; handles are MAC-signed.
 //! - [`headers`]: modern vs legacy Electric header names.
 //! - [`params`]: `createdAt` duration grammar and tag validation (trigger.dev rules).
+//! - [`electric`]: what the current client (`@electric-sql/client` 1.5) sends and its limits.
+//! - [`sse`]: server-sent events framing for the SSE live mode.
 
 pub mod body;
 pub mod columns;
 pub mod cursor;
+pub mod electric;
 pub mod encode;
 pub mod handle;
 pub mod headers;
@@ -19,6 +22,7 @@ pub mod ids;
 pub mod offset;
 pub mod params;
 pub mod row;
+pub mod sse;
 
 pub use columns::{Column, ColumnSet};
 pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, RunId};

@@ -301,6 +301,48 @@ test("browser: a 401 (bad token) and a 403 (no access) are shown as errors, not 
   }
 });
 
+test("browser: the SSE switch (@electric-sql/client 1.5, liveSse) follows the run over text/event-stream", async () => {
+  const runS = await fixture.createRun(env, { tags: [tag], taskIdentifier: "sse-task", status: "PENDING" });
+  const streams = []; // responses of live_sse requests: {contentType, status}
+  const page = await context.newPage();
+  page.on("console", (m) => consoleLog.push({ page: "sse", type: m.type(), text: m.text() }));
+  page.on("pageerror", (e) => consoleLog.push({ page: "sse", type: "pageerror", text: String(e?.stack ?? e) }));
+  page.on("response", (r) => {
+    if (r.url().startsWith(base) && new URL(r.url()).searchParams.get("live_sse") === "true") {
+      streams.push({ status: r.status(), contentType: r.headers()["content-type"] ?? "" });
+    }
+  });
+  const requests = [];
+  page.on("request", (r) => r.url().startsWith(base) && requests.push(`${r.method()} ${r.url().slice(base.length)}`));
+  await page.goto(pageUrl({ baseURL: base, token, run: runS.friendlyId, sse: "1" }));
+  await page.waitForSelector('[data-testid="sse-run"][data-status="PENDING"]', { timeout: 10000 }).catch(async (e) => {
+    const text = await page.textContent("main").catch(() => "?");
+    const log = consoleLog.filter((m) => m.page === "sse").map((m) => `${m.type}: ${m.text}`);
+    throw new Error(`SSE run card not shown (${e.message})\npage: ${text}\nrequests: ${requests.join("\n")}\nconsole: ${log.join("\n")}`);
+  });
+  // The client goes live over SSE once up to date: wait for the stream's headers.
+  const deadline = Date.now() + 10000;
+  while (!streams.some((s) => s.status === 200)) {
+    if (Date.now() > deadline) throw new Error(`no SSE stream opened: ${JSON.stringify(streams)}`);
+    await sleep(20);
+  }
+  assert.match(streams.find((s) => s.status === 200).contentType, /^text\/event-stream/);
+  // No wait for the hold itself: a change published before the stream registers on the router
+  // is replayed to it from the offset it resumes.
+  const u = await commitAndPublish(runS, { status: "EXECUTING" });
+  const ms = await visibleWithin(
+    page,
+    u.publishedAt,
+    () => document.querySelector('[data-testid="sse-run"]')?.dataset.status === "EXECUTING",
+    null,
+    "SSE run card EXECUTING"
+  );
+  console.log(`# SSE: update visible ${ms} ms after publish; streams: ${JSON.stringify(streams)}`);
+  assert.ok(ms <= LATENCY_MS, `SSE update after ${ms} ms`);
+  assert.equal(await page.locator('[role="alert"]').count(), 0, "no error shown");
+  await page.close();
+});
+
 test("browser: no MissingHeadersError or CORS error in the console", async () => {
   const bad = corsOrHeaderMessages();
   assert.deepEqual(bad, [], `console:\n${consoleLog.map((m) => `[${m.page}] ${m.type}: ${m.text}`).join("\n")}`);

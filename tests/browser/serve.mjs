@@ -40,9 +40,9 @@ export function startStatic(dir = DIST, port = 0) {
 }
 
 /** The page's URL for a runfeed base URL, token, run id, tag and batch id. */
-export function pageUrl(origin, { baseURL, token, run, tag, batch }) {
+export function pageUrl(origin, { baseURL, token, run, tag, batch, sse }) {
   const q = new URLSearchParams();
-  for (const [k, v] of Object.entries({ baseURL, token, run, tag, batch })) if (v) q.set(k, v);
+  for (const [k, v] of Object.entries({ baseURL, token, run, tag, batch, sse })) if (v) q.set(k, v);
   return `${origin}/index.html?${q}`;
 }
 
@@ -52,7 +52,7 @@ if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.me
   for (let i = 0; i < argv.length; i++) {
     const m = /^--([\w-]+)$/.exec(argv[i]);
     if (!m || argv[i + 1] === undefined) {
-      console.error(`usage: node serve.mjs --base-url URL --token T [--run ID] [--tag T] [--batch ID] [--port N]`);
+      console.error(`usage: node serve.mjs --base-url URL --token T [--run ID] [--tag T] [--batch ID] [--sse 1] [--port N]`);
       process.exit(2);
     }
     args[m[1]] = argv[++i];
@@ -62,5 +62,5 @@ if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.me
     process.exit(1);
   }
   const { origin } = await startStatic(DIST, Number(args.port ?? 5173));
-  console.log(`live runs page: ${pageUrl(origin, { baseURL: args["base-url"], token: args.token, run: args.run, tag: args.tag, batch: args.batch })}`);
+  console.log(`live runs page: ${pageUrl(origin, { baseURL: args["base-url"], token: args.token, run: args.run, tag: args.tag, batch: args.batch, sse: args.sse })}`);
 }

@@ -675,14 +675,17 @@ export function describeRequests(requests) {
 
 const CLIENTS = {
   modern: () => import("@electric-sql/client"),
+  current: () => import("electric-1-5"),
   beta: () => import("electric-beta"),
   legacy: () => import("electric-legacy"),
 };
 
 /**
- * Subscribes with a real ShapeStream (+ Shape). `client`: "modern" (1.0.14), "beta"
- * (1.0.0-beta.1) or "legacy" (0.6.3). `sdkHeaders` (default: not legacy) adds the SDK's
- * x-trigger-* headers. Everything the client does is recorded on the returned object.
+ * Subscribes with a real ShapeStream (+ Shape). `client`: "modern" (1.0.14), "current" (1.5.x),
+ * "beta" (1.0.0-beta.1) or "legacy" (0.6.3). `sdkHeaders` (default: not legacy) adds the SDK's
+ * x-trigger-* headers; `streamOptions` are extra ShapeStream options (e.g. `{ liveSse: true }`
+ * or `{ log: "changes_only" }` for 1.5). Everything the client does is recorded on the returned
+ * object.
  */
 export async function openShape({
   baseUrl,
@@ -695,6 +698,7 @@ export async function openShape({
   handle,
   withShape = true,
   onError = true,
+  streamOptions = {},
 }) {
   const mod = await CLIENTS[client]();
   const log = makeFetchLog();
@@ -717,6 +721,7 @@ export async function openShape({
     headers: h,
     fetchClient: log.fetchClient,
     signal: controller.signal,
+    ...streamOptions,
   };
   if (onError) {
     options.onError = (e) => {

@@ -1,8 +1,11 @@
 // The live-runs page: the real @trigger.dev/react-hooks against a runfeed server.
 // Everything comes from the query string:
 //   ?baseURL=http://127.0.0.1:3030&token=<public access token>&run=run_…&tag=…&batch=batch_…
-import React from "react";
+// With &sse=1 the run card follows the run with the current Electric client instead
+// (@electric-sql/client 1.5, `liveSse: true`: live updates over one text/event-stream).
+import React, { useEffect, useState } from "react";
 import { useRealtimeRun, useRealtimeRunsWithTag, useRealtimeBatch } from "@trigger.dev/react-hooks";
+import { ShapeStream, Shape } from "electric-1-5";
 
 const params = new URLSearchParams(window.location.search);
 const CONFIG = {
@@ -11,6 +14,7 @@ const CONFIG = {
   run: params.get("run") ?? "",
   tag: params.get("tag") ?? "",
   batch: params.get("batch") ?? "",
+  sse: params.get("sse") === "1",
 };
 
 const FINAL = new Set(["COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"]);
@@ -63,6 +67,48 @@ function RunCard() {
         </dl>
       ) : error ? null : (
         <p className="loading" data-testid="run-loading">connecting…</p>
+      )}
+    </section>
+  );
+}
+
+/** The run card over SSE: a 1.5 ShapeStream with `liveSse: true` on the run feed. */
+function SseRunCard() {
+  const [run, setRun] = useState(null);
+  const [error, setError] = useState(null);
+  useEffect(() => {
+    const controller = new AbortController();
+    const stream = new ShapeStream({
+      url: `${CONFIG.baseURL}/realtime/v1/runs/${CONFIG.run}`,
+      headers: { Authorization: `Bearer ${CONFIG.token}`, "x-trigger-electric-version": "1.5.28" },
+      liveSse: true,
+      signal: controller.signal,
+      onError: (e) => {
+        setError(e);
+      },
+    });
+    const shape = new Shape(stream);
+    const unsubscribe = shape.subscribe(({ rows }) => setRun(rows[0] ?? null));
+    return () => {
+      unsubscribe();
+      controller.abort();
+    };
+  }, []);
+  return (
+    <section data-testid="sse-section">
+      <h2>Run {CONFIG.run} (SSE, @electric-sql/client 1.5)</h2>
+      <ErrorBox error={error} what="sse" />
+      {run ? (
+        <dl className="run" data-testid="sse-run" data-status={run.status}>
+          <dt>task</dt>
+          <dd>{run.taskIdentifier}</dd>
+          <dt>status</dt>
+          <dd>
+            <Status status={run.status} />
+          </dd>
+        </dl>
+      ) : error ? null : (
+        <p className="loading">connecting…</p>
       )}
     </section>
   );
@@ -145,7 +191,7 @@ export function App() {
     <main>
       <h1>runfeed · live runs</h1>
       <p className="sub">
-        {CONFIG.baseURL || "(no baseURL)"} · @trigger.dev/react-hooks
+        {CONFIG.baseURL || "(no baseURL)"} · {CONFIG.sse ? "@electric-sql/client 1.5 (SSE)" : "@trigger.dev/react-hooks"}
       </p>
       {missing.length ? (
         <div className="error" data-testid="config-error" role="alert">
@@ -153,7 +199,7 @@ export function App() {
         </div>
       ) : (
         <>
-          {CONFIG.run && <RunCard />}
+          {CONFIG.run && (CONFIG.sse ? <SseRunCard /> : <RunCard />)}
           {CONFIG.tag && <TagTable />}
           {CONFIG.batch && <BatchProgress />}
         </>

@@ -3,7 +3,9 @@
 //! server's database (an environment and runs, written like trigger.dev writes them), mints
 //! public tokens, and publishes change records on Redis (Postgres update + change record).
 //!
-//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); plus
+//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); `held`,
+//! `fanout` and `churn` take `--transport long-poll|sse|both` (SSE live mode, `live_sse=true`;
+//! `both` measures the two in one run, on the same server, one after the other); plus
 //! `bare`, a tiny axum server that parks every request (the baseline of `held`), and `check`,
 //! the delivery checker (README "Correctness checker", `runfeed_dev::check`). Each scenario
 //! prints a table and, with `--json FILE`, writes its figures as JSON.
@@ -103,6 +105,37 @@ struct HeldArgs {
     /// Which feeds to park: one run's feed (the unit) or one tag's.
     #[arg(long, value_enum, default_value_t = FeedKind::Run)]
     kind: FeedKind,
+    /// Long-polls, SSE streams, or both (one pass each).
+    #[arg(long, value_enum, default_value_t = Transport::LongPoll)]
+    transport: Transport,
+}
+
+/// How a held feed waits: a live long-poll, or an SSE stream (`live_sse=true`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    LongPoll,
+    Sse,
+    Both,
+}
+
+impl Transport {
+    /// The passes to run: `false` = long-poll, `true` = SSE.
+    fn passes(self) -> Vec<bool> {
+        match self {
+            Transport::LongPoll => vec![false],
+            Transport::Sse => vec![true],
+            Transport::Both => vec![false, true],
+        }
+    }
+}
+
+/// `"<figure>"`, or `"<figure> [sse]"` / `"… [long-poll]"` when several passes share a table.
+fn label(figure: &str, sse: bool, several: bool) -> String {
+    match (several, sse) {
+        (false, _) => figure.to_string(),
+        (true, true) => format!("{figure} [sse]"),
+        (true, false) => format!("{figure} [long-poll]"),
+    }
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -118,6 +151,9 @@ struct FanoutArgs {
     /// Feeds on the hot tag.
     #[arg(long, default_value_t = 1000)]
     f: usize,
+    /// Long-polls, SSE streams, or both (one pass each).
+    #[arg(long, value_enum, default_value_t = Transport::LongPoll)]
+    transport: Transport,
 }
 
 #[derive(Args)]
@@ -142,6 +178,9 @@ struct ChurnArgs {
     /// What each held feed follows: one run's tag (default) or the run itself.
     #[arg(long, value_enum, default_value_t = FeedKind::Tag)]
     kind: FeedKind,
+    /// Long-polls, SSE streams, or both (one pass each).
+    #[arg(long, value_enum, default_value_t = Transport::LongPoll)]
+    transport: Transport,
 }
 
 #[derive(Args)]
@@ -244,6 +283,37 @@ impl Feed {
         match self {
             Feed::Tag(tag) => format!("read:tags:{tag}"),
             Feed::Run(id) => format!("read:runs:{id}"),
+        }
+    }
+}
+
+/// An SSE response being read (`data:` events; comments skipped).
+struct SseReader {
+    status: u16,
+    resp: reqwest::Response,
+    buf: String,
+}
+
+impl SseReader {
+    /// The next event's data; `None` when the stream ended (or failed).
+    async fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(at) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..at + 2).collect();
+                let data: Vec<&str> = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect();
+                if data.is_empty() {
+                    continue; // a comment (keep-alive)
+                }
+                return Some(data.join("\n"));
+            }
+            match self.resp.chunk().await {
+                Ok(Some(bytes)) => self.buf.push_str(&String::from_utf8_lossy(&bytes)),
+                _ => return None,
+            }
         }
     }
 }
@@ -404,6 +474,61 @@ impl Bench {
         self.get(client, token, &path, &params).await
     }
 
+    /// Opens an SSE stream (`live=true&live_sse=true`) at response `at`'s handle and offset.
+    async fn open_sse(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        feed: &Feed,
+        at: &Resp,
+        offset: Option<&str>,
+    ) -> anyhow::Result<SseReader> {
+        let (path, mut params) = feed.path_and_params();
+        let offset = offset
+            .map(str::to_string)
+            .or_else(|| at.offset.clone())
+            .unwrap_or_else(|| "-1".into());
+        params.extend([
+            ("cursor", at.cursor.clone().unwrap_or_default()),
+            ("handle", at.handle.clone().unwrap_or_default()),
+            ("live", "true".into()),
+            ("live_sse", "true".into()),
+            ("offset", offset),
+        ]);
+        let resp = client
+            .get(format!("{}{path}", self.base))
+            .query(&params)
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-trigger-electric-version", ELECTRIC_VERSION)
+            .header("accept", "text/event-stream")
+            .send()
+            .await?;
+        Ok(SseReader {
+            status: resp.status().as_u16(),
+            resp,
+            buf: String::new(),
+        })
+    }
+
+    /// Waits until the server holds at most `n` feeds (router gauge), at most `limit`.
+    async fn wait_released(&self, n: usize, limit: Duration) {
+        if self.c.admin_url.is_none() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return;
+        }
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let held = self
+                .metric("runfeed_router_held_feeds")
+                .await
+                .unwrap_or(0.0);
+            if held <= n as f64 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The admin /metrics text ("" without --admin-url).
     async fn scrape(&self) -> String {
         let Some(admin) = &self.c.admin_url else {
@@ -514,17 +639,18 @@ fn delta(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 /// Prints `rows` as a two-column table and writes `{scenario, params, figures}` JSON.
-fn report(
+fn report<K: AsRef<str>>(
     c: &Common,
     scenario: &str,
     params: Value,
-    rows: Vec<(&str, Value)>,
+    rows: Vec<(K, Value)>,
 ) -> anyhow::Result<()> {
     println!("\n{scenario}  {params}");
     println!("{:<44} {:>16}", "figure", "value");
     println!("{:-<44} {:->16}", "", "");
     let mut figures = serde_json::Map::new();
     for (k, v) in rows {
+        let k = k.as_ref();
         let shown = match &v {
             Value::Number(n) => {
                 let f = n.as_f64().unwrap_or(0.0);
@@ -555,21 +681,36 @@ fn report(
 
 /// Parks `n` live polls of `tag` at `at` (one task each); returns their handles and the
 /// time each finished (with its response status).
-fn park(
-    b: &Arc<Bench>,
+/// What [`park`] parks: `n` live requests of `feed` at response `at`, long-polls or (`sse`) SSE
+/// streams.
+struct Park<'a> {
     n: usize,
-    token: &str,
-    feed: &Feed,
-    at: &Arc<Resp>,
-) -> Vec<tokio::task::JoinHandle<(Option<u16>, Instant)>> {
-    (0..n)
+    token: &'a str,
+    feed: &'a Feed,
+    at: &'a Arc<Resp>,
+    sse: bool,
+}
+
+/// Parks live requests (long-polls, or SSE streams); each task ends with the
+/// status and the time of the response (SSE: of the stream's first event).
+fn park(b: &Arc<Bench>, p: Park<'_>) -> Vec<tokio::task::JoinHandle<(Option<u16>, Instant)>> {
+    let sse = p.sse;
+    (0..p.n)
         .map(|_| {
             let b = b.clone();
-            let token = token.to_string();
-            let feed = feed.clone();
-            let at = at.clone();
+            let token = p.token.to_string();
+            let feed = p.feed.clone();
+            let at = p.at.clone();
             tokio::spawn(async move {
                 let client = b.client().clone();
+                if sse {
+                    let Ok(mut reader) = b.open_sse(&client, &token, &feed, &at, None).await else {
+                        return (None, Instant::now());
+                    };
+                    let status = reader.status;
+                    let got = reader.next_data().await;
+                    return (got.map(|_| status), Instant::now());
+                }
                 let r = b.live(&client, &token, &feed, &at).await;
                 (r.ok().map(|r| r.status), Instant::now())
             })
@@ -581,64 +722,75 @@ fn park(
 
 async fn held(a: HeldArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
-    let env = b.env().await?;
-    let run_id = b.tagged_run(&env, "held").await?;
-    let feed = match a.kind {
-        FeedKind::Run => Feed::Run(format!("run_{run_id}")),
-        FeedKind::Tag => Feed::tag("held"),
-    };
-    let token = Bench::token(&env, &feed);
-    let snap = Arc::new(b.snapshot(&token, &feed).await?);
-    // Let the environment's subscription confirm, then measure before/after.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let rss_before = b.server_rss().await;
-    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
-    let started = Instant::now();
-    let tasks = park(&b, a.n, &token, &feed, &snap);
-    let all_held = b
-        .wait_held(held_before + a.n, Duration::from_secs(60))
-        .await;
-    let time_to_hold = started.elapsed();
-    tokio::time::sleep(Duration::from_millis(a.settle_ms)).await;
-    let rss_after = b.server_rss().await;
-    for t in &tasks {
-        t.abort();
+    let passes = a.transport.passes();
+    let several = passes.len() > 1;
+    let mut rows: Vec<(String, Value)> = Vec::new();
+    for sse in passes {
+        let env = b.env().await?;
+        let run_id = b.tagged_run(&env, "held").await?;
+        let feed = match a.kind {
+            FeedKind::Run => Feed::Run(format!("run_{run_id}")),
+            FeedKind::Tag => Feed::tag("held"),
+        };
+        let token = Bench::token(&env, &feed);
+        let snap = Arc::new(b.snapshot(&token, &feed).await?);
+        // Let the environment's subscription confirm, then measure before/after.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let rss_before = b.server_rss().await;
+        let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+        let started = Instant::now();
+        let park_what = Park {
+            n: a.n,
+            token: &token,
+            feed: &feed,
+            at: &snap,
+            sse,
+        };
+        let tasks = park(&b, park_what);
+        let all_held = b
+            .wait_held(held_before + a.n, Duration::from_secs(60))
+            .await;
+        let time_to_hold = started.elapsed();
+        tokio::time::sleep(Duration::from_millis(a.settle_ms)).await;
+        let rss_after = b.server_rss().await;
+        for t in &tasks {
+            t.abort();
+        }
+        b.wait_released(held_before, Duration::from_secs(30)).await;
+        let per_feed = delta(rss_before, rss_after).map(|d| d / a.n as f64);
+        let l = |figure: &str| label(figure, sse, several);
+        rows.extend([
+            (l("all feeds held"), json!(all_held)),
+            (l("time to hold all (ms)"), json!(ms(time_to_hold))),
+            (
+                l("server RSS before (MiB)"),
+                opt(rss_before.map(|x| x / 1048576.0)),
+            ),
+            (
+                l("server RSS held (MiB)"),
+                opt(rss_after.map(|x| x / 1048576.0)),
+            ),
+            (
+                l("server RSS per held feed (KiB)"),
+                opt(per_feed.map(|x| x / 1024.0)),
+            ),
+        ]);
     }
-    let per_feed = delta(rss_before, rss_after).map(|d| d / a.n as f64);
 
     // Bare axum baseline: a child process parking the same number of requests.
     let mut bare_per_feed = None;
     if !a.no_bare {
         bare_per_feed = bare_baseline(&b, a.n, a.settle_ms).await.ok();
     }
+    rows.push((
+        "bare axum RSS per parked request (KiB)".into(),
+        opt(bare_per_feed.map(|x| x / 1024.0)),
+    ));
     report(
         &a.common,
         "held",
-        json!({"n": a.n, "kind": format!("{:?}", a.kind).to_lowercase()}),
-        vec![
-            ("all feeds held", json!(all_held)),
-            ("time to hold all (ms)", json!(ms(time_to_hold))),
-            (
-                "server RSS before (MiB)",
-                opt(rss_before.map(|x| x / 1048576.0)),
-            ),
-            (
-                "server RSS held (MiB)",
-                opt(rss_after.map(|x| x / 1048576.0)),
-            ),
-            (
-                "server RSS per held feed (KiB)",
-                opt(per_feed.map(|x| x / 1024.0)),
-            ),
-            (
-                "bare axum RSS per parked request (KiB)",
-                opt(bare_per_feed.map(|x| x / 1024.0)),
-            ),
-            (
-                "ratio runfeed / bare",
-                opt(per_feed.zip(bare_per_feed).map(|(a, b)| a / b)),
-            ),
-        ],
+        json!({"n": a.n, "kind": format!("{:?}", a.kind).to_lowercase(), "transport": format!("{:?}", a.transport).to_lowercase()}),
+        rows,
     )
 }
 
@@ -725,59 +877,102 @@ async fn bare(a: BareArgs) -> anyhow::Result<()> {
 
 async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
-    let env = b.env().await?;
-    let hot = b.tagged_run(&env, "hot").await?;
-    let token = Bench::token(&env, &Feed::tag("hot"));
-    let snap = Arc::new(b.snapshot(&token, &Feed::tag("hot")).await?);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
-    let tasks = park(&b, a.f, &token, &Feed::tag("hot"), &snap);
-    let all_held = b
-        .wait_held(held_before + a.f, Duration::from_secs(60))
-        .await;
-    // Let any cold re-checks finish before the baseline.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let q0 = b.metric("runfeed_pg_queries_total").await;
-    let s0 = b.metric("runfeed_router_distinct_runs_total").await;
-    let d0 = b.metric("runfeed_router_deliveries_total").await;
-    let published = Instant::now();
-    b.change(&env, &hot, "hot").await?;
-    let mut lat = Vec::with_capacity(a.f);
-    let mut errors = 0usize;
-    for t in tasks {
-        match tokio::time::timeout(Duration::from_secs(120), t).await {
-            Ok(Ok((Some(200), at))) => lat.push(ms(at.duration_since(published))),
-            _ => errors += 1,
+    let passes = a.transport.passes();
+    let several = passes.len() > 1;
+    let mut rows: Vec<(String, Value)> = Vec::new();
+    for sse in passes {
+        let env = b.env().await?;
+        let hot = b.tagged_run(&env, "hot").await?;
+        let token = Bench::token(&env, &Feed::tag("hot"));
+        let snap = Arc::new(b.snapshot(&token, &Feed::tag("hot")).await?);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
+        let park_what = Park {
+            n: a.f,
+            token: &token,
+            feed: &Feed::tag("hot"),
+            at: &snap,
+            sse,
+        };
+        let tasks = park(&b, park_what);
+        let all_held = b
+            .wait_held(held_before + a.f, Duration::from_secs(60))
+            .await;
+        // Let any cold re-checks finish before the baseline.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let q0 = b.metric("runfeed_pg_queries_total").await;
+        let s0 = b.metric("runfeed_router_distinct_runs_total").await;
+        let d0 = b.metric("runfeed_router_deliveries_total").await;
+        let published = Instant::now();
+        b.change(&env, &hot, "hot").await?;
+        let mut lat = Vec::with_capacity(a.f);
+        let mut errors = 0usize;
+        for t in tasks {
+            match tokio::time::timeout(Duration::from_secs(120), t).await {
+                Ok(Ok((Some(200), at))) => lat.push(ms(at.duration_since(published))),
+                _ => errors += 1,
+            }
         }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let q1 = b.metric("runfeed_pg_queries_total").await;
+        let s1 = b.metric("runfeed_router_distinct_runs_total").await;
+        let d1 = b.metric("runfeed_router_deliveries_total").await;
+        // SSE streams stay open after their first event: end them before the next pass.
+        b.wait_released(held_before + a.f, Duration::from_secs(1))
+            .await;
+        lat.sort_by(f64::total_cmp);
+        let l = |figure: &str| label(figure, sse, several);
+        rows.extend([
+            (l("all feeds held"), json!(all_held)),
+            (l("responses"), json!(lat.len())),
+            (l("errors"), json!(errors)),
+            (l("last response p50 (ms)"), json!(pct(&lat, 50.0))),
+            (l("last response p99 (ms)"), json!(pct(&lat, 99.0))),
+            (
+                l("last response max (ms)"),
+                json!(lat.last().copied().unwrap_or(f64::NAN)),
+            ),
+            (l("postgres queries for the change"), opt(delta(q0, q1))),
+            (
+                l("serializations (router distinct runs)"),
+                opt(delta(s0, s1)),
+            ),
+            (l("router deliveries"), opt(delta(d0, d1))),
+        ]);
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let q1 = b.metric("runfeed_pg_queries_total").await;
-    let s1 = b.metric("runfeed_router_distinct_runs_total").await;
-    let d1 = b.metric("runfeed_router_deliveries_total").await;
-    lat.sort_by(f64::total_cmp);
     report(
         &a.common,
         "fanout",
-        json!({"f": a.f}),
-        vec![
-            ("all feeds held", json!(all_held)),
-            ("responses", json!(lat.len())),
-            ("errors", json!(errors)),
-            ("last response p50 (ms)", json!(pct(&lat, 50.0))),
-            ("last response p99 (ms)", json!(pct(&lat, 99.0))),
-            (
-                "last response max (ms)",
-                json!(lat.last().copied().unwrap_or(f64::NAN)),
-            ),
-            ("postgres queries for the change", opt(delta(q0, q1))),
-            ("serializations (router distinct runs)", opt(delta(s0, s1))),
-            ("router deliveries", opt(delta(d0, d1))),
-        ],
+        json!({"f": a.f, "transport": format!("{:?}", a.transport).to_lowercase()}),
+        rows,
     )
 }
 
 async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
     let b = Arc::new(Bench::new(a.common.clone()).await?);
+    let passes = a.transport.passes();
+    let several = passes.len() > 1;
+    let mut rows = Vec::new();
+    for sse in passes {
+        rows.extend(churn_pass(&b, &a, sse, several).await?);
+    }
+    report(
+        &a.common,
+        "churn",
+        json!({"rate": a.rate, "envs": a.envs, "held": a.held, "runs_per_env": a.runs, "duration_s": a.duration_s, "transport": format!("{:?}", a.transport).to_lowercase()}),
+        rows,
+    )
+}
+
+/// One churn pass (long-polls, or SSE streams when `sse`); its figures, labelled by transport
+/// when `several` passes share the table.
+async fn churn_pass(
+    b: &Arc<Bench>,
+    a: &ChurnArgs,
+    sse: bool,
+    several: bool,
+) -> anyhow::Result<Vec<(String, Value)>> {
+    let b = b.clone();
     // E environments × runs, each run with its own tag.
     let mut targets: Vec<(Arc<DemoEnv>, String, String)> = Vec::new();
     for _ in 0..a.envs.max(1) {
@@ -811,17 +1006,62 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
         );
         followers.push(tokio::spawn(async move {
             let feed = &feed;
-            let token = Bench::token(&env, &feed);
+            let token = Bench::token(&env, feed);
             let client = b.client().clone();
-            let mut at = match b.snapshot(&token, &feed).await {
+            let mut at = match b.snapshot(&token, feed).await {
                 Ok(r) => r,
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
             };
+            if sse {
+                // One stream at a time; a server-ended stream is reopened at `<lsn>_0` (what
+                // the 1.5 client does), a 409 starts over.
+                let mut offset: Option<String> = None;
+                while !stop.load(Ordering::Relaxed) {
+                    let reader = b
+                        .open_sse(&client, &token, feed, &at, offset.as_deref())
+                        .await;
+                    let mut reader = match reader {
+                        Ok(r) if r.status == 200 => r,
+                        Ok(r) if r.status == 409 => {
+                            match b.snapshot(&token, feed).await {
+                                Ok(r) => at = r,
+                                Err(_) => return,
+                            }
+                            offset = None;
+                            continue;
+                        }
+                        _ => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    while let Some(data) = reader.next_data().await {
+                        let Ok(msg) = serde_json::from_str::<Value>(&data) else {
+                            continue;
+                        };
+                        if let Some(id) = msg["value"]["id"].as_str() {
+                            let now = Instant::now();
+                            let p = published.lock().unwrap_or_else(|p| p.into_inner());
+                            if let Some(t) = p.get(id) {
+                                latencies
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .push(ms(now.duration_since(*t)));
+                            }
+                        }
+                        if let Some(lsn) = msg["headers"]["global_last_seen_lsn"].as_str() {
+                            offset = Some(format!("{lsn}_0"));
+                        }
+                    }
+                }
+                return;
+            }
             while !stop.load(Ordering::Relaxed) {
-                match b.live(&client, &token, &feed, &at).await {
+                match b.live(&client, &token, feed, &at).await {
                     Ok(r) if r.status == 200 => {
                         let now = Instant::now();
                         let ids = r.changed_ids();
@@ -838,7 +1078,7 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
                     }
                     Ok(r) if r.status == 409 => {
                         // Must refetch: start over.
-                        match b.snapshot(&token, &feed).await {
+                        match b.snapshot(&token, feed).await {
                             Ok(r) => at = r,
                             Err(_) => return,
                         }
@@ -917,23 +1157,20 @@ async fn churn(a: ChurnArgs) -> anyhow::Result<()> {
     lat.sort_by(f64::total_cmp);
     let deliveries = lat.len();
     let cpu_per_1k = delta(cpu0, cpu1).map(|c| c / (deliveries.max(1) as f64) * 1000.0);
-    report(
-        &a.common,
-        "churn",
-        json!({"rate": a.rate, "envs": a.envs, "held": a.held, "runs_per_env": a.runs, "duration_s": a.duration_s}),
-        vec![
-            ("all feeds held", json!(all_held)),
-            ("changes published", json!(total)),
-            ("achieved changes/s", json!(total as f64 / publish_s)),
-            ("deliveries (feed × change)", json!(deliveries)),
-            ("delivery latency p50 (ms)", json!(pct(&lat, 50.0))),
-            ("delivery latency p99 (ms)", json!(pct(&lat, 99.0))),
-            ("delivery latency p99.9 (ms)", json!(pct(&lat, 99.9))),
-            ("server CPU s per 1000 deliveries", opt(cpu_per_1k)),
-            ("backstop deliveries", opt(delta(bs0, bs1))),
-            ("client errors", json!(errors.load(Ordering::Relaxed))),
-        ],
-    )
+    b.wait_released(held_before, Duration::from_secs(30)).await;
+    let l = |figure: &str| label(figure, sse, several);
+    Ok(vec![
+        (l("all feeds held"), json!(all_held)),
+        (l("changes published"), json!(total)),
+        (l("achieved changes/s"), json!(total as f64 / publish_s)),
+        (l("deliveries (feed × change)"), json!(deliveries)),
+        (l("delivery latency p50 (ms)"), json!(pct(&lat, 50.0))),
+        (l("delivery latency p99 (ms)"), json!(pct(&lat, 99.0))),
+        (l("delivery latency p99.9 (ms)"), json!(pct(&lat, 99.9))),
+        (l("server CPU s per 1000 deliveries"), opt(cpu_per_1k)),
+        (l("backstop deliveries"), opt(delta(bs0, bs1))),
+        (l("client errors"), json!(errors.load(Ordering::Relaxed))),
+    ])
 }
 
 async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {

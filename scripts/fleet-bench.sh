@@ -7,7 +7,7 @@
 #   bash scripts/fleet-bench.sh
 #   FEEDS=6000 HOT=1000 HOLDERS=2 bash scripts/fleet-bench.sh      # a small smoke
 # Knobs (env): FEEDS (50000), HOT (10000), INSTANCES (3), HOLDERS (4), BASE_PORT (3131),
-# SOURCES_PER_HOLDER (2), HOLD_WAIT_S (180), BENCH_OUT (target/fleet-bench).
+# SOURCES_PER_HOLDER (2), HOLD_WAIT_S (120), BENCH_OUT (target/fleet-bench).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -20,7 +20,7 @@ REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 DB="runfeed_fleet_$(tr -dc 'a-z0-9' </dev/urandom | head -c 10)"
 DB_URL="$PG_ADMIN/$DB"
 FEEDS="${FEEDS:-50000}" HOT="${HOT:-10000}" INSTANCES="${INSTANCES:-3}" HOLDERS="${HOLDERS:-4}"
-BASE_PORT="${BASE_PORT:-3131}" SPH="${SOURCES_PER_HOLDER:-2}" HOLD_WAIT_S="${HOLD_WAIT_S:-180}"
+BASE_PORT="${BASE_PORT:-3131}" SPH="${SOURCES_PER_HOLDER:-2}" HOLD_WAIT_S="${HOLD_WAIT_S:-120}"
 mkdir -p "$OUT"
 rm -f "$OUT"/holder-*.json "$OUT/go"
 
@@ -73,10 +73,12 @@ for h in $(seq 0 $((HOLDERS - 1))); do
 done
 want=$((per_idle * HOLDERS + per_hot * HOLDERS))
 total=0
-for _ in $(seq 1 $((HOLD_WAIT_S * 4))); do
+deadline=$((SECONDS + HOLD_WAIT_S))
+while [ "$SECONDS" -lt "$deadline" ]; do
   total=0
   for i in "${!SERVER_PIDS[@]}"; do total=$((total + $(held_on $((BASE_PORT + 20 + i))))); done
-  [ "$total" -ge "$want" ] && break
+  # Feeds between a response and their re-poll are not held for a moment: 97 % is "all".
+  [ "$total" -ge $((want * 97 / 100)) ] && break
   sleep 0.25
 done
 ramp_s=$(echo "$(date +%s.%N) - $started" | bc)

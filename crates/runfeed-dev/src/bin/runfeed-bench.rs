@@ -1297,6 +1297,9 @@ mod fleet {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut idle = Vec::with_capacity(a.idle);
         let mut hot = Vec::with_capacity(a.hot);
+        // Both snapshots first, then the feeds in steps of 200 every 20 ms: a burst of
+        // thousands of connects at once overflows the instances' accept queues.
+        let mut kinds = Vec::new();
         for (n, is_hot) in [(a.idle, false), (a.hot, true)] {
             let feed = if is_hot {
                 Feed::tag("hot")
@@ -1304,8 +1307,21 @@ mod fleet {
                 Feed::Run(format!("run_{}", setup.cold_run))
             };
             let token = Arc::new(Bench::token(&setup.env, &feed));
-            let at = Arc::new(b.snapshot(&token, &feed).await?);
+            let (path, mut params) = feed.path_and_params();
+            params.push(("offset", "-1".into()));
+            let at = b
+                .get_at(&bases[0], b.client(), &token, &path, &params)
+                .await?;
+            if at.status != 200 {
+                bail!("snapshot of {feed:?}: status {}", at.status);
+            }
+            kinds.push((n, is_hot, feed, token, Arc::new(at)));
+        }
+        for (n, is_hot, feed, token, at) in kinds {
             for i in 0..n {
+                if i % 200 == 199 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 let follower = Follower {
                     b: b.clone(),
                     base: bases[i % bases.len()].clone(),

@@ -12,6 +12,7 @@
 //! feeds").
 
 pub mod admit;
+pub mod cors;
 pub mod error;
 pub mod serve;
 pub mod sse;
@@ -19,13 +20,12 @@ pub mod sse;
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, Method};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
 use bytes::Bytes;
 use serde_json::json;
-use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
 use crate::auth::{
     batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
@@ -90,42 +90,73 @@ impl Default for RequestLimits {
 }
 
 /// 414 for an over-long request target, 431 for too many header bytes — as JSON, inside the
-/// CORS layer (hyper's own 431 for >100 headers has no body).
-async fn request_limits(
-    State(limits): State<RequestLimits>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
+/// CORS layer (hyper's own 431 for >100 headers has no body). A plain tower layer: its future
+/// is the inner one, with no box or per-request state of its own (memory per held feed).
+#[derive(Clone, Copy, Debug)]
+struct RequestLimitsLayer(RequestLimits);
+
+impl<S> tower::Layer<S> for RequestLimitsLayer {
+    type Service = RequestLimitsService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RequestLimitsService {
+            limits: self.0,
+            inner,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct RequestLimitsService<S> {
+    limits: RequestLimits,
+    inner: S,
+}
+
+impl<S> tower::Service<axum::extract::Request> for RequestLimitsService<S>
+where
+    S: tower::Service<axum::extract::Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future =
+        futures::future::Either<std::future::Ready<Result<Response, S::Error>>, S::Future>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: axum::extract::Request) -> Self::Future {
+        use futures::future::Either;
+        match over_limits(&request, &self.limits) {
+            Some(refusal) => Either::Left(std::future::ready(Ok(refusal.into_response()))),
+            None => Either::Right(self.inner.call(request)),
+        }
+    }
+}
+
+/// The refusal of a request over `limits`, if it is.
+fn over_limits(request: &axum::extract::Request, limits: &RequestLimits) -> Option<ApiError> {
     let target = request
         .uri()
         .path_and_query()
         .map_or(0, |pq| pq.as_str().len());
     if target > limits.max_url_bytes {
-        return ApiError::UriTooLong.into_response();
+        return Some(ApiError::UriTooLong);
     }
     let header_bytes: usize = request
         .headers()
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
-    if header_bytes > limits.max_header_bytes {
-        return ApiError::HeadersTooLarge.into_response();
-    }
-    next.run(request).await
+    (header_bytes > limits.max_header_bytes).then_some(ApiError::HeadersTooLarge)
 }
 
 /// The axum application: the three feed routes, `/healthz`, JSON 404s, CORS on everything.
 pub fn app(state: AppState) -> axum::Router {
     let limits = state.limits;
-    let cors = CorsLayer::new()
-        .allow_origin(Any)
-        // POST: `@electric-sql/client` 1.5 may POST subset snapshots (`subsetMethod: 'POST'`);
-        // the preflight must pass for the browser to show the 400 that refuses them.
-        .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS, Method::POST])
-        // `Authorization` cannot be wildcarded (Fetch spec): mirror what the preflight asks for.
-        .allow_headers(AllowHeaders::mirror_request())
-        .expose_headers(Any)
-        .max_age(std::time::Duration::from_secs(86_400));
     axum::Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route(
@@ -144,10 +175,12 @@ pub fn app(state: AppState) -> axum::Router {
         })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(state)
-        .layer(axum::middleware::from_fn_with_state(limits, request_limits))
+        .layer(RequestLimitsLayer(limits))
         // One span per request: method, route, path, env id, status (never headers or query).
         .layer(crate::telemetry::http::trace_layer())
-        .layer(cors)
+        // Any origin; preflights mirror the requested headers (`Authorization` cannot be
+        // wildcarded, Fetch spec); pre-encoded values, nothing allocated per request.
+        .layer(cors::CorsLayer)
 }
 
 /// What every feed request carries besides its path.
@@ -307,7 +340,9 @@ impl axum::extract::FromRequestParts<AppState> for Begun {
     ) -> Result<Begun, ApiError> {
         let headers = std::mem::take(&mut parts.headers);
         let query = parts.uri.query().map(str::to_owned);
-        let (principal, mut ctx) = authenticate(state, &headers).await?;
+        // Boxed: the authentication's state would otherwise size the handler's box for the
+        // whole hold (memory per held feed).
+        let (principal, mut ctx) = Box::pin(authenticate(state, &headers)).await?;
         drop(headers);
         ctx.params = Params::parse(query.as_deref());
         if let Some(param) = &ctx.params.subset {
@@ -359,7 +394,7 @@ async fn run_feed(
     let target = Target::Run {
         run_id: run.id.clone(),
     };
-    serve(&state, &begun, target).await
+    serve(&state, begun, target).await
 }
 
 /// A URL-id lookup's outcome: the resource, a 404 (`should_retry` as the route says) when it
@@ -415,7 +450,7 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
         return Err(ApiError::Forbidden);
     }
     let target = Target::Tag { tags, floor_ms };
-    let mut response = serve(&state, &begun, target).await?;
+    let mut response = serve(&state, begun, target).await?;
     if clamped {
         response
             .headers_mut()
@@ -454,27 +489,30 @@ async fn batch_feed(
     let target = Target::Batch {
         batch_id: batch.id.clone(),
     };
-    serve(&state, &begun, target).await
+    serve(&state, begun, target).await
 }
 
-async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Response, ApiError> {
+/// Answers the feed request. What the reply needs (the client generation) is copied out and
+/// the rest of `begun` (principal, query strings) is dropped before the poll is served, so a
+/// held live poll does not keep it for its hold (memory per held feed).
+async fn serve(state: &AppState, begun: Begun, target: Target) -> Result<Response, ApiError> {
     let Begun {
         principal,
         ctx,
         offset,
         log,
     } = begun;
-    let offset = *offset;
+    let client = ctx.client;
     let req = FeedRequest {
         env_id: principal.env.id.clone(),
         target,
-        cols: columns(principal, ctx),
+        cols: columns(&principal, &ctx),
         offset,
         handle: ctx.params.handle.as_deref().map(Handle::new),
         live: ctx.params.live,
         cursor: ctx.params.cursor.clone(),
         legacy_api_version: ctx.legacy_api_version,
-        log: *log,
+        log,
         sse: false,
     };
     let sse = req.live && ctx.params.sse && matches!(req.offset, OffsetParam::At(_));
@@ -483,8 +521,9 @@ async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Respon
         state
             .feeds
             .check(&req)
-            .map_err(|err| ApiError::from_feed(err, ctx.client))?;
+            .map_err(|err| ApiError::from_feed(err, client))?;
     }
+    drop(ctx);
     // Only live polls take a concurrency slot (REQ-02); it is released when this future ends,
     // whether answered or dropped because the client went away.
     let slot = if req.live && matches!(req.offset, OffsetParam::At(_)) {
@@ -497,14 +536,15 @@ async fn serve(state: &AppState, begun: &Begun, target: Target) -> Result<Respon
     };
     if sse {
         // The stream keeps the slot for its whole life.
-        return Ok(sse::response(state.feeds.clone(), req, slot, ctx.client));
+        return Ok(sse::response(state.feeds.clone(), req, slot, client));
     }
+    drop(principal);
     let reply = state
         .feeds
         .serve(req)
         .await
-        .map_err(|err| ApiError::from_feed(err, ctx.client))?;
-    Ok(ok(reply, ctx.client))
+        .map_err(|err| ApiError::from_feed(err, client))?;
+    Ok(ok(reply, client))
 }
 
 fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
@@ -549,7 +589,7 @@ mod future_sizes {
         std::mem::size_of::<F>()
     }
     fn size_serve<'a, F: std::future::Future + 'a>(
-        _: fn(&'a AppState, &'a Begun, Target) -> F,
+        _: fn(&'a AppState, Begun, Target) -> F,
     ) -> usize {
         std::mem::size_of::<F>()
     }

@@ -8,7 +8,9 @@
 //!   reading cannot pin a response in memory).
 //! - **Bytes buffered per connection:** hyper's read and write buffers are capped at
 //!   `max_buf_bytes`; a request head larger than that is refused by hyper with a bare 431.
-//! - **Memory per held feed:** HTTP/1 only (no HTTP/2 state per connection; runfeed sits
+//! - **Memory per held feed:** the pages of hyper's 8 KiB read buffer that a request head
+//!   touched are handed back to the kernel when the connection goes idle (see [`IdleRelease`]),
+//!   so a held poll keeps none of them resident for its ~20 s; HTTP/1 only (no HTTP/2 state per connection; runfeed sits
 //!   behind a load balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection
 //!   clone of the make-service machinery.
 //! - **Graceful shutdown:** when the shutdown token is cancelled the listener is closed at once,
@@ -17,6 +19,9 @@
 //!   the remaining connections are cut off (a client that does not read its response cannot
 //!   hold the process).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -24,8 +29,8 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
-use tokio_io_timeout::TimeoutStream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -70,6 +75,9 @@ pub async fn serve(
         .keep_alive(true)
         .half_close(false)
         .max_buf_size(limits.max_buf_bytes.max(8192))
+        // The response body `Bytes` is handed to the socket as is (no copy into the write
+        // buffer): one shared body, N connections.
+        .writev(true)
         .header_read_timeout(
             (limits.header_read_timeout_ms > 0)
                 .then(|| Duration::from_millis(limits.header_read_timeout_ms)),
@@ -96,9 +104,13 @@ pub async fn serve(
             }
         };
         let _ = stream.set_nodelay(true);
-        let mut stream = TimeoutStream::new(stream);
-        stream.set_write_timeout(write_stall);
-        let conn = builder.serve_connection(TokioIo::new(Box::pin(stream)), service.clone());
+        let io = IdleRelease {
+            inner: stream,
+            touched: false,
+            write_stall,
+            stall: None,
+        };
+        let conn = builder.serve_connection(TokioIo::new(io), service.clone());
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(err) = conn.await {
@@ -128,6 +140,215 @@ impl ConnLimits {
             write_stall_timeout_ms: config.server.write_stall_timeout_ms,
             max_buf_bytes: 4 * (config.server.max_url_bytes + config.server.max_header_bytes),
             shutdown_grace_ms: config.server.shutdown_grace_ms,
+        }
+    }
+}
+
+/// The connection's stream: the write-stall timeout, and the release of hyper's read buffer
+/// pages while the connection has nothing to read (a held poll, an idle keep-alive connection).
+///
+/// **Write stall:** a write, flush or shutdown that stays pending for `write_stall` fails with
+/// `TimedOut` (hyper then closes the connection); any progress disarms the timer. The timer is
+/// only allocated while a write is pending, so a held poll carries none (memory per held feed;
+/// `tokio-io-timeout`'s stream kept two timers inline in a boxed stream).
+///
+/// hyper reads into one 8 KiB buffer per connection (not configurable) and keeps it for the
+/// connection's life; a request head dirties its first page, which would stay resident for the
+/// whole hold (~4 KiB per held feed, the largest single item; BENCHMARKS.md "Held feeds"). When
+/// a read finds nothing (`Pending`) after bytes arrived since the last release, the whole pages
+/// inside the buffer's unfilled part are given back with `madvise(MADV_DONTNEED)`: they read
+/// as zeros afterwards, which is a valid content for the unfilled (writable, not yet read) part
+/// of a `ReadBuf`. One syscall per request; none while the connection stays idle.
+struct IdleRelease {
+    inner: TcpStream,
+    /// Bytes were read since the last release.
+    touched: bool,
+    /// How long a pending write may make no progress (None: forever).
+    write_stall: Option<Duration>,
+    /// Armed while a write is pending.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleRelease {
+    /// Arms the write-stall timer (if not yet) and fails once it has run out.
+    fn check_stall(&mut self, cx: &mut Context<'_>) -> std::io::Result<()> {
+        let Some(limit) = self.write_stall else {
+            return Ok(());
+        };
+        let timer = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if timer.as_mut().poll(cx).is_ready() {
+            self.stall = None;
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        Ok(())
+    }
+
+    /// A write-side poll's result, with the stall timer armed while it is pending and
+    /// disarmed on progress.
+    fn stalled<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if polled.is_pending() {
+            if let Err(err) = self.check_stall(cx) {
+                return Poll::Ready(Err(err));
+            }
+        } else {
+            self.stall = None;
+        }
+        polled
+    }
+
+    /// Page size assumed for the release; pages are only released when whole (4 KiB).
+    const PAGE: usize = 4096;
+
+    fn release(buf: &mut ReadBuf<'_>) {
+        // SAFETY: only the address and length of the unfilled part are read here; the pages
+        // released in it read as zeros afterwards, so nothing initialized is de-initialized.
+        let unfilled = unsafe { buf.unfilled_mut() };
+        let start = unfilled.as_mut_ptr() as usize;
+        let end = start + unfilled.len();
+        let first = start.next_multiple_of(Self::PAGE);
+        let last = end - end % Self::PAGE;
+        if last > first {
+            release_pages(first, last - first);
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn release_pages(addr: usize, len: usize) {
+    // SAFETY: [addr, addr + len) is whole pages inside the unfilled part of the caller's
+    // `ReadBuf`, memory this reader may overwrite and nobody else uses; MADV_DONTNEED on
+    // private anonymous memory only replaces its content with zeros.
+    unsafe {
+        libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn release_pages(_addr: usize, _len: usize) {}
+
+impl AsyncRead for IdleRelease {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        match polled {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => self.touched = true,
+            Poll::Pending if self.touched => {
+                self.touched = false;
+                IdleRelease::release(buf);
+            }
+            _ => {}
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for IdleRelease {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.stalled(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.stalled(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.stalled(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.stalled(cx, polled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn pair(write_stall: Option<Duration>) -> (IdleRelease, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let io = IdleRelease {
+            inner: server,
+            touched: false,
+            write_stall,
+            stall: None,
+        };
+        (io, client)
+    }
+
+    /// A client that stops reading: the server's pending write fails with `TimedOut` after the
+    /// stall limit instead of pinning the response.
+    #[tokio::test]
+    async fn a_write_that_makes_no_progress_times_out() {
+        let (mut io, _client) = pair(Some(Duration::from_millis(200))).await;
+        let chunk = vec![7u8; 1 << 20];
+        let started = std::time::Instant::now();
+        let err = loop {
+            if let Err(err) = io.write_all(&chunk).await {
+                break err;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the kernel never stopped taking bytes"
+            );
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(io.stall.is_none(), "the timer is dropped once it fired");
+    }
+
+    /// Reads still see every byte after the idle release, and a write that progresses leaves
+    /// no timer behind.
+    #[tokio::test]
+    async fn reads_after_an_idle_release_see_every_byte() {
+        let (mut io, mut client) = pair(Some(Duration::from_millis(200))).await;
+        let mut buf = vec![0u8; 8192];
+        for round in 0..3u8 {
+            // Nothing to read: Pending, which releases the buffer's pages after round 0.
+            let idle = tokio::time::timeout(Duration::from_millis(20), io.read(&mut buf)).await;
+            assert!(idle.is_err(), "nothing was sent yet");
+            assert!(!io.touched);
+            let sent = vec![round + 1; 1000];
+            client.write_all(&sent).await.expect("client write");
+            let mut got = Vec::new();
+            while got.len() < sent.len() {
+                let n = io.read(&mut buf).await.expect("read");
+                got.extend_from_slice(&buf[..n]);
+            }
+            assert_eq!(got, sent);
+            io.write_all(b"ok").await.expect("write");
+            assert!(io.stall.is_none());
+            let mut ok = [0u8; 2];
+            client.read_exact(&mut ok).await.expect("client read");
         }
     }
 }

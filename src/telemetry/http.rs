@@ -12,8 +12,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{MatchedPath, Request, State};
-use axum::middleware::Next;
+use axum::extract::{MatchedPath, Request};
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 use tokio::time::Instant;
@@ -110,14 +109,118 @@ impl<B> OnResponse<B> for ResponseLog {
 /// status; duration by route, status and live; body bytes by route). A request whose client
 /// goes away first counts as status 499.
 pub fn instrument(router: axum::Router, metrics: Arc<Metrics>) -> axum::Router {
-    router.layer(axum::middleware::from_fn_with_state(metrics, track))
+    router.layer(TrackLayer(metrics))
+}
+
+/// The layer of [`instrument`]: a plain tower layer whose future is the inner one plus the
+/// request's [`Pending`] record (no box, no per-request strings: memory per held feed).
+#[derive(Clone)]
+struct TrackLayer(Arc<Metrics>);
+
+impl<S> tower::Layer<S> for TrackLayer {
+    type Service = Track<S>;
+
+    fn layer(&self, inner: S) -> Track<S> {
+        Track {
+            metrics: self.0.clone(),
+            inner,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Track<S> {
+    metrics: Arc<Metrics>,
+    inner: S,
+}
+
+impl<S> tower::Service<Request> for Track<S>
+where
+    S: tower::Service<Request, Response = Response>,
+    S::Future: Unpin,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = TrackFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request) -> Self::Future {
+        let pending = Pending {
+            route: RouteLabel::of(&req),
+            method: req.method().clone(),
+            live: is_live(req.uri().query()),
+            started: Instant::now(),
+            metrics: self.metrics.clone(),
+            done: false,
+        };
+        TrackFuture {
+            inner: self.inner.call(req),
+            pending,
+        }
+    }
+}
+
+/// Response future of [`Track`]: counts the response (or a 499 if dropped first) and wraps
+/// its body in a [`CountedBody`].
+struct TrackFuture<F> {
+    inner: F,
+    pending: Pending,
+}
+
+impl<F, E> std::future::Future for TrackFuture<F>
+where
+    F: std::future::Future<Output = Result<Response, E>> + Unpin,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let response = std::task::ready!(Pin::new(&mut this.inner).poll(cx))?;
+        let pending = &mut this.pending;
+        pending.done = true;
+        let status = response.status().as_u16();
+        let m = &pending.metrics;
+        m.http_request(
+            pending.route.as_str(),
+            pending.method.as_str(),
+            status,
+            pending.live,
+            pending.started.elapsed(),
+        );
+        let (parts, body) = response.into_parts();
+        let counted = CountedBody {
+            inner: body,
+            bytes: 0,
+            metrics: m.clone(),
+            route: pending.route.clone(),
+        };
+        Poll::Ready(Ok(Response::from_parts(parts, Body::new(counted))))
+    }
+}
+
+/// A request's route label without a per-request allocation (memory per held feed): the
+/// matched pattern is shared (`MatchedPath` is an `Arc<str>`).
+#[derive(Clone)]
+struct RouteLabel(Option<MatchedPath>);
+
+impl RouteLabel {
+    fn of<B>(req: &axum::http::Request<B>) -> RouteLabel {
+        RouteLabel(req.extensions().get::<MatchedPath>().cloned())
+    }
+
+    fn as_str(&self) -> &str {
+        self.0.as_ref().map_or(UNMATCHED, MatchedPath::as_str)
+    }
 }
 
 /// Counts the request as 499 if dropped before the response.
 struct Pending {
     metrics: Arc<Metrics>,
-    route: String,
-    method: String,
+    route: RouteLabel,
+    method: axum::http::Method,
     live: bool,
     started: Instant,
     done: bool,
@@ -127,8 +230,8 @@ impl Drop for Pending {
     fn drop(&mut self) {
         if !self.done {
             self.metrics.http_request(
-                &self.route,
-                &self.method,
+                self.route.as_str(),
+                self.method.as_str(),
                 499,
                 self.live,
                 self.started.elapsed(),
@@ -137,42 +240,12 @@ impl Drop for Pending {
     }
 }
 
-async fn track(State(metrics): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
-    let mut pending = Pending {
-        route: route_of(&req).to_string(),
-        method: req.method().as_str().to_string(),
-        live: is_live(req.uri().query()),
-        started: Instant::now(),
-        metrics,
-        done: false,
-    };
-    let response = next.run(req).await;
-    pending.done = true;
-    let status = response.status().as_u16();
-    let m = &pending.metrics;
-    m.http_request(
-        &pending.route,
-        &pending.method,
-        status,
-        pending.live,
-        pending.started.elapsed(),
-    );
-    let (parts, body) = response.into_parts();
-    let counted = CountedBody {
-        inner: body,
-        bytes: 0,
-        metrics: m.clone(),
-        route: std::mem::take(&mut pending.route),
-    };
-    Response::from_parts(parts, Body::new(counted))
-}
-
 /// A response body that adds the bytes it yielded to `runfeed.http.sent` when dropped.
 struct CountedBody {
     inner: Body,
     bytes: u64,
     metrics: Arc<Metrics>,
-    route: String,
+    route: RouteLabel,
 }
 
 impl http_body::Body for CountedBody {
@@ -205,7 +278,7 @@ impl http_body::Body for CountedBody {
 impl Drop for CountedBody {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            self.metrics.http_bytes(&self.route, self.bytes);
+            self.metrics.http_bytes(self.route.as_str(), self.bytes);
         }
     }
 }

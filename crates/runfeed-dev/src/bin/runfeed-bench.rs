@@ -57,6 +57,16 @@ enum Scenario {
     Idle(IdleArgs),
     /// A bare axum server that parks every request for `--hold-ms` (the `held` baseline).
     Bare(BareArgs),
+    /// Fleet, step 1: an environment with a hot run (tag `hot`) and a cold run, written as
+    /// JSON to `--out` for the `fleet-hold` processes (scripts/fleet-bench.sh).
+    FleetSetup(FleetSetupArgs),
+    /// Fleet, step 2: park `--idle` run feeds (re-polled as holds expire) and `--hot` tag feeds
+    /// over several instances (`--base-url a,b,c`), then time the hot feeds' responses to the
+    /// change `fleet-change` announces in `--go-file`.
+    FleetHold(FleetHoldArgs),
+    /// Fleet, step 3: one change of the hot run; writes its publish time (Unix ms) to
+    /// `--go-file`.
+    FleetChange(FleetChangeArgs),
     /// The randomized, fault-injecting delivery checker (README "Correctness checker"): starts
     /// its own instances, database and Redis, writes, reads and injects faults, then checks
     /// six delivery properties. Exit status 1 on a violation not marked `--known`.
@@ -84,6 +94,10 @@ struct Common {
     /// connections per address).
     #[arg(long, default_value_t = 1)]
     source_addrs: u8,
+    /// The first source address is 127.0.0.(1 + this): several bench processes can use
+    /// disjoint addresses (`fleet-hold`).
+    #[arg(long, default_value_t = 0)]
+    first_source: u8,
     /// Write the figures as JSON to this file.
     #[arg(long)]
     json: Option<String>,
@@ -218,6 +232,48 @@ struct BareArgs {
     hold_ms: u64,
 }
 
+#[derive(Args)]
+struct FleetSetupArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Where to write the environment and runs (JSON).
+    #[arg(long)]
+    out: String,
+}
+
+#[derive(Args)]
+struct FleetHoldArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The JSON `fleet-setup` wrote.
+    #[arg(long)]
+    setup: String,
+    /// Idle run feeds (the cold run), spread round-robin over the instances.
+    #[arg(long, default_value_t = 1000)]
+    idle: usize,
+    /// Hot tag feeds (tag `hot`), spread round-robin over the instances.
+    #[arg(long, default_value_t = 100)]
+    hot: usize,
+    /// The file `fleet-change` writes the publish time into.
+    #[arg(long)]
+    go_file: String,
+    /// Give up waiting for the change after this long (s).
+    #[arg(long, default_value_t = 300.0)]
+    max_wait_s: f64,
+}
+
+#[derive(Args)]
+struct FleetChangeArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The JSON `fleet-setup` wrote.
+    #[arg(long)]
+    setup: String,
+    /// Where to write the publish time (Unix ms).
+    #[arg(long)]
+    go_file: String,
+}
+
 // ---------------------------------------------------------------- harness
 
 struct Bench {
@@ -339,7 +395,7 @@ impl Bench {
             .await
             .map_err(|e| anyhow::anyhow!("connect to --redis-url: {e}"))?;
         let clients = (0..c.source_addrs.max(1))
-            .map(client_for)
+            .map(|i| client_for(c.first_source.saturating_add(i)))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Bench {
             base: c.base_url.trim_end_matches('/').to_string(),
@@ -418,8 +474,20 @@ impl Bench {
         path: &str,
         params: &[(&str, String)],
     ) -> anyhow::Result<Resp> {
+        self.get_at(&self.base, client, token, path, params).await
+    }
+
+    /// [`Bench::get`] against another instance (`base`, e.g. `http://127.0.0.1:3101`).
+    async fn get_at(
+        &self,
+        base: &str,
+        client: &reqwest::Client,
+        token: &str,
+        path: &str,
+        params: &[(&str, String)],
+    ) -> anyhow::Result<Resp> {
         let resp = client
-            .get(format!("{}{path}", self.base))
+            .get(format!("{base}{path}"))
             .query(params)
             .header("authorization", format!("Bearer {token}"))
             .header("x-trigger-electric-version", ELECTRIC_VERSION)
@@ -616,6 +684,11 @@ fn proc_cpu_s(pid: u32) -> Option<f64> {
     let f: Vec<&str> = after.split_whitespace().collect();
     let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
     Some(ticks / 100.0)
+}
+
+/// This process's CPU time (user + system), s.
+fn own_cpu_s() -> Option<f64> {
+    proc_cpu_s(std::process::id())
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -903,6 +976,8 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
         let q0 = b.metric("runfeed_pg_queries_total").await;
         let s0 = b.metric("runfeed_router_distinct_runs_total").await;
         let d0 = b.metric("runfeed_router_deliveries_total").await;
+        let cpu0 = b.server_cpu();
+        let client_cpu0 = own_cpu_s();
         let published = Instant::now();
         b.change(&env, &hot, "hot").await?;
         let mut lat = Vec::with_capacity(a.f);
@@ -913,6 +988,10 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
                 _ => errors += 1,
             }
         }
+        // CPU from the publish to the last response (the server's includes the hydrate).
+        let server_cpu = delta(cpu0, b.server_cpu());
+        let client_cpu = delta(client_cpu0, own_cpu_s());
+        let per_response_us = |cpu: Option<f64>| opt(cpu.map(|s| s * 1e6 / a.f.max(1) as f64));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let q1 = b.metric("runfeed_pg_queries_total").await;
         let s1 = b.metric("runfeed_router_distinct_runs_total").await;
@@ -938,6 +1017,12 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
                 opt(delta(s0, s1)),
             ),
             (l("router deliveries"), opt(delta(d0, d1))),
+            (l("server CPU for the change (s)"), opt(server_cpu)),
+            (l("server CPU per response (us)"), per_response_us(server_cpu)),
+            (
+                l("bench client CPU per response (us)"),
+                per_response_us(client_cpu),
+            ),
         ]);
     }
     report(
@@ -1334,6 +1419,207 @@ async fn idle(a: IdleArgs) -> anyhow::Result<()> {
     )
 }
 
+mod fleet {
+    //! The fleet scenario (scripts/fleet-bench.sh): more held feeds than one process may open
+    //! files for, so several `fleet-hold` processes share one environment written by
+    //! `fleet-setup`, and `fleet-change` announces the one change through a file.
+    use super::*;
+
+    fn unix_ms() -> f64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    }
+
+    struct Setup {
+        env: DemoEnv,
+        hot_run: String,
+        cold_run: String,
+    }
+
+    fn read_setup(path: &str) -> anyhow::Result<Setup> {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        let s = |k: &str| -> anyhow::Result<String> {
+            Ok(v[k].as_str().context(format!("{k} in {path}"))?.to_string())
+        };
+        Ok(Setup {
+            env: DemoEnv {
+                env_id: s("env_id")?,
+                api_key: s("api_key")?,
+                org_id: s("org_id")?,
+                project_id: s("project_id")?,
+            },
+            hot_run: s("hot_run")?,
+            cold_run: s("cold_run")?,
+        })
+    }
+
+    pub(super) async fn setup(a: FleetSetupArgs) -> anyhow::Result<()> {
+        let b = Bench::new(a.common.clone()).await?;
+        let env = b.env().await?;
+        let hot_run = b.tagged_run(&env, "hot").await?;
+        let cold_run = b.tagged_run(&env, "cold").await?;
+        let out = json!({
+            "env_id": env.env_id, "api_key": env.api_key, "org_id": env.org_id,
+            "project_id": env.project_id, "hot_run": hot_run, "cold_run": cold_run,
+        });
+        std::fs::write(&a.out, serde_json::to_string_pretty(&out)?)?;
+        Ok(())
+    }
+
+    pub(super) async fn change(a: FleetChangeArgs) -> anyhow::Result<()> {
+        let b = Bench::new(a.common.clone()).await?;
+        let setup = read_setup(&a.setup)?;
+        let published = unix_ms();
+        b.change(&setup.env, &setup.hot_run, "hot").await?;
+        std::fs::write(&a.go_file, format!("{published}"))?;
+        Ok(())
+    }
+
+    /// One feed a `fleet-hold` process follows.
+    struct Follower {
+        b: Arc<Bench>,
+        /// The instance it polls.
+        base: String,
+        token: Arc<String>,
+        feed: Feed,
+        /// Hot: stops at the first response that carries a change.
+        hot: bool,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    /// One feed's loop: re-polls as holds expire (like a client) until `stop`; a hot feed
+    /// returns the Unix ms of the first response that carries a change.
+    async fn follow(f: Follower, mut at: Arc<Resp>) -> Option<f64> {
+        let Follower {
+            b,
+            base,
+            token,
+            feed,
+            hot,
+            stop,
+        } = f;
+        let client = b.client().clone();
+        let (path, params) = feed.path_and_params();
+        while !stop.load(Ordering::Relaxed) {
+            let mut p = params.clone();
+            p.extend([
+                ("cursor", at.cursor.clone().unwrap_or_default()),
+                ("handle", at.handle.clone().unwrap_or_default()),
+                ("live", "true".into()),
+                ("offset", at.offset.clone().unwrap_or_else(|| "-1".into())),
+            ]);
+            match b.get_at(&base, &client, &token, &path, &p).await {
+                Ok(r) if r.status == 200 => {
+                    if hot && !r.changed_ids().is_empty() {
+                        return Some(unix_ms());
+                    }
+                    at = Arc::new(r);
+                }
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+        None
+    }
+
+    pub(super) async fn hold(a: FleetHoldArgs) -> anyhow::Result<()> {
+        let b = Arc::new(Bench::new(a.common.clone()).await?);
+        let setup = read_setup(&a.setup)?;
+        let bases: Vec<String> = a
+            .common
+            .base_url
+            .split(',')
+            .map(|u| u.trim_end_matches('/').to_string())
+            .collect();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut idle = Vec::with_capacity(a.idle);
+        let mut hot = Vec::with_capacity(a.hot);
+        // Both snapshots first, then the feeds in steps of 200 every 20 ms: a burst of
+        // thousands of connects at once overflows the instances' accept queues.
+        let mut kinds = Vec::new();
+        for (n, is_hot) in [(a.idle, false), (a.hot, true)] {
+            let feed = if is_hot {
+                Feed::tag("hot")
+            } else {
+                Feed::Run(format!("run_{}", setup.cold_run))
+            };
+            let token = Arc::new(Bench::token(&setup.env, &feed));
+            let (path, mut params) = feed.path_and_params();
+            params.push(("offset", "-1".into()));
+            let at = b
+                .get_at(&bases[0], b.client(), &token, &path, &params)
+                .await?;
+            if at.status != 200 {
+                bail!("snapshot of {feed:?}: status {}", at.status);
+            }
+            kinds.push((n, is_hot, feed, token, Arc::new(at)));
+        }
+        for (n, is_hot, feed, token, at) in kinds {
+            for i in 0..n {
+                if i % 200 == 199 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let follower = Follower {
+                    b: b.clone(),
+                    base: bases[i % bases.len()].clone(),
+                    token: token.clone(),
+                    feed: feed.clone(),
+                    hot: is_hot,
+                    stop: stop.clone(),
+                };
+                let task = tokio::spawn(follow(follower, at.clone()));
+                if is_hot {
+                    hot.push(task)
+                } else {
+                    idle.push(task)
+                }
+            }
+        }
+        eprintln!("fleet-hold: {} idle + {} hot feeds started", a.idle, a.hot);
+        let deadline = Instant::now() + Duration::from_secs_f64(a.max_wait_s);
+        let published = loop {
+            if let Some(ms) = std::fs::read_to_string(&a.go_file)
+                .ok()
+                .and_then(|t| t.trim().parse::<f64>().ok())
+            {
+                break ms;
+            }
+            if Instant::now() > deadline {
+                bail!("no change announced in {}", a.go_file);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut lat = Vec::with_capacity(a.hot);
+        let mut errors = 0usize;
+        for t in hot {
+            match tokio::time::timeout(Duration::from_secs(60), t).await {
+                Ok(Ok(Some(at))) => lat.push(at - published),
+                _ => errors += 1,
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for t in idle {
+            t.abort();
+        }
+        lat.sort_by(f64::total_cmp);
+        report(
+            &a.common,
+            "fleet-hold",
+            json!({"idle": a.idle, "hot": a.hot, "instances": bases.len()}),
+            vec![
+                ("hot responses", json!(lat.len())),
+                ("hot errors", json!(errors)),
+                ("publish -> response p50 (ms)", json!(pct(&lat, 50.0))),
+                ("publish -> response p99 (ms)", json!(pct(&lat, 99.0))),
+                (
+                    "publish -> response max (ms)",
+                    json!(lat.last().copied().unwrap_or(f64::NAN)),
+                ),
+            ],
+        )
+    }
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
@@ -1344,6 +1630,9 @@ async fn main() -> std::process::ExitCode {
         Scenario::Stampede(a) => stampede(a).await,
         Scenario::Idle(a) => idle(a).await,
         Scenario::Bare(a) => bare(a).await,
+        Scenario::FleetSetup(a) => fleet::setup(a).await,
+        Scenario::FleetHold(a) => fleet::hold(a).await,
+        Scenario::FleetChange(a) => fleet::change(a).await,
         Scenario::Check(a) => match runfeed_dev::check::run(*a).await {
             Ok(report) if report.passed => Ok(()),
             Ok(_) => return std::process::ExitCode::FAILURE,

@@ -1018,7 +1018,10 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
             ),
             (l("router deliveries"), opt(delta(d0, d1))),
             (l("server CPU for the change (s)"), opt(server_cpu)),
-            (l("server CPU per response (us)"), per_response_us(server_cpu)),
+            (
+                l("server CPU per response (us)"),
+                per_response_us(server_cpu),
+            ),
             (
                 l("bench client CPU per response (us)"),
                 per_response_us(client_cpu),

@@ -595,7 +595,9 @@ mod future_sizes {
     }
 
     /// The route handler's future is what a held poll keeps (inside axum's box) for ~20 s:
-    /// 7 160 bytes (debug build) before the pre-hold awaits were boxed.
+    /// 7 160 bytes (debug build) before the pre-hold awaits were boxed. The bound is 3.25 KiB
+    /// since `serve` also opens SSE streams and takes `Begun` by value (its query strings are
+    /// dropped before the hold): 3 152 bytes for `run_feed` in a debug build.
     #[test]
     fn held_poll_handler_futures_stay_small() {
         let (run, tag, batch, serve) = (
@@ -606,7 +608,7 @@ mod future_sizes {
         );
         println!("bytes: run_feed {run}, tag_feed {tag}, batch_feed {batch}, serve {serve}");
         for (name, size) in [("run_feed", run), ("tag_feed", tag), ("batch_feed", batch)] {
-            assert!(size <= 3072, "{name} future is {size} bytes");
+            assert!(size <= 3328, "{name} future is {size} bytes");
         }
     }
 }

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::body::{FragmentBody, Operation};
-use crate::protocol::cursor::{next_cursor, next_lsn_seq, next_seq};
+use crate::protocol::cursor::{next_cursor, next_offset_seq};
 use crate::protocol::electric::LogMode;
 use crate::protocol::encode::schema_header;
 use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
@@ -547,7 +547,7 @@ impl Feeds {
         let changes: Vec<_> = pending.changes(&Known::Set(WorkingSet::new()));
         let offset = Offset {
             ms: max_ms(0, &changes),
-            seq: if req.sse { next_lsn_seq() } else { next_seq() },
+            seq: next_offset_seq(req.sse),
         };
         let rowless = req.offset == OffsetParam::Now || req.log == LogMode::ChangesOnly;
         let changes = if rowless { Vec::new() } else { changes };
@@ -650,7 +650,7 @@ impl Feeds {
         }
         let next = Offset {
             ms: max_ms(offset.ms, &changes),
-            seq: if req.sse { next_lsn_seq() } else { next_seq() },
+            seq: next_offset_seq(req.sse),
         };
         self.record(
             req,

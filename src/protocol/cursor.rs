@@ -62,6 +62,16 @@ pub fn next_lsn_seq() -> u64 {
     next_seq() % (super::offset::LSN_SEQ_SPAN - 1) + 1
 }
 
+/// The `seq` of an offset minted for a reply: [`next_lsn_seq`] when it feeds an SSE stream,
+/// [`next_seq`] otherwise.
+pub fn next_offset_seq(sse: bool) -> u64 {
+    if sse {
+        next_lsn_seq()
+    } else {
+        next_seq()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,9 +65,11 @@ for (const mode of ["long-poll", "SSE"]) {
       await c.waitFor(() => statusOf(c, fresh.id) === "PENDING", { what: `${name}: new run (${mode})`, timeoutMs: 5000 });
     }
     if (sse) {
-      // Let the server end the streams (feeds.sse_max_duration_ms): the client reconnects at the
+      // The server ends the streams (feeds.sse_max_duration_ms): the client reconnects at the
       // offset it built from global_last_seen_lsn, and the next change still arrives once.
-      await sleep(SSE_MAX_MS + 500);
+      for (const [name, c] of clients) {
+        await c.waitFor(() => sseRequests(c).some((r) => /^\d+_0$/.test(r.query.offset)), { what: `${name}: reconnected after the stream ended`, timeoutMs: SSE_MAX_MS * 3 });
+      }
       await fx.updateAndPublish(run, { status: "COMPLETED_SUCCESSFULLY" });
       for (const [name, c] of clients) {
         await c.waitFor(() => statusOf(c, run.id) === "COMPLETED_SUCCESSFULLY", { what: `${name}: update after reconnect`, timeoutMs: 8000 });
@@ -128,7 +130,6 @@ test("1.5 client: log=changes_only starts without rows, then delivers changes", 
     });
     assert.equal(c.requests[0].query.log, "changes_only");
     assert.deepEqual(c.changes(), [], "the snapshot carries no rows");
-    await sleep(300);
     const status = liveSse ? "COMPLETED_SUCCESSFULLY" : "EXECUTING";
     await fx.updateAndPublish(run, { status });
     await c.waitFor(() => c.changes().some((m) => m.value?.status === status), { what: `change (sse ${liveSse})`, timeoutMs: 5000 });
@@ -179,8 +180,12 @@ test("1.5 client's watchdogs never fire: no fast loop, no stale-handle retry, li
   const refetch = c.requests[1];
   assert.equal(refetch.query.expired_handle, "bogus");
   assert.notEqual(refetch.headers["electric-handle"], "bogus", "never answers with the expired handle");
-  // Quiet for two holds, then a burst of changes.
-  await sleep(HOLD_MS * 2 + 500);
+  // Quiet for two holds (two live requests answered without a change), then a burst of changes.
+  const quietFrom = c.requests.length;
+  await c.waitFor(() => c.requests.slice(quietFrom).filter((r) => r.query.live === "true" && r.t1).length >= 2, {
+    what: "two quiet holds",
+    timeoutMs: HOLD_MS * 4,
+  });
   for (const status of ["EXECUTING", "PENDING", "EXECUTING"]) await fx.updateAndPublish(run, { status });
   await c.waitFor(() => statusOf(c, run.id) === "EXECUTING", { what: "burst delivered", timeoutMs: 5000 });
   await sleep(500);

@@ -628,3 +628,54 @@ async fn following_a_feed_never_trips_the_fast_loop_detector() {
         }
     }
 }
+
+/// A subset POST whose body never finishes (a large `Content-Length`, a few bytes, then
+/// nothing), or runs past the small cap a refusal needs, is still refused with the JSON 400 —
+/// promptly — instead of holding the connection open or answering a plain-text 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subset_post_whose_body_stalls_or_overflows_is_refused_with_json_not_held() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (srv, env) = TestServer::with_env(1_000).await;
+    let run = srv.tagged_run(&env, &["stall"]).await;
+    let path = run_url(&run.friendly_id).snapshot().render();
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    for (declared, sent) in [(10_000_000usize, 10usize), (3 * 1024 * 1024, 100 * 1024)] {
+        let mut stream = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             x-trigger-electric-version: {ELECTRIC_VERSION}\r\ncontent-type: application/json\r\n\
+             content-length: {declared}\r\n\r\n",
+            env.api_key
+        );
+        stream.write_all(head.as_bytes()).await.expect("head");
+        stream.write_all(&vec![b' '; sent]).await.expect("body");
+        let mut response = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 4096];
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => response.extend_from_slice(&buf[..n]),
+                }
+                if response.windows(4).any(|w| w == b"\r\n\r\n") && response.ends_with(b"}") {
+                    break;
+                }
+            }
+        };
+        within(
+            WAIT,
+            "the refusal of a stalled or oversized subset body",
+            read,
+        )
+        .await;
+        let text = String::from_utf8_lossy(&response);
+        assert!(
+            text.starts_with("HTTP/1.1 400"),
+            "{declared}/{sent}: {text}"
+        );
+        assert!(text.contains("application/json"), "{text}");
+        assert!(text.contains("{\"error\":\"subset__"), "{text}");
+    }
+}

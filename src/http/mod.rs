@@ -459,10 +459,26 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
     Ok(response)
 }
 
+/// The most of a subset POST body read to name its first parameter, bytes (the 1.5 client's
+/// subset bodies are a few hundred bytes).
+pub const SUBSET_BODY_MAX_BYTES: usize = 64 * 1024;
+/// How long a subset POST body may take to arrive before it is refused unread.
+pub const SUBSET_BODY_READ: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `POST` to a feed route: `@electric-sql/client` 1.5 sends subset snapshots this way
 /// (`subsetMethod: 'POST'`, a JSON body). runfeed serves no subsets: after authentication and
 /// the query checks, a 400 names the first body parameter (docs/protocol.md §13.1).
-async fn subset_post(begun: Begun, body: Bytes) -> ApiError {
+///
+/// The body is read only as far as naming the parameter needs: at most
+/// [`SUBSET_BODY_MAX_BYTES`] within [`SUBSET_BODY_READ`]. A body that is larger, slower or
+/// broken is still refused with the same JSON 400 (naming `subset__*`), never held open or
+/// answered with a plain-text 413.
+async fn subset_post(begun: Begun, body: axum::body::Body) -> ApiError {
+    let read = axum::body::to_bytes(body, SUBSET_BODY_MAX_BYTES);
+    let body = match tokio::time::timeout(SUBSET_BODY_READ, read).await {
+        Ok(Ok(body)) => body,
+        _ => Bytes::new(),
+    };
     let param = electric::subset_body_param(&body);
     ApiError::bad_request(begun.ctx.client, electric::subset_refusal(&param))
 }

@@ -198,20 +198,20 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
     );
     println!("  # runs tagged {DEMO_TAG} created in the last hour");
     println!(
-        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" '{base}/realtime/v1/runs?tags={DEMO_TAG}&createdAt=1h&offset=-1'"
+        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" -H 'x-trigger-electric-version: 1.0.0-beta.1' '{base}/realtime/v1/runs?tags={DEMO_TAG}&createdAt=1h&offset=-1'"
     );
     println!("  # the batch");
     println!(
-        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" '{base}/realtime/v1/batches/{batch_friendly}?offset=-1'"
+        "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" -H 'x-trigger-electric-version: 1.0.0-beta.1' '{base}/realtime/v1/batches/{batch_friendly}?offset=-1'"
     );
     println!("  # the secret key works too (it may read everything in the environment)");
     println!(
         "  curl -sS -H 'Authorization: Bearer {}' '{base}/realtime/v1/runs/{}?offset=-1'",
         env.api_key, seeded.weird_run
     );
-    println!("  # with the real Electric client (node >= 20, `npm i @electric-sql/client@1.0.14`)");
+    println!("  # with the real Electric client (node >= 20; run it in tests/e2e after `npm ci --prefix tests/e2e`, or after `npm i @electric-sql/client@1.0.14`)");
     println!(
-        "  node --input-type=module -e \"import {{ShapeStream}} from '@electric-sql/client'; new ShapeStream({{url: '{base}/realtime/v1/runs?tags={DEMO_TAG}&createdAt=1h', headers: {{Authorization: 'Bearer ' + process.env.PUBLIC_TOKEN}}}}).subscribe((ms) => console.log(JSON.stringify(ms)))\""
+        "  node --input-type=module -e \"import {{ShapeStream}} from '@electric-sql/client'; new ShapeStream({{url: '{base}/realtime/v1/runs?tags={DEMO_TAG}&createdAt=1h', headers: {{Authorization: 'Bearer ' + process.env.PUBLIC_TOKEN, 'x-trigger-electric-version': '1.0.14'}}}}).subscribe((ms) => console.log(JSON.stringify(ms)))\""
     );
     println!();
     if !args.seed_only {

@@ -1024,3 +1024,20 @@ async fn over_100_headers_is_a_4xx_from_hyper() {
         .await;
     assert_eq!(r.status, 200);
 }
+
+/// A run or batch id that is not UTF-8 once percent-decoded is answered like any other id that
+/// cannot exist: a JSON 404 with CORS, never axum's plain-text path rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_is_not_utf8_is_a_json_404_not_plain_text() {
+    let _shared = RSS_QUIET.read().await;
+    let (srv, env) = TestServer::with_env(200).await;
+    for path in [
+        "/realtime/v1/runs/run_%FF%FE?offset=-1",
+        "/realtime/v1/batches/batch_%FF?offset=-1",
+    ] {
+        let r = srv.get(path, &modern(&env.api_key)).await;
+        assert_eq!(r.status, 404, "{path}: {}", r.text);
+        assert!(r.json["error"].is_string(), "{path}: {}", r.text);
+        assert!(r.has("access-control-allow-origin"), "{path}");
+    }
+}

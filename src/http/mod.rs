@@ -19,6 +19,7 @@ pub mod sse;
 
 use std::sync::Arc;
 
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -364,11 +365,13 @@ impl axum::extract::FromRequestParts<AppState> for Begun {
 
 async fn run_feed(
     State(state): State<AppState>,
-    Path(run_id): Path<String>,
+    run_id: Result<Path<String>, PathRejection>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
     let env_id = &begun.principal.env.id;
-    let run_id = FriendlyRunId::parse(&run_id).ok_or(ApiError::NotFound {
+    // An id that is not UTF-8 once decoded cannot exist either: the same JSON 404.
+    let run_id = run_id.ok().and_then(|Path(id)| FriendlyRunId::parse(&id));
+    let run_id = run_id.ok_or(ApiError::NotFound {
         should_retry: false,
     })?;
     let (sets, run_id) = (state.feeds.sets(), &run_id);
@@ -485,11 +488,13 @@ async fn subset_post(begun: Begun, body: axum::body::Body) -> ApiError {
 
 async fn batch_feed(
     State(state): State<AppState>,
-    Path(batch_id): Path<String>,
+    batch_id: Result<Path<String>, PathRejection>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
-    let batch_id =
-        FriendlyBatchId::parse(&batch_id).ok_or(ApiError::NotFound { should_retry: true })?;
+    let batch_id = batch_id
+        .ok()
+        .and_then(|Path(id)| FriendlyBatchId::parse(&id));
+    let batch_id = batch_id.ok_or(ApiError::NotFound { should_retry: true })?;
     let lookup = state
         .feeds
         .sets()

@@ -406,3 +406,66 @@ async fn the_concurrency_script_is_loaded_again_when_redis_forgot_it() {
     let _: i64 = admin.del(&key).await.expect("del");
     admin.quit().await.expect("quit");
 }
+
+/// One change can end thousands of live polls of one environment at once: their concurrency
+/// slots are released in a burst, and the burst reaches Redis as a pipeline with one `ZREM` per
+/// environment, not one command per poll (BENCHMARKS.md §0.2). Every slot is freed.
+#[tokio::test]
+async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let _server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
+    let admin = Client::new(Config::from_url(&url).expect("url"), None, None, None);
+    timeout(WAIT, async {
+        while admin.init().await.is_err() {
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("redis-server up");
+    let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
+    let script = redis.concurrency();
+    let env_id = env();
+    let now = runfeed::clock::now_ms();
+    const POLLS: usize = 300;
+    for i in 0..POLLS {
+        let admitted = timeout(WAIT, script.admit(&env_id, &format!("poll{i}"), 1000, now)).await;
+        assert!(matches!(admitted, Ok(Ok(true))), "poll {i}: {admitted:?}");
+    }
+    let zrem_calls = |info: String| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_zrem:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let info = |admin: Client| async move {
+        admin
+            .custom::<String, _>(
+                CustomCommand::new_static("INFO", None, false),
+                vec!["commandstats"],
+            )
+            .await
+            .expect("INFO commandstats")
+    };
+    let before = zrem_calls(info(admin.clone()).await);
+    for i in 0..POLLS {
+        script.release(&env_id, format!("poll{i}"));
+    }
+    let key = format!("{}{env_id}", runfeed::redis::limit::KEY_PREFIX);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left: u64 = admin.zcard(&key).await.expect("zcard");
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} slots still taken");
+        sleep(Duration::from_millis(5)).await;
+    }
+    let commands = zrem_calls(info(admin.clone()).await) - before;
+    assert!(
+        (1..=3).contains(&commands),
+        "{POLLS} releases took {commands} ZREM commands"
+    );
+    admin.quit().await.expect("quit");
+}

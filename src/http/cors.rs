@@ -10,7 +10,8 @@
 //!   `-allow-methods`, `-allow-headers` (the request's `access-control-request-headers`),
 //!   `-max-age` and `vary`.
 //! - Any other method: the inner response gets `access-control-allow-origin: *`,
-//!   `access-control-expose-headers: *` and `vary` (appended, never replacing).
+//!   `access-control-expose-headers: *` and `vary` (appended, never replacing), unless its
+//!   handler already added them ([`add_response_headers`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -85,6 +86,17 @@ fn preflight_headers(request: &HeaderMap) -> Option<HeaderMap> {
     Some(headers)
 }
 
+/// Adds the CORS headers of an actual (non-preflight) response: `vary` (appended),
+/// `access-control-allow-origin: *` and `access-control-expose-headers: *`. A handler that adds
+/// them itself while it builds its headers (a feed's 200, `ok` in this module's parent) spares
+/// the layer a second pass; the layer adds them to every response that lacks
+/// `access-control-allow-origin`.
+pub fn add_response_headers(headers: &mut HeaderMap) {
+    headers.append(VARY, VARY_VALUE);
+    headers.insert(ACCESS_CONTROL_ALLOW_ORIGIN, ANY);
+    headers.insert(ACCESS_CONTROL_EXPOSE_HEADERS, ANY);
+}
+
 /// Response future of [`Cors`]: the inner future, or a ready preflight answer.
 pub enum CorsFuture<F> {
     Call(F),
@@ -104,9 +116,9 @@ where
             CorsFuture::Call(future) => {
                 let mut response = std::task::ready!(Pin::new(future).poll(cx))?;
                 let headers = response.headers_mut();
-                headers.append(VARY, VARY_VALUE);
-                headers.insert(ACCESS_CONTROL_ALLOW_ORIGIN, ANY);
-                headers.insert(ACCESS_CONTROL_EXPOSE_HEADERS, ANY);
+                if !headers.contains_key(ACCESS_CONTROL_ALLOW_ORIGIN) {
+                    add_response_headers(headers);
+                }
                 Poll::Ready(Ok(response))
             }
             CorsFuture::Preflight(headers) => {

@@ -7,7 +7,7 @@
 //! (+ `electric-up-to-date`), and never the modern handle/offset names (docs/behaviours.md HDR-02).
 
 use super::ids::Handle;
-use http::header::{HeaderName, HeaderValue};
+use http::header::{HeaderName, HeaderValue, InvalidHeaderValue};
 use http::HeaderMap;
 
 /// `electric-handle` (modern).
@@ -35,8 +35,8 @@ pub const ELECTRIC_CHUNK_UP_TO_DATE: HeaderName =
 /// proxies that drop empty headers.
 const UP_TO_DATE_VALUE: HeaderValue = HeaderValue::from_static("true");
 
-fn put(headers: &mut HeaderMap, name: HeaderName, value: &str) {
-    match HeaderValue::from_str(value) {
+fn put(headers: &mut HeaderMap, name: HeaderName, value: Result<HeaderValue, InvalidHeaderValue>) {
+    match value {
         Ok(v) => {
             headers.insert(name, v);
         }
@@ -44,6 +44,11 @@ fn put(headers: &mut HeaderMap, name: HeaderName, value: &str) {
             tracing::debug!(header = %name, "skipping electric header with a non-visible-ASCII value")
         }
     }
+}
+
+/// A header value that takes `text`'s buffer as it is (no copy).
+fn owned(text: String) -> Result<HeaderValue, InvalidHeaderValue> {
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(text))
 }
 
 /// The Electric headers of one 2xx (or 409) response.
@@ -68,29 +73,34 @@ impl ElectricHeaders {
     /// Existing values under the same names are replaced. A value that is not a valid header
     /// value (never the case for handles/offsets/cursors this server mints) is skipped with a
     /// debug log instead of panicking.
-    pub fn apply(&self, headers: &mut HeaderMap, legacy: bool) {
+    pub fn apply(self, headers: &mut HeaderMap, legacy: bool) {
+        let handle = HeaderValue::from_str(&self.handle);
+        let offset = self.offset.map(owned);
+        let cursor = self.cursor.map(owned);
         if legacy {
             headers.remove(&ELECTRIC_HANDLE);
             headers.remove(&ELECTRIC_OFFSET);
-            put(headers, ELECTRIC_SHAPE_ID, &self.handle);
-            if let Some(offset) = &self.offset {
+            put(headers, ELECTRIC_SHAPE_ID, handle);
+            if let Some(offset) = offset {
                 put(headers, ELECTRIC_CHUNK_LAST_OFFSET, offset);
             }
-            if let Some(cursor) = &self.cursor {
+            if let Some(cursor) = cursor {
+                if let Ok(value) = &cursor {
+                    headers.insert(ELECTRIC_NEXT_CURSOR, value.clone());
+                }
                 put(headers, ELECTRIC_CURSOR, cursor);
-                put(headers, ELECTRIC_NEXT_CURSOR, cursor);
             }
         } else {
-            put(headers, ELECTRIC_HANDLE, &self.handle);
-            if let Some(offset) = &self.offset {
+            put(headers, ELECTRIC_HANDLE, handle);
+            if let Some(offset) = offset {
                 put(headers, ELECTRIC_OFFSET, offset);
             }
-            if let Some(cursor) = &self.cursor {
+            if let Some(cursor) = cursor {
                 put(headers, ELECTRIC_CURSOR, cursor);
             }
         }
-        if let Some(schema) = &self.schema {
-            put(headers, ELECTRIC_SCHEMA, schema);
+        if let Some(schema) = self.schema {
+            put(headers, ELECTRIC_SCHEMA, owned(schema));
         }
         if self.up_to_date {
             headers.insert(ELECTRIC_UP_TO_DATE, UP_TO_DATE_VALUE);

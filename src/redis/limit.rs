@@ -5,11 +5,14 @@
 //! TTL, and rejects (removing the member again) when the cardinality exceeds the limit. The
 //! admission policy around it (fallback, slot guards) is `http::admit`.
 
+use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use fred::clients::Client;
 use fred::interfaces::SortedSetsInterface;
 use fred::types::scripts::Script;
+use tokio::sync::mpsc;
 
 use super::RedisError;
 
@@ -38,19 +41,35 @@ return 1
 /// hash the body per call), loaded again on `NOSCRIPT` (a restarted or new node).
 static ADMIT_SCRIPT: LazyLock<Arc<Script>> = LazyLock::new(|| Arc::new(Script::from_lua(ADMIT)));
 
+/// Releases waiting for the release task at most; beyond that (Redis slow or down) a release
+/// is dropped, and its member is swept after [`ENTRY_TTL_S`].
+pub const RELEASE_QUEUE_MAX: usize = 16_384;
+/// Most releases sent to Redis in one pipeline.
+const RELEASE_BATCH_MAX: usize = 1024;
+
 /// The concurrency script on a key/value client (see [`super::Redis::concurrency`]).
 #[derive(Clone)]
 pub struct ConcurrencyScript {
     client: Client,
     script: Arc<Script>,
+    /// `(env_id, member)` to the release task; `None` outside a tokio runtime (releases are
+    /// then left to the sweep).
+    releases: Option<mpsc::Sender<(String, String)>>,
 }
 
 impl ConcurrencyScript {
-    /// The script on `client`.
+    /// The script on `client`. Inside a tokio runtime it starts the release task (see
+    /// [`ConcurrencyScript::release`]), which ends when the last clone is dropped.
     pub fn new(client: Client) -> ConcurrencyScript {
+        let releases = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            let (tx, rx) = mpsc::channel(RELEASE_QUEUE_MAX);
+            rt.spawn(release_loop(client.clone(), rx));
+            tx
+        });
         ConcurrencyScript {
             client,
             script: ADMIT_SCRIPT.clone(),
+            releases,
         }
     }
 
@@ -85,13 +104,82 @@ impl ConcurrencyScript {
 
     /// Removes `member` from `env_id`'s set in the background (fire and forget: a lost release
     /// is swept after [`ENTRY_TTL_S`]).
+    ///
+    /// Releases queue for one task that sends whatever has queued up as one pipeline with one
+    /// `ZREM key member…` per environment: one change that answers 10 000 live polls of one
+    /// environment costs about ten commands, not 10 000 tasks and commands (BENCHMARKS.md §0.2).
     pub fn release(&self, env_id: &str, member: String) {
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let client = self.client.clone();
-            let key = format!("{KEY_PREFIX}{env_id}");
-            handle.spawn(async move {
-                let _: Result<i64, _> = client.zrem(key, member).await;
-            });
+        if let Some(releases) = &self.releases {
+            if releases.try_send((env_id.to_string(), member)).is_err() {
+                tracing::debug!("concurrency release queue full; the sweep will free the slot");
+            }
         }
+    }
+}
+
+/// The release task: drains up to [`RELEASE_BATCH_MAX`] queued releases and sends them as one
+/// pipeline of `ZREM` commands, one per environment, bounded by [`RELEASE_WAIT`].
+async fn release_loop(client: Client, mut rx: mpsc::Receiver<(String, String)>) {
+    let mut batch = Vec::with_capacity(RELEASE_BATCH_MAX);
+    while rx.recv_many(&mut batch, RELEASE_BATCH_MAX).await > 0 {
+        let pipeline = client.pipeline();
+        for (env_id, members) in members_by_env(batch.drain(..)) {
+            // Queued locally; the replies arrive with `try_all()`.
+            let _: Result<(), _> = pipeline
+                .zrem(format!("{KEY_PREFIX}{env_id}"), members)
+                .await;
+        }
+        // The replies are awaited in a task of their own: the next batch never waits behind
+        // this one.
+        tokio::spawn(async move {
+            let sent = tokio::time::timeout(RELEASE_WAIT, pipeline.try_all::<i64>()).await;
+            if !matches!(&sent, Ok(replies) if replies.iter().all(Result::is_ok)) {
+                tracing::debug!("concurrency releases failed; the sweep will free the slots");
+            }
+        });
+    }
+}
+
+/// How long one pipeline of releases may take before its replies are abandoned.
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
+
+/// `(env_id, member)` pairs grouped by environment, environments in order of first appearance.
+fn members_by_env(pairs: impl Iterator<Item = (String, String)>) -> Vec<(String, Vec<String>)> {
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    for (env_id, member) in pairs {
+        match index.get(&env_id) {
+            Some(&i) => groups[i].1.push(member),
+            None => {
+                index.insert(env_id.clone(), groups.len());
+                groups.push((env_id, vec![member]));
+            }
+        }
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_of_one_environment_go_out_as_one_command() {
+        let pairs = [
+            ("e1", "a"),
+            ("e2", "b"),
+            ("e1", "c"),
+            ("e1", "d"),
+            ("e2", "e"),
+        ]
+        .map(|(e, m)| (e.to_string(), m.to_string()));
+        let groups = members_by_env(pairs.into_iter());
+        let want = [("e1", vec!["a", "c", "d"]), ("e2", vec!["b", "e"])].map(|(e, ms)| {
+            (
+                e.to_string(),
+                ms.into_iter().map(String::from).collect::<Vec<_>>(),
+            )
+        });
+        assert_eq!(groups, want.to_vec());
     }
 }

@@ -808,6 +808,24 @@ async fn rtr_16_thousand_tag_feeds_one_hydrate_thousand_deliveries() {
     assert_eq!(fan_out(h.router.stats()), (1, 1, 1, 1000));
 }
 
+/// A change on a hot tag wakes every one of its feeds, the last as surely as the first (one
+/// hydrate). Waking them all from the hydrate task does not starve new connections: tokio polls
+/// the I/O driver every 61 task polls and runs what it wakes next (`runfeed-bench fanout`
+/// reports new-connection answer times during the wake, BENCHMARKS.md §0.2).
+#[tokio::test]
+async fn a_change_on_a_hot_tag_wakes_every_feed() {
+    let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);
+    let mut feeds = Vec::new();
+    for _ in 0..775 {
+        feeds.push(h.reg(tag_feed(&["t"]), None).await);
+    }
+    h.push(full("r1", &["t"]));
+    for f in feeds.iter().rev() {
+        assert_eq!(ids(&wake(f).await.rows), vec!["r1"]);
+    }
+    assert_eq!(h.store.hydrate_count(), 1);
+}
+
 /// RTR-03/16: feeds with different column sets → one hydrate per column set (each with its own
 /// columns), one serialization per set shared inside the set.
 #[tokio::test]

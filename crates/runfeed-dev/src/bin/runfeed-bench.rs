@@ -168,6 +168,14 @@ struct FanoutArgs {
     /// Long-polls, SSE streams, or both (one pass each).
     #[arg(long, value_enum, default_value_t = Transport::LongPoll)]
     transport: Transport,
+    /// Pause between "all held" and the change, ms (time to zero a profiler's counters, e.g.
+    /// `callgrind_control -z`).
+    #[arg(long, default_value_t = 300)]
+    settle_ms: u64,
+    /// Keep the connections open this long after printing the figures, ms (a profiler can stop
+    /// before their teardown, e.g. `callgrind_control -d`).
+    #[arg(long, default_value_t = 0)]
+    linger_ms: u64,
 }
 
 #[derive(Args)]
@@ -971,13 +979,22 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
         let all_held = b
             .wait_held(held_before + a.f, Duration::from_secs(60))
             .await;
+        // New connections while nothing happens, then while the change wakes every feed: the
+        // accept loop must keep its turn.
+        let idle_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let idle_probe = accept_probe(b.base.clone(), idle_stop.clone());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        idle_stop.store(true, Ordering::Relaxed);
+        let mut idle_probe = idle_probe.join().unwrap_or_default();
         // Let any cold re-checks finish before the baseline.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(a.settle_ms)).await;
         let q0 = b.metric("runfeed_pg_queries_total").await;
         let s0 = b.metric("runfeed_router_distinct_runs_total").await;
         let d0 = b.metric("runfeed_router_deliveries_total").await;
         let cpu0 = b.server_cpu();
         let client_cpu0 = own_cpu_s();
+        let probe_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let probe = accept_probe(b.base.clone(), probe_stop.clone());
         let published = Instant::now();
         b.change(&env, &hot, "hot").await?;
         let mut lat = Vec::with_capacity(a.f);
@@ -992,6 +1009,10 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
         let server_cpu = delta(cpu0, b.server_cpu());
         let client_cpu = delta(client_cpu0, own_cpu_s());
         let per_response_us = |cpu: Option<f64>| opt(cpu.map(|s| s * 1e6 / a.f.max(1) as f64));
+        probe_stop.store(true, Ordering::Relaxed);
+        let mut during = probe.join().unwrap_or_default();
+        during.sort_by(f64::total_cmp);
+        idle_probe.sort_by(f64::total_cmp);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let q1 = b.metric("runfeed_pg_queries_total").await;
         let s1 = b.metric("runfeed_router_distinct_runs_total").await;
@@ -1026,6 +1047,22 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
                 l("bench client CPU per response (us)"),
                 per_response_us(client_cpu),
             ),
+            (
+                l("new connection answered, idle p50 (ms)"),
+                json!(pct(&idle_probe, 50.0)),
+            ),
+            (
+                l("new connections answered during the wake"),
+                json!(during.len()),
+            ),
+            (
+                l("new connection answered during the wake, p50 (ms)"),
+                json!(pct(&during, 50.0)),
+            ),
+            (
+                l("new connection answered during the wake, max (ms)"),
+                json!(during.last().copied().unwrap_or(f64::NAN)),
+            ),
         ]);
     }
     report(
@@ -1033,7 +1070,48 @@ async fn fanout(a: FanoutArgs) -> anyhow::Result<()> {
         "fanout",
         json!({"f": a.f, "transport": format!("{:?}", a.transport).to_lowercase()}),
         rows,
-    )
+    )?;
+    tokio::time::sleep(Duration::from_millis(a.linger_ms)).await;
+    Ok(())
+}
+
+/// One fresh TCP connection's `GET /healthz` (connect → first response byte), ms; `None` when it
+/// fails.
+async fn answer_new_connection(base: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = base.strip_prefix("http://")?.trim_end_matches('/');
+    let started = Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET /healthz HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut first = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut first)).await;
+    matches!(read, Ok(Ok(1))).then(|| ms(started.elapsed()))
+}
+
+/// New-connection answer times (ms), one probe every 2 ms until `stop` is set. The probe runs on
+/// a thread and runtime of its own, so the bench's own busy workers (reading thousands of
+/// responses) do not delay it.
+fn accept_probe(
+    base: String,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<f64>> {
+    std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return Vec::new();
+        };
+        rt.block_on(async {
+            let mut times = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                times.extend(answer_new_connection(&base).await);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            times
+        })
+    })
 }
 
 async fn churn(a: ChurnArgs) -> anyhow::Result<()> {

@@ -493,6 +493,8 @@ mod tests {
     }
 
     #[test]
+    // figment's `Jail` closure returns its own (large) error type.
+    #[allow(clippy::result_large_err)]
     fn only_section_key_env_vars_are_configuration() {
         figment::Jail::expect_with(|jail| {
             jail.set_env("RUNFEED_CONFIG", "config/default.toml");

@@ -349,7 +349,7 @@ async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
             .q("handle", &snap.handle())
             .q("log", "full")
             .q("offset", &snap.offset());
-        let resume = srv.fetch(&resume, &h).await;
+        let resume = srv.fetch(&resume, h).await;
         assert_immediate(&resume, &format!("{}: resume", url.path));
         assert!(
             resume.has("electric-cursor"),
@@ -357,18 +357,18 @@ async fn scenario_08_09_non_live_catch_up_is_immediate_with_schema() {
         );
         // Scenario 9: prefetch at the tip.
         let prefetch = url.catch_up(&snap.handle(), &snap.offset());
-        let prefetch = srv.fetch(&prefetch, &h).await;
+        let prefetch = srv.fetch(&prefetch, h).await;
         assert_immediate(&prefetch, &format!("{}: prefetch", url.path));
     }
 
     // A change published while no poll was held reaches a catch-up at the old offset.
     let url = tag_url("c");
-    let snap = srv.fetch(&url.snapshot(), &h).await;
+    let snap = srv.fetch(&url.snapshot(), h).await;
     let batches = srv.routed_batches();
-    let ms = srv.change(&env, &run.id, &["c"], None, "EXECUTING").await;
+    let ms = srv.change(env, &run.id, &["c"], None, "EXECUTING").await;
     srv.wait_routed(batches, "record routed").await;
     let catch_up = srv
-        .fetch(&url.catch_up(&snap.handle(), &snap.offset()), &h)
+        .fetch(&url.catch_up(&snap.handle(), &snap.offset()), h)
         .await;
     assert_immediate(&catch_up, "catch-up after a missed change");
     let row = catch_up
@@ -699,7 +699,7 @@ async fn scenario_11_unknown_handle_is_409_must_refetch() {
                         .q("handle", bad)
                         .q("live", "true")
                         .q("cursor", "x"),
-                    &h,
+                    h,
                 )
                 .await;
             r.assert_status(409);
@@ -717,14 +717,14 @@ async fn scenario_11_unknown_handle_is_409_must_refetch() {
                         .q("offset", "-1")
                         .q("handle", &fresh)
                         .q("expired_handle", bad),
-                    &h,
+                    h,
                 )
                 .await;
             assert_feed_headers(&refetch, true);
             assert_eq!(refetch.ops(), vec![op("insert", &run.id)]);
             // …and the refetched handle resumes.
             let resume = srv
-                .fetch(&url.catch_up(&refetch.handle(), &refetch.offset()), &h)
+                .fetch(&url.catch_up(&refetch.handle(), &refetch.offset()), h)
                 .await;
             assert_feed_headers(&resume, true);
         }
@@ -1934,7 +1934,7 @@ async fn handle_of_another_feed_in_the_same_env_is_409() {
         ),
     ] {
         for req in [
-            url.live_at(&from),
+            url.live_at(from),
             url.catch_up(&from.handle(), &from.offset()),
         ] {
             assert_must_refetch(&srv.fetch(&req, &h).await, what);
@@ -2213,7 +2213,7 @@ async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
     let store = srv.running().store.clone();
     let before = settle_queries(&store).await;
     for at in [&a, &b, &a] {
-        let r = srv.fetch(&tag_url("quiet").live_after(&at), &h).await;
+        let r = srv.fetch(&tag_url("quiet").live_after(at), &h).await;
         r.assert_status(200);
         assert!(r.is_bare_up_to_date(), "a quiet hold answers up-to-date");
     }

@@ -175,6 +175,26 @@ fn string_array(v: &Value) -> Option<Vec<String>> {
 }
 
 #[cfg(test)]
+impl ChangeRecord {
+    /// A record of run `run` on environment `e` with `tags`, no batch and the watermark
+    /// `updated_at_ms` (unit tests of the replay buffer and the coalescer).
+    pub(crate) fn test_record(
+        run: &str,
+        tags: Option<Vec<String>>,
+        updated_at_ms: Option<i64>,
+    ) -> ChangeRecord {
+        ChangeRecord {
+            v: 1,
+            run_id: run.into(),
+            env_id: "e".into(),
+            tags,
+            batch_id: None,
+            updated_at_ms,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
@@ -453,26 +473,6 @@ mod tests {
         #[test]
         fn encode_decode_round_trip(r in arb_record()) {
             prop_assert_eq!(ChangeRecord::decode(r.encode().as_bytes()), r);
-        }
-    }
-}
-
-#[cfg(test)]
-impl ChangeRecord {
-    /// A record of run `run` on environment `e` with `tags`, no batch and the watermark
-    /// `updated_at_ms` (unit tests of the replay buffer and the coalescer).
-    pub(crate) fn test_record(
-        run: &str,
-        tags: Option<Vec<String>>,
-        updated_at_ms: Option<i64>,
-    ) -> ChangeRecord {
-        ChangeRecord {
-            v: 1,
-            run_id: run.into(),
-            env_id: "e".into(),
-            tags,
-            batch_id: None,
-            updated_at_ms,
         }
     }
 }

@@ -382,7 +382,10 @@ mod tests {
             ..ChangeRecord::default()
         };
         let t0 = Instant::now();
-        assert_eq!(gate.wait(&[record.clone()], t0).await, GateOutcome::Clock);
+        assert_eq!(
+            gate.wait(std::slice::from_ref(&record), t0).await,
+            GateOutcome::Clock
+        );
         assert!(
             t0.elapsed() >= Duration::from_millis(40),
             "fresh watermark waits lag + margin"

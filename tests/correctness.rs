@@ -643,6 +643,15 @@ static REPLICA_SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(()
 
 /// A server whose reads go to the replica copy of its database, and a pool on that copy.
 async fn replica_server(base: &str, hold_ms: u64) -> (TestServer, sqlx::PgPool) {
+    replica_server_with(base, hold_ms, |_| {}).await
+}
+
+/// [`replica_server`] with more configuration.
+async fn replica_server_with(
+    base: &str,
+    hold_ms: u64,
+    tweak: impl FnOnce(&mut runfeed::config::Config),
+) -> (TestServer, sqlx::PgPool) {
     let replica_base_url = base.to_string();
     let srv = TestServer::start_with(hold_ms, move |c| {
         let name = runfeed::store::setup::database_name(&c.database.url).expect("db name");
@@ -650,6 +659,7 @@ async fn replica_server(base: &str, hold_ms: u64) -> (TestServer, sqlx::PgPool) 
             &replica_base_url,
             &name,
         ));
+        tweak(c);
     })
     .await;
     let replica_url = srv
@@ -847,4 +857,105 @@ async fn a_version_the_replica_lagged_behind_at_the_snapshot_follows_once_applie
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_version_the_replica_lagged_behind_at_the_snapshot_follows_once_applied_tag_feed() {
     snapshot_from_a_lagging_replica(Kind::Tag).await;
+}
+
+/// A `redis-server` of a test's own, killed when dropped.
+struct OwnRedis(std::process::Child);
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Checker seed 1504 (property 2, fresh start, with a replica and a Redis restart): while this
+/// instance's Redis subscription was down, run R changed and its change record was published —
+/// to no one here. The subscription comes back; a snapshot read right then comes from the
+/// replica, which has not applied the change yet. Nothing is buffered for the environment, so
+/// the read-your-writes gate had nothing to wait for, the read counted as settled and was
+/// cached, and a subscriber that came a second later — when the replica had long applied the
+/// change — still got the old version from the cache.
+///
+/// After a reconnect, a store read must wait (bounded) for the replica to reach the primary's
+/// position at the reconnect, as if a record had arrived then; a read the gate gave up on is
+/// not cached. Replay is paused to make the lag deterministic, and the read caches are raised
+/// to 60 s so the scenario does not depend on timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_after_a_redis_reconnect_is_never_older_than_a_version_the_replica_applied() {
+    let Some(base) = replica_base() else {
+        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
+        return;
+    };
+    let _serial = REPLICA_SERIAL.lock().await;
+    let port = free_port();
+    let redis_url = format!("redis://127.0.0.1:{port}");
+    let start_redis = || OwnRedis(redis_server(port).spawn().expect("spawn redis-server"));
+    let redis = start_redis();
+    let own = redis_url.clone();
+    let (srv, replica) = replica_server_with(&base, 10_000, move |c| {
+        c.redis.url = own;
+        c.caches.run_cache_ttl_ms = 60_000;
+        c.caches.runset_cache_ttl_ms = 60_000;
+    })
+    .await;
+    let env = srv.env().await;
+    let h = modern(&env.api_key);
+    let (batch_id, batch_fid) = srv.batch(&env).await;
+    let run = srv
+        .run(
+            &env,
+            RunSpec {
+                batch_id: Some(batch_id.clone()),
+                ..RunSpec::default()
+            },
+        )
+        .await;
+    wait_sql(
+        &replica,
+        "the run replayed",
+        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
+        Some(&run.id),
+    )
+    .await;
+    let router = srv.running().router.clone();
+    let env_id = runfeed::protocol::EnvId::from(env.env_id.as_str());
+    confirm_subscription(&srv, &srv.base, &router, &env.env_id, &h).await;
+    let epoch = router.touch(&env_id).epoch;
+
+    // The subscription goes down; R changes on the primary; the replica stands still.
+    drop(redis);
+    let paused = ReplayPaused::pause(&base, srv.pool()).await;
+    // Its record goes to a Redis this instance is not listening on: lost to it.
+    let v1 = srv.set_status(&run.id, "EXECUTING").await;
+    // The subscription comes back (a gap: a new epoch).
+    let _redis = start_redis();
+    wait_until(WAIT, "the subscription is back", || {
+        let now = router.touch(&env_id).epoch;
+        now != 0 && now != epoch
+    })
+    .await;
+
+    // A snapshot now reads the replica: v0 (allowed: the replica has not applied v1).
+    let url = batch_url(&batch_fid);
+    let first = srv.fetch(&url.snapshot(), &h).await;
+    first.assert_status(200);
+    assert_eq!(updated_at(&first, &run.id), ts(run.updated_at_ms));
+
+    // The replica applies v1; a later subscriber's snapshot must carry it.
+    paused.resume().await;
+    wait_sql(
+        &replica,
+        "v1 replayed",
+        r#"SELECT status::text = 'EXECUTING' FROM "TaskRun" WHERE id = $1"#,
+        Some(&run.id),
+    )
+    .await;
+    let later = srv.fetch(&url.snapshot(), &h).await;
+    later.assert_status(200);
+    assert_eq!(
+        updated_at(&later, &run.id),
+        ts(v1),
+        "a snapshot after the replica applied v1 still carries v0 (read cached across the gap)"
+    );
 }

@@ -180,6 +180,10 @@ struct EnvState {
     /// Wall time (epoch ms) since which the stream has been complete: confirmation or the last
     /// gap (reconnect).
     active_since_wall_ms: i64,
+    /// When the stream last became complete (confirmation or reconnect). Records published
+    /// before then may never arrive here, so store reads wait for the replica as if a record
+    /// had arrived at this instant ([`Router::settle_replica`]).
+    complete_since: Option<Instant>,
     /// Callers between `ensure_env` and inserting their feed (or finishing a touch): the env
     /// must not be torn down under them.
     pending: usize,
@@ -409,6 +413,7 @@ impl Router {
                             if state.generation == generation && !state.active {
                                 state.active = true;
                                 state.active_since_wall_ms = crate::clock::now_ms();
+                                state.complete_since = Some(Instant::now());
                             }
                         }
                     }
@@ -525,6 +530,13 @@ impl Router {
     /// passed). Returns whether the read may be trusted to reflect them (false: the replica is
     /// still behind; the caller re-reads, or hands out a cursor later polls re-check). Without
     /// a gate, or with nothing buffered, returns `true` at once.
+    ///
+    /// The instant the stream last became complete (subscription confirmed, or back after a
+    /// reconnect) counts as an arrival for `max_delay_ms` after it: records published while this
+    /// instance was not listening never arrive, but the commits they announced are before the
+    /// primary's position at that instant (CORRECTNESS.md, checker seed 1504). Without this, a
+    /// read right after a reconnect could come from a replica that had not applied them, count
+    /// as settled, and be cached past the moment the replica had them.
     pub async fn settle_replica(&self, env_id: &EnvId) -> bool {
         let Some(gate) = &self.inner.gate else {
             return true;
@@ -532,15 +544,17 @@ impl Router {
         let Some(env) = self.inner.env(env_id) else {
             return true;
         };
-        let recent: Vec<(std::time::Instant, ChangeRecord)> = {
+        let (recent, complete_since): (Vec<(Instant, ChangeRecord)>, _) = {
             let state = lock(&env.state);
-            state
+            let recent = state
                 .buffer
                 .since(0)
                 .map(|b| (b.received_at, b.record.clone()))
-                .collect()
+                .collect();
+            (recent, state.complete_since)
         };
-        let Some(newest) = recent.iter().map(|(at, _)| *at).max() else {
+        let gap = complete_since.filter(|at| at.elapsed() < gate.max_delay());
+        let Some(newest) = recent.iter().map(|(at, _)| *at).chain(gap).max() else {
             return true;
         };
         let records: Vec<ChangeRecord> = recent.into_iter().map(|(_, r)| r).collect();
@@ -646,6 +660,7 @@ impl Inner {
                 let mut state = lock(&env.state);
                 state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
                 state.active_since_wall_ms = crate::clock::now_ms();
+                state.complete_since = Some(Instant::now());
                 state.feeds.values().cloned().collect()
             };
             for slot in slots {

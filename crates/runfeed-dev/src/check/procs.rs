@@ -346,14 +346,17 @@ impl ReplicaControl {
     }
 
     /// How far replay trails now, ms: the replica's `now()` minus the commit time of the last
-    /// replayed transaction (`pg_last_xact_replay_timestamp()`); meaningful while the primary
-    /// commits continuously (the writers do).
+    /// replayed transaction (`pg_last_xact_replay_timestamp()`) while the replica has received
+    /// WAL it has not replayed yet, and 0 when it has replayed all it received. Without that
+    /// condition a quiet primary (the checker's writers stop for the convergence tail) reads as
+    /// a growing lag: the 11–13 s "replay lag" of the earlier replica runs in CORRECTNESS.md.
     ///
     /// # Errors
     /// When the query fails.
     pub async fn replay_lag_ms(&self) -> anyhow::Result<f64> {
         let lag: Option<f64> = sqlx::query_scalar(
-            "SELECT (EXTRACT(EPOCH FROM (now() - pg_last_xact_replay_timestamp())) * 1000)::float8",
+            "SELECT CASE WHEN pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn() THEN 0::float8 \
+             ELSE (EXTRACT(EPOCH FROM (now() - pg_last_xact_replay_timestamp())) * 1000)::float8 END",
         )
         .fetch_one(&self.pool)
         .await?;

@@ -469,3 +469,86 @@ async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
     );
     admin.quit().await.expect("quit");
 }
+
+/// A live poll's admission can be abandoned while Redis is still to run it: the client goes away
+/// (the request future is dropped), or Redis answers after the 250 ms deadline (the poll is
+/// then counted locally). Either way the member the script adds when it does run must be
+/// removed again, not left to the 300 s sweep: found by a fresh-clone trial, where 500 aborted
+/// live polls left 579 members and a later legitimate poll got a 429.
+///
+/// Redis is paused (`CLIENT PAUSE`) so the script is sent but not yet run when the admission is
+/// abandoned. A second poll at a limit of 1 then proves the slot came free: it goes to Redis on
+/// the same connection after the abandoned script, so it cannot be admitted before that ran.
+#[tokio::test]
+async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
+    use runfeed::http::admit::Limiter;
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let _server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
+    let admin = Client::new(Config::from_url(&url).expect("url"), None, None, None);
+    timeout(WAIT, async {
+        while admin.init().await.is_err() {
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("redis-server up");
+    let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
+    let limiter = Limiter::new(Some(redis.concurrency()), 1, Default::default());
+    let pause = |ms: u64| {
+        let admin = admin.clone();
+        async move {
+            let _: () = admin
+                .custom(
+                    CustomCommand::new_static("CLIENT", None, false),
+                    vec!["PAUSE".to_string(), ms.to_string(), "ALL".to_string()],
+                )
+                .await
+                .expect("CLIENT PAUSE");
+        }
+    };
+    let env_id = env();
+    let script = redis.concurrency();
+    let key = format!("{}{env_id}", runfeed::redis::limit::KEY_PREFIX);
+    // The one slot is free in Redis: a probe member is admitted at a limit of 1 (then removed).
+    let slot_comes_free = |what: &'static str| {
+        let (script, env_id, admin, key) = (&script, &env_id, &admin, &key);
+        async move {
+            let deadline = Instant::now() + WAIT;
+            loop {
+                let now = runfeed::clock::now_ms();
+                let probe = timeout(WAIT, script.admit(env_id, "probe", 1, now)).await;
+                if matches!(probe, Ok(Ok(true))) {
+                    let _: i64 = admin.zrem(key, "probe").await.expect("zrem probe");
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{what}: the slot never came free ({probe:?})"
+                );
+                sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // The script is loaded (an abandoned first `EVALSHA` would only get `NOSCRIPT`).
+    slot_comes_free("warm-up").await;
+
+    // 1. The client goes away while the script waits in Redis.
+    pause(300).await;
+    let abandoned = timeout(Duration::from_millis(50), limiter.acquire(&env_id, "org")).await;
+    assert!(
+        abandoned.is_err(),
+        "the admission was still waiting for Redis"
+    );
+    slot_comes_free("client gone").await;
+
+    // 2. Redis answers after the deadline: the poll is counted locally, and the member the
+    //    script adds later is removed again.
+    pause(400).await;
+    let local = limiter.acquire(&env_id, "org").await;
+    assert!(local.is_some(), "admitted locally after the deadline");
+    slot_comes_free("deadline passed").await;
+    drop(local);
+    admin.quit().await.expect("quit");
+}

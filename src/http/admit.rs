@@ -3,7 +3,8 @@
 //!
 //! Fleet-wide count: the Redis script of [`crate::redis::limit`]. A slot is released the moment
 //! the poll ends — including when the client disconnects, since the [`Slot`] guard is dropped
-//! with the request future.
+//! with the request future. The guard exists from before the script is sent, so an admission
+//! abandoned while Redis has yet to run it (client gone, deadline passed) is released too.
 //!
 //! When the limiter's Redis is unreachable or slow (250 ms deadline), the reference fails
 //! closed (HTTP 500 for every live poll). runfeed degrades instead: it counts locally, per
@@ -117,18 +118,22 @@ impl Limiter {
                 self.instance,
                 self.next_id.fetch_add(1, Ordering::Relaxed)
             );
+            // Armed before the script is sent: if this future is dropped (the client went away)
+            // or the deadline passes while Redis has yet to run the script, the member the
+            // script then adds is removed again (queued after it on the same connection).
+            let mut pending = Slot {
+                release: Some(Release::Redis {
+                    script: script.clone(),
+                    env_id: env_id.to_string(),
+                    member: member.clone(),
+                }),
+            };
             let admit = script.admit(env_id, &member, limit, crate::clock::now_ms());
             match tokio::time::timeout(REDIS_DEADLINE, admit).await {
-                Ok(Ok(true)) => {
-                    return Some(Slot {
-                        release: Some(Release::Redis {
-                            script: script.clone(),
-                            env_id: env_id.to_string(),
-                            member,
-                        }),
-                    });
-                }
+                Ok(Ok(true)) => return Some(pending),
                 Ok(Ok(false)) => {
+                    // The script removed the member itself.
+                    pending.release = None;
                     self.stats.rejections.fetch_add(1, Ordering::Relaxed);
                     return None;
                 }

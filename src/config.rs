@@ -379,10 +379,18 @@ impl Default for TelemetryConfig {
 /// The configuration could not be loaded or is invalid.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// figment's error already names the key and the source; it is not also reported as a
+    /// `source()` (an error chain would print it twice).
     #[error("config: {0}")]
-    Load(#[from] Box<figment::Error>),
+    Load(Box<figment::Error>),
     #[error("config: {0}")]
     Invalid(String),
+}
+
+impl From<Box<figment::Error>> for ConfigError {
+    fn from(err: Box<figment::Error>) -> ConfigError {
+        ConfigError::Load(err)
+    }
 }
 
 impl Config {
@@ -503,6 +511,20 @@ mod tests {
             jail.set_env("RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS", "3000");
             let config = Config::load(None).map_err(|e| e.to_string())?;
             assert_eq!(config.feeds.live_poll_timeout_ms, 3000);
+            Ok(())
+        });
+    }
+
+    /// An unknown key is named once: the error is not also its own `source()`, which an error
+    /// chain (`runfeed: config: …: …`) printed a second time.
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn an_unknown_key_is_reported_once() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("RUNFEED_SERVER__FOO", "1");
+            let err = Config::load(None).expect_err("unknown key");
+            let chain = format!("{:#}", anyhow::Error::from(err));
+            assert_eq!(chain.matches("SERVER.FOO").count(), 1, "{chain}");
             Ok(())
         });
     }

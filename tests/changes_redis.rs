@@ -407,14 +407,11 @@ async fn the_concurrency_script_is_loaded_again_when_redis_forgot_it() {
     admin.quit().await.expect("quit");
 }
 
-/// One change can end thousands of live polls of one environment at once: their concurrency
-/// slots are released in a burst, and the burst reaches Redis as a pipeline with one `ZREM` per
-/// environment, not one command per poll (BENCHMARKS.md §0.2). Every slot is freed.
-#[tokio::test]
-async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
+/// A `redis-server` of the test's own (killed when dropped), its URL, and a connected client.
+async fn own_redis() -> (RedisServer, String, Client) {
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}");
-    let _server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
+    let server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
     let admin = Client::new(Config::from_url(&url).expect("url"), None, None, None);
     timeout(WAIT, async {
         while admin.init().await.is_err() {
@@ -423,6 +420,15 @@ async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
     })
     .await
     .expect("redis-server up");
+    (server, url, admin)
+}
+
+/// One change can end thousands of live polls of one environment at once: their concurrency
+/// slots are released in a burst, and the burst reaches Redis as a pipeline with one `ZREM` per
+/// environment, not one command per poll (BENCHMARKS.md §0.2). Every slot is freed.
+#[tokio::test]
+async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
+    let (_server, url, admin) = own_redis().await;
     let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
     let script = redis.concurrency();
     let env_id = env();
@@ -482,17 +488,7 @@ async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
 #[tokio::test]
 async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
     use runfeed::http::admit::Limiter;
-    let port = free_port();
-    let url = format!("redis://127.0.0.1:{port}");
-    let _server = RedisServer(redis_server(port).spawn().expect("spawn redis-server"));
-    let admin = Client::new(Config::from_url(&url).expect("url"), None, None, None);
-    timeout(WAIT, async {
-        while admin.init().await.is_err() {
-            sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("redis-server up");
+    let (_server, url, admin) = own_redis().await;
     let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
     let limiter = Limiter::new(Some(redis.concurrency()), 1, Default::default());
     let pause = |ms: u64| {

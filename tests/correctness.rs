@@ -474,11 +474,28 @@ async fn a_partial_record_after_a_full_one_never_hides_a_run_that_joined_a_tag_f
 
 /// The replica's base URL (`scripts/replica.sh start` → `RUNFEED_TEST_REPLICA_URL`, as
 /// `tests/replica.rs` uses it); tests that need it print a notice and pass without it.
+/// The replica base URL (`RUNFEED_TEST_REPLICA_URL`), or `None` after saying the test is
+/// skipped.
 fn replica_base() -> Option<String> {
-    std::env::var("RUNFEED_TEST_REPLICA_URL")
+    let base = std::env::var("RUNFEED_TEST_REPLICA_URL")
         .ok()
         .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
+        .filter(|s| !s.is_empty());
+    if base.is_none() {
+        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
+    }
+    base
+}
+
+/// Waits until run `run_id` exists on the replica.
+async fn wait_replayed(replica: &sqlx::PgPool, run_id: &str) {
+    wait_sql(
+        replica,
+        "the run replayed",
+        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
+        Some(run_id),
+    )
+    .await;
 }
 
 /// Polls `sql` (a `bool` query) on `pool` every 20 ms until it returns true.
@@ -516,7 +533,6 @@ async fn wait_sql(pool: &sqlx::PgPool, what: &str, sql: &str, bind: Option<&str>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
     let Some(base) = replica_base() else {
-        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
         return;
     };
     let _serial = REPLICA_SERIAL.lock().await;
@@ -558,13 +574,7 @@ async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
     };
     let env = srv.env().await;
     let run = srv.run(&env, RunSpec::default()).await;
-    wait_sql(
-        &replica,
-        "the run replayed",
-        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
-        Some(&run.id),
-    )
-    .await;
+    wait_replayed(&replica, &run.id).await;
 
     // A: ACCESS EXCLUSIVE on "Project", held open (the replica's startup process holds it).
     let mut a = srv.pool().begin().await.expect("begin A");
@@ -773,7 +783,6 @@ impl Drop for ReplayPaused {
 /// already arrived, so nothing replays it, and v1 waits for the backstop (or the next change).
 async fn snapshot_from_a_lagging_replica(kind: Kind) {
     let Some(base) = replica_base() else {
-        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
         return;
     };
     let _serial = REPLICA_SERIAL.lock().await;
@@ -790,13 +799,7 @@ async fn snapshot_from_a_lagging_replica(kind: Kind) {
     .await;
     confirm_subscription(&srv, &srv.base, &srv.running().router, &env.env_id, &h).await;
     let run = srv.tagged_run(&env, &["lag"]).await;
-    wait_sql(
-        &replica,
-        "the run replayed",
-        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
-        Some(&run.id),
-    )
-    .await;
+    wait_replayed(&replica, &run.id).await;
     let url = match kind {
         Kind::Run => run_url(&run.friendly_id),
         Kind::Tag => tag_url("lag"),
@@ -884,7 +887,6 @@ impl Drop for OwnRedis {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_snapshot_after_a_redis_reconnect_is_never_older_than_a_version_the_replica_applied() {
     let Some(base) = replica_base() else {
-        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
         return;
     };
     let _serial = REPLICA_SERIAL.lock().await;
@@ -911,13 +913,7 @@ async fn a_snapshot_after_a_redis_reconnect_is_never_older_than_a_version_the_re
             },
         )
         .await;
-    wait_sql(
-        &replica,
-        "the run replayed",
-        r#"SELECT EXISTS (SELECT 1 FROM "TaskRun" WHERE id = $1)"#,
-        Some(&run.id),
-    )
-    .await;
+    wait_replayed(&replica, &run.id).await;
     let router = srv.running().router.clone();
     let env_id = runfeed::protocol::EnvId::from(env.env_id.as_str());
     confirm_subscription(&srv, &srv.base, &router, &env.env_id, &h).await;

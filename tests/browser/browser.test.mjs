@@ -304,12 +304,15 @@ test("browser: a 401 (bad token) and a 403 (no access) are shown as errors, not 
 test("browser: the SSE switch (@electric-sql/client 1.5, liveSse) follows the run over text/event-stream", async () => {
   const runS = await fixture.createRun(env, { tags: [tag], taskIdentifier: "sse-task", status: "PENDING" });
   const streams = []; // responses of live_sse requests: {contentType, status}
+  let streamOpened;
+  const opened = new Promise((resolve) => (streamOpened = resolve));
   const page = await context.newPage();
   page.on("console", (m) => consoleLog.push({ page: "sse", type: m.type(), text: m.text() }));
   page.on("pageerror", (e) => consoleLog.push({ page: "sse", type: "pageerror", text: String(e?.stack ?? e) }));
   page.on("response", (r) => {
     if (r.url().startsWith(base) && new URL(r.url()).searchParams.get("live_sse") === "true") {
       streams.push({ status: r.status(), contentType: r.headers()["content-type"] ?? "" });
+      if (r.status() === 200) streamOpened();
     }
   });
   const requests = [];
@@ -321,11 +324,11 @@ test("browser: the SSE switch (@electric-sql/client 1.5, liveSse) follows the ru
     throw new Error(`SSE run card not shown (${e.message})\npage: ${text}\nrequests: ${requests.join("\n")}\nconsole: ${log.join("\n")}`);
   });
   // The client goes live over SSE once up to date: wait for the stream's headers.
-  const deadline = Date.now() + 10000;
-  while (!streams.some((s) => s.status === 200)) {
-    if (Date.now() > deadline) throw new Error(`no SSE stream opened: ${JSON.stringify(streams)}`);
-    await sleep(20);
-  }
+  let timer;
+  const timedOut = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`no SSE stream opened: ${JSON.stringify(streams)}`)), 10000);
+  });
+  await Promise.race([opened, timedOut]).finally(() => clearTimeout(timer));
   assert.match(streams.find((s) => s.status === 200).contentType, /^text\/event-stream/);
   // No wait for the hold itself: a change published before the stream registers on the router
   // is replayed to it from the offset it resumes.

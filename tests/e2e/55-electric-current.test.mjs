@@ -188,6 +188,8 @@ test("1.5 client's watchdogs never fire: no fast loop, no stale-handle retry, li
   });
   for (const status of ["EXECUTING", "PENDING", "EXECUTING"]) await fx.updateAndPublish(run, { status });
   await c.waitFor(() => statusOf(c, run.id) === "EXECUTING", { what: "burst delivered", timeoutMs: 5000 });
+  // Not a wait for an event: the assertions below are about what does NOT happen (a fast loop
+  // re-requesting the same offset within 500 ms), so the client gets that long to show one.
   await sleep(500);
   const done = c.requests.filter((r) => r.t1);
   for (const r of done.filter((r) => r.query.live === "true")) {

@@ -1,0 +1,591 @@
+//! The harness every scenario shares: the CLI options common to all, the HTTP client, seeding,
+//! change publishing, metric scrapes, /proc readings and the report table.
+
+use super::*;
+
+#[derive(Args, Clone)]
+pub(crate) struct Common {
+    /// The server's base URL (e.g. http://127.0.0.1:3030).
+    #[arg(long, env = "BENCH_BASE_URL")]
+    pub(crate) base_url: String,
+    /// The database the server reads (the tool writes environments and runs into it).
+    #[arg(long, env = "DATABASE_URL")]
+    pub(crate) database_url: String,
+    /// The Redis the server subscribes to (change records are published there).
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub(crate) redis_url: String,
+    /// The server's admin listener (/metrics), e.g. http://127.0.0.1:9464.
+    #[arg(long, env = "BENCH_ADMIN_URL")]
+    pub(crate) admin_url: Option<String>,
+    /// The server's pid, for CPU seconds and RSS from /proc (local servers only).
+    #[arg(long)]
+    pub(crate) server_pid: Option<u32>,
+    /// Spread client connections over this many source addresses 127.0.0.1.. (≈ 28 000
+    /// connections per address).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) source_addrs: u8,
+    /// The first source address is 127.0.0.(1 + this): several bench processes can use
+    /// disjoint addresses (`fleet-hold`).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) first_source: u8,
+    /// Write the figures as JSON to this file.
+    #[arg(long)]
+    pub(crate) json: Option<String>,
+}
+
+/// How a held feed waits: a live long-poll, or an SSE stream (`live_sse=true`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Transport {
+    LongPoll,
+    Sse,
+    Both,
+}
+
+impl Transport {
+    /// The passes to run: `false` = long-poll, `true` = SSE.
+    pub(crate) fn passes(self) -> Vec<bool> {
+        match self {
+            Transport::LongPoll => vec![false],
+            Transport::Sse => vec![true],
+            Transport::Both => vec![false, true],
+        }
+    }
+}
+
+/// `"<figure>"`, or `"<figure> [sse]"` / `"… [long-poll]"` when several passes share a table.
+pub(crate) fn label(figure: &str, sse: bool, several: bool) -> String {
+    match (several, sse) {
+        (false, _) => figure.to_string(),
+        (true, true) => format!("{figure} [sse]"),
+        (true, false) => format!("{figure} [long-poll]"),
+    }
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum FeedKind {
+    Run,
+    Tag,
+}
+
+pub(crate) struct Bench {
+    pub(crate) c: Common,
+    pub(crate) base: String,
+    pub(crate) pool: PgPool,
+    pub(crate) publisher: Publisher,
+    pub(crate) clients: Vec<reqwest::Client>,
+    pub(crate) next_client: AtomicUsize,
+    pub(crate) probe: reqwest::Client,
+}
+
+/// A parsed feed response.
+pub(crate) struct Resp {
+    pub(crate) status: u16,
+    pub(crate) handle: Option<String>,
+    pub(crate) offset: Option<String>,
+    pub(crate) cursor: Option<String>,
+    pub(crate) body: Value,
+}
+
+impl Resp {
+    /// `(run id, updatedAt)` of every change message.
+    pub(crate) fn changed_ids(&self) -> Vec<String> {
+        self.body
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|m| m.get("key").is_some())
+                    .filter_map(|m| m["value"]["id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// What a feed follows: a tag (`/realtime/v1/runs?tags=`) or one run (`/realtime/v1/runs/<id>`).
+#[derive(Clone, Debug)]
+pub(crate) enum Feed {
+    Tag(String),
+    /// A run's friendly id (`run_…`).
+    Run(String),
+}
+
+impl Feed {
+    pub(crate) fn tag(tag: &str) -> Feed {
+        Feed::Tag(tag.to_string())
+    }
+
+    /// The path and the query parameters that select the feed.
+    pub(crate) fn path_and_params(&self) -> (String, Vec<(&'static str, String)>) {
+        match self {
+            Feed::Tag(tag) => (
+                "/realtime/v1/runs".into(),
+                vec![("tags", tag.clone()), ("log", "full".into())],
+            ),
+            Feed::Run(id) => (format!("/realtime/v1/runs/{id}"), Vec::new()),
+        }
+    }
+
+    /// The public-token scope that reads it.
+    pub(crate) fn scope(&self) -> String {
+        match self {
+            Feed::Tag(tag) => format!("read:tags:{tag}"),
+            Feed::Run(id) => format!("read:runs:{id}"),
+        }
+    }
+}
+
+/// An SSE response being read (`data:` events; comments skipped).
+pub(crate) struct SseReader {
+    pub(crate) status: u16,
+    pub(crate) resp: reqwest::Response,
+    pub(crate) buf: String,
+}
+
+impl SseReader {
+    /// The next event's data; `None` when the stream ended (or failed).
+    pub(crate) async fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(at) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..at + 2).collect();
+                let data: Vec<&str> = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect();
+                if data.is_empty() {
+                    continue; // a comment (keep-alive)
+                }
+                return Some(data.join("\n"));
+            }
+            match self.resp.chunk().await {
+                Ok(Some(bytes)) => self.buf.push_str(&String::from_utf8_lossy(&bytes)),
+                _ => return None,
+            }
+        }
+    }
+}
+
+pub(crate) fn client_for(i: u8) -> anyhow::Result<reqwest::Client> {
+    let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + i));
+    Ok(reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(100_000)
+        .local_address(ip)
+        .timeout(Duration::from_secs(300))
+        .build()?)
+}
+
+impl Bench {
+    pub(crate) async fn new(c: Common) -> anyhow::Result<Bench> {
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&c.database_url)
+            .await
+            .context("connect to --database-url")?;
+        let publisher = Publisher::connect(&RedisOptions::standalone(&c.redis_url))
+            .await
+            .map_err(|e| anyhow::anyhow!("connect to --redis-url: {e}"))?;
+        let clients = (0..c.source_addrs.max(1))
+            .map(|i| client_for(c.first_source.saturating_add(i)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Bench {
+            base: c.base_url.trim_end_matches('/').to_string(),
+            c,
+            pool,
+            publisher,
+            clients,
+            next_client: AtomicUsize::new(0),
+            probe: reqwest::Client::builder().no_proxy().build()?,
+        })
+    }
+
+    pub(crate) fn client(&self) -> &reqwest::Client {
+        let i = self.next_client.fetch_add(1, Ordering::Relaxed);
+        &self.clients[i % self.clients.len()]
+    }
+
+    pub(crate) async fn env(&self) -> anyhow::Result<DemoEnv> {
+        fixtures::create_env(&self.pool, "DEVELOPMENT").await
+    }
+
+    pub(crate) async fn tagged_run(&self, env: &DemoEnv, tag: &str) -> anyhow::Result<String> {
+        let spec = RunSpec {
+            tags: Some(vec![tag.to_string()]),
+            ..RunSpec::default()
+        };
+        Ok(fixtures::create_run(&self.pool, env, spec).await?.id)
+    }
+
+    /// Updates a run (Postgres) and publishes its change record (Redis), like trigger.dev.
+    pub(crate) async fn change(
+        &self,
+        env: &DemoEnv,
+        run_id: &str,
+        tag: &str,
+    ) -> anyhow::Result<()> {
+        let status = if rand::rng().random_bool(0.5) {
+            "EXECUTING"
+        } else {
+            "PENDING"
+        };
+        let ms = fixtures::update_run(
+            &self.pool,
+            run_id,
+            RunUpdate {
+                status: Some(status.into()),
+                ..RunUpdate::default()
+            },
+        )
+        .await?;
+        let record = ChangeRecord {
+            v: 1,
+            run_id: run_id.into(),
+            env_id: env.env_id.as_str().into(),
+            tags: Some(vec![tag.to_string()]),
+            batch_id: None,
+            updated_at_ms: Some(ms),
+        };
+        self.publisher
+            .publish(&record)
+            .await
+            .map_err(|e| anyhow::anyhow!("publish: {e}"))?;
+        Ok(())
+    }
+
+    pub(crate) fn token(env: &DemoEnv, feed: &Feed) -> String {
+        mint_public_token(
+            &env.api_key,
+            &env.env_id,
+            &[feed.scope()],
+            Duration::from_secs(3600),
+            None,
+        )
+        .expect("mint token")
+    }
+
+    pub(crate) async fn get(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        path: &str,
+        params: &[(&str, String)],
+    ) -> anyhow::Result<Resp> {
+        self.get_at(&self.base, client, token, path, params).await
+    }
+
+    /// [`Bench::get`] against another instance (`base`, e.g. `http://127.0.0.1:3101`).
+    pub(crate) async fn get_at(
+        &self,
+        base: &str,
+        client: &reqwest::Client,
+        token: &str,
+        path: &str,
+        params: &[(&str, String)],
+    ) -> anyhow::Result<Resp> {
+        let resp = client
+            .get(format!("{base}{path}"))
+            .query(params)
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-trigger-electric-version", ELECTRIC_VERSION)
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        let h = |n: &str| {
+            resp.headers()
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let (handle, offset, cursor) = (
+            h("electric-handle"),
+            h("electric-offset"),
+            h("electric-cursor"),
+        );
+        let text = resp.text().await?;
+        Ok(Resp {
+            status,
+            handle,
+            offset,
+            cursor,
+            body: serde_json::from_str(&text).unwrap_or(Value::Null),
+        })
+    }
+
+    pub(crate) async fn snapshot(&self, token: &str, feed: &Feed) -> anyhow::Result<Resp> {
+        let (path, mut params) = feed.path_and_params();
+        params.push(("offset", "-1".into()));
+        let r = self.get(self.client(), token, &path, &params).await?;
+        if r.status != 200 {
+            bail!("snapshot of {feed:?}: status {}", r.status);
+        }
+        Ok(r)
+    }
+
+    pub(crate) async fn live(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        feed: &Feed,
+        at: &Resp,
+    ) -> anyhow::Result<Resp> {
+        let (path, mut params) = feed.path_and_params();
+        params.extend([
+            ("cursor", at.cursor.clone().unwrap_or_default()),
+            ("handle", at.handle.clone().unwrap_or_default()),
+            ("live", "true".into()),
+            ("offset", at.offset.clone().unwrap_or_else(|| "-1".into())),
+        ]);
+        self.get(client, token, &path, &params).await
+    }
+
+    /// Opens an SSE stream (`live=true&live_sse=true`) at response `at`'s handle and offset.
+    pub(crate) async fn open_sse(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        feed: &Feed,
+        at: &Resp,
+        offset: Option<&str>,
+    ) -> anyhow::Result<SseReader> {
+        let (path, mut params) = feed.path_and_params();
+        let offset = offset
+            .map(str::to_string)
+            .or_else(|| at.offset.clone())
+            .unwrap_or_else(|| "-1".into());
+        params.extend([
+            ("cursor", at.cursor.clone().unwrap_or_default()),
+            ("handle", at.handle.clone().unwrap_or_default()),
+            ("live", "true".into()),
+            ("live_sse", "true".into()),
+            ("offset", offset),
+        ]);
+        let resp = client
+            .get(format!("{}{path}", self.base))
+            .query(&params)
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-trigger-electric-version", ELECTRIC_VERSION)
+            .header("accept", "text/event-stream")
+            .send()
+            .await?;
+        Ok(SseReader {
+            status: resp.status().as_u16(),
+            resp,
+            buf: String::new(),
+        })
+    }
+
+    /// Waits until the server holds at most `n` feeds (router gauge), at most `limit`.
+    pub(crate) async fn wait_released(&self, n: usize, limit: Duration) {
+        if self.c.admin_url.is_none() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return;
+        }
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let held = self
+                .metric("runfeed_router_held_feeds")
+                .await
+                .unwrap_or(0.0);
+            if held <= n as f64 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The admin /metrics text ("" without --admin-url).
+    pub(crate) async fn scrape(&self) -> String {
+        let Some(admin) = &self.c.admin_url else {
+            return String::new();
+        };
+        let url = format!("{}/metrics", admin.trim_end_matches('/'));
+        match self.probe.get(url).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Sum of every sample of `name` (None when absent).
+    pub(crate) async fn metric(&self, name: &str) -> Option<f64> {
+        metric_sum(&self.scrape().await, name)
+    }
+
+    /// Waits until the server holds at least `n` feeds (router gauge), at most `limit`.
+    pub(crate) async fn wait_held(&self, n: usize, limit: Duration) -> bool {
+        if self.c.admin_url.is_none() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return true;
+        }
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self
+                .metric("runfeed_router_held_feeds")
+                .await
+                .unwrap_or(0.0)
+                >= n as f64
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// Server RSS: /proc/<pid> if given, else the process metric.
+    pub(crate) async fn server_rss(&self) -> Option<f64> {
+        match self.c.server_pid {
+            Some(pid) => proc_rss(pid),
+            None => self.metric("runfeed_process_resident_memory_bytes").await,
+        }
+    }
+
+    pub(crate) fn server_cpu(&self) -> Option<f64> {
+        self.c.server_pid.and_then(proc_cpu_s)
+    }
+}
+
+pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+pub(crate) fn page_size() -> f64 {
+    4096.0
+}
+
+pub(crate) fn proc_rss(pid: u32) -> Option<f64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let resident: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(resident * page_size())
+}
+
+pub(crate) fn proc_cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+/// This process's CPU time (user + system), s.
+pub(crate) fn own_cpu_s() -> Option<f64> {
+    proc_cpu_s(std::process::id())
+}
+
+pub(crate) fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub(crate) fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+pub(crate) fn opt(v: Option<f64>) -> Value {
+    v.map(|x| json!(x)).unwrap_or(Value::Null)
+}
+
+pub(crate) fn delta(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(b? - a?)
+}
+
+/// Prints `rows` as a two-column table and writes `{scenario, params, figures}` JSON.
+pub(crate) fn report<K: AsRef<str>>(
+    c: &Common,
+    scenario: &str,
+    params: Value,
+    rows: Vec<(K, Value)>,
+) -> anyhow::Result<()> {
+    println!("\n{scenario}  {params}");
+    println!("{:<44} {:>16}", "figure", "value");
+    println!("{:-<44} {:->16}", "", "");
+    let mut figures = serde_json::Map::new();
+    for (k, v) in rows {
+        let k = k.as_ref();
+        let shown = match &v {
+            Value::Number(n) => {
+                let f = n.as_f64().unwrap_or(0.0);
+                if f.fract() == 0.0 && f.abs() < 1e15 {
+                    format!("{}", f as i64)
+                } else {
+                    format!("{f:.3}")
+                }
+            }
+            Value::Null => "n/a".to_string(),
+            other => other.to_string(),
+        };
+        println!("{k:<44} {shown:>16}");
+        figures.insert(k.to_string(), v);
+    }
+    if let Some(path) = &c.json {
+        let out = json!({
+            "scenario": scenario,
+            "params": params,
+            "figures": figures,
+            "at": chrono::Utc::now().to_rfc3339(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("write {path}"))?;
+    }
+    Ok(())
+}
+
+/// Parks `n` live polls of `tag` at `at` (one task each); returns their handles and the
+/// time each finished (with its response status).
+/// What [`park`] parks: `n` live requests of `feed` at response `at`, long-polls or (`sse`) SSE
+/// streams.
+pub(crate) struct Park<'a> {
+    pub(crate) n: usize,
+    pub(crate) token: &'a str,
+    pub(crate) feed: &'a Feed,
+    pub(crate) at: &'a Arc<Resp>,
+    pub(crate) sse: bool,
+}
+
+/// Parks live requests (long-polls, or SSE streams); each task ends with the
+/// status and the time of the response (SSE: of the stream's first event).
+pub(crate) fn park(
+    b: &Arc<Bench>,
+    p: Park<'_>,
+) -> Vec<tokio::task::JoinHandle<(Option<u16>, Instant)>> {
+    let sse = p.sse;
+    (0..p.n)
+        .map(|_| {
+            let b = b.clone();
+            let token = p.token.to_string();
+            let feed = p.feed.clone();
+            let at = p.at.clone();
+            tokio::spawn(async move {
+                let client = b.client().clone();
+                if sse {
+                    let Ok(mut reader) = b.open_sse(&client, &token, &feed, &at, None).await else {
+                        return (None, Instant::now());
+                    };
+                    let status = reader.status;
+                    let got = reader.next_data().await;
+                    return (got.map(|_| status), Instant::now());
+                }
+                let r = b.live(&client, &token, &feed, &at).await;
+                (r.ok().map(|r| r.status), Instant::now())
+            })
+        })
+        .collect()
+}

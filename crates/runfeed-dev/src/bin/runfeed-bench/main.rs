@@ -1,0 +1,118 @@
+//! `runfeed-bench`: drives any server that speaks trigger.dev's realtime run-feed endpoints
+//! (Electric shape protocol) and measures it . It seeds what it needs into the
+//! server's database (an environment and runs, written like trigger.dev writes them), mints
+//! public tokens, and publishes change records on Redis (Postgres update + change record).
+//!
+//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); `held`,
+//! `fanout` and `churn` take `--transport long-poll|sse|both` (SSE live mode, `live_sse=true`;
+//! `both` measures the two in one run, on the same server, one after the other); plus
+//! `bare`, a tiny axum server that parks every request (the baseline of `held`), and `check`,
+//! the delivery checker (README "Correctness checker", `runfeed_dev::check`). Each scenario
+//! prints a table and, with `--json FILE`, writes its figures as JSON.
+//!
+//! Server-side figures come from the admin `/metrics` (`--admin-url`) and, for CPU/RSS of a
+//! local server, from `/proc/<pid>` (`--server-pid`).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use futures::stream::{self, StreamExt};
+use rand::Rng;
+use runfeed::auth::mint_public_token;
+use runfeed::changes::ChangeRecord;
+use runfeed::redis::{Publisher, RedisOptions};
+use runfeed_dev::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
+use serde_json::{json, Value};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+
+const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
+
+mod churn;
+mod fanout;
+mod fleet;
+mod harness;
+mod held;
+mod idle;
+mod stampede;
+
+use churn::ChurnArgs;
+use fanout::FanoutArgs;
+use fleet::{FleetChangeArgs, FleetHoldArgs, FleetSetupArgs};
+use harness::*;
+use held::{BareArgs, HeldArgs};
+use idle::IdleArgs;
+use stampede::StampedeArgs;
+
+#[derive(Parser)]
+#[command(
+    name = "runfeed-bench",
+    about = "Benchmarks a realtime run-feed server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// N live feeds parked: server RSS per held feed vs a bare axum server parking N requests.
+    Held(HeldArgs),
+    /// F feeds on one tag, one change: time until the last feed has its response.
+    Fanout(FanoutArgs),
+    /// R changes/s over E environments with H held feeds: publish → delivery latency.
+    Churn(ChurnArgs),
+    /// K distinct tag filters connect at once (cold): time to all snapshots.
+    Stampede(StampedeArgs),
+    /// H idle held feeds: requests/s, Postgres queries/s and CPU while nothing changes.
+    Idle(IdleArgs),
+    /// A bare axum server that parks every request for `--hold-ms` (the `held` baseline).
+    Bare(BareArgs),
+    /// Fleet, step 1: an environment with a hot run (tag `hot`) and a cold run, written as
+    /// JSON to `--out` for the `fleet-hold` processes (scripts/fleet-bench.sh).
+    FleetSetup(FleetSetupArgs),
+    /// Fleet, step 2: park `--idle` run feeds (re-polled as holds expire) and `--hot` tag feeds
+    /// over several instances (`--base-url a,b,c`), then time the hot feeds' responses to the
+    /// change `fleet-change` announces in `--go-file`.
+    FleetHold(FleetHoldArgs),
+    /// Fleet, step 3: one change of the hot run; writes its publish time (Unix ms) to
+    /// `--go-file`.
+    FleetChange(FleetChangeArgs),
+    /// The randomized, fault-injecting delivery checker (README "Correctness checker"): starts
+    /// its own instances, database and Redis, writes, reads and injects faults, then checks
+    /// six delivery properties. Exit status 1 on a violation not marked `--known`.
+    Check(Box<runfeed_dev::check::CheckArgs>),
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.scenario {
+        Scenario::Held(a) => held::held(a).await,
+        Scenario::Fanout(a) => fanout::fanout(a).await,
+        Scenario::Churn(a) => churn::churn(a).await,
+        Scenario::Stampede(a) => stampede::stampede(a).await,
+        Scenario::Idle(a) => idle::idle(a).await,
+        Scenario::Bare(a) => held::bare(a).await,
+        Scenario::FleetSetup(a) => fleet::setup(a).await,
+        Scenario::FleetHold(a) => fleet::hold(a).await,
+        Scenario::FleetChange(a) => fleet::change(a).await,
+        Scenario::Check(a) => match runfeed_dev::check::run(*a).await {
+            Ok(report) if report.passed => Ok(()),
+            Ok(_) => return std::process::ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("runfeed-bench: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -155,6 +155,13 @@ pub struct FeedsConfig {
     /// Per-organization live-poll limits (org id → limit), replacing the default for that
     /// organization's environments (trigger.dev's plan limit `realtimeConcurrentConnections`).
     pub concurrency_limit_overrides: std::collections::BTreeMap<String, u64>,
+    /// Most concurrency slots an instance leases from Redis at once per environment, so that
+    /// live polls are admitted without a Redis round trip each (32). The block is
+    /// `min(this, limit / 16)`; 0, or a limit under 16, counts every live poll exactly with one
+    /// Redis script call. Tolerance: an environment may be refused up to
+    /// `(instances − 1) × block` polls before its limit, never admitted past it
+    /// (docs/self-host.md "Concurrency limit").
+    pub concurrency_lease_slots: u64,
     /// Most tags in one tag-feed filter; more → 400 (422 legacy) (100).
     pub max_tags: usize,
     /// Longest tag in a tag-feed filter, bytes; longer → 400 (422 legacy) (256).
@@ -189,6 +196,7 @@ impl Default for FeedsConfig {
             runset_created_at_bucket_ms: 60_000,
             resolve_admission_limit: 16,
             default_concurrency_limit: 100_000,
+            concurrency_lease_slots: 32,
             concurrency_limit_overrides: std::collections::BTreeMap::new(),
             max_tags: 100,
             max_tag_bytes: 256,

@@ -487,10 +487,14 @@ async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
 /// the same connection after the abandoned script, so it cannot be admitted before that ran.
 #[tokio::test]
 async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
-    use runfeed::http::admit::Limiter;
+    use runfeed::http::admit::{Limiter, LimiterConfig};
     let (_server, url, admin) = own_redis().await;
     let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
-    let limiter = Limiter::new(Some(redis.concurrency()), 1, Default::default());
+    let cfg = LimiterConfig {
+        default_limit: 1,
+        ..LimiterConfig::default()
+    };
+    let limiter = Limiter::new(Some(redis.concurrency()), cfg);
     let pause = |ms: u64| {
         let admin = admin.clone();
         async move {

@@ -21,7 +21,7 @@ use crate::auth::Authenticator;
 use crate::changes::ChangeSource;
 use crate::config::Config;
 use crate::feeds::Feeds;
-use crate::http::admit::Limiter;
+use crate::http::admit::{Limiter, LimiterConfig};
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
 use crate::redis::{Redis, RedisChangeSource, RedisOptions, SubscriberSettings};
@@ -136,14 +136,9 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     ));
     let limiter = Arc::new(Limiter::new(
         Some(redis.concurrency()),
-        config.feeds.default_concurrency_limit,
-        config
-            .feeds
-            .concurrency_limit_overrides
-            .clone()
-            .into_iter()
-            .collect(),
+        LimiterConfig::of(&config.feeds),
     ));
+    tasks.spawn(limiter.clone().maintain(shutdown.clone()));
     let state = AppState {
         feeds: feeds.clone(),
         auth,

@@ -2,8 +2,13 @@
 //! §4; docs/behaviours.md REQ-02..05, LIM-01..03): a sorted set per environment, key
 //! `tr:realtime:native:concurrency:<envId>`, members = poll ids scored by start time (ms). One
 //! atomic script drops members older than [`ENTRY_TTL_S`], adds this poll, refreshes the key
-//! TTL, and rejects (removing the member again) when the cardinality exceeds the limit. The
-//! admission policy around it (fallback, slot guards) is `http::admit`.
+//! TTL, and rejects (removing the member again) when the cardinality exceeds the limit.
+//!
+//! A second script leases a block of slots at once ([`ConcurrencyScript::lease`]): it adds up to
+//! as many members as there are slots left under the limit, so an instance can admit many live
+//! polls from one round trip. Leased members count exactly like polls, so trigger.dev's native
+//! backend sharing the key sees the same total. The admission policy around both (leases,
+//! fallback, slot guards) is `http::admit`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
@@ -36,6 +41,29 @@ if redis.call('ZCARD', key) > limit then
 end
 return 1
 "#;
+
+const LEASE: &str = r#"
+local key = KEYS[1]
+local now = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
+local ttl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - ttl * 1000)
+local room = limit - redis.call('ZCARD', key)
+local want = #ARGV - 3
+if room > want then room = want end
+if room <= 0 then return 0 end
+local args = {}
+for i = 1, room do
+  args[#args + 1] = now
+  args[#args + 1] = ARGV[3 + i]
+end
+redis.call('ZADD', key, unpack(args))
+redis.call('EXPIRE', key, ttl)
+return room
+"#;
+
+/// [`LEASE`] with its SHA-1 (sent as `EVALSHA`, like [`ADMIT_SCRIPT`]).
+static LEASE_SCRIPT: LazyLock<Arc<Script>> = LazyLock::new(|| Arc::new(Script::from_lua(LEASE)));
 
 /// [`ADMIT`] with its SHA-1: sent as `EVALSHA` (40 bytes instead of the body, and Redis does not
 /// hash the body per call), loaded again on `NOSCRIPT` (a restarted or new node).
@@ -100,6 +128,62 @@ impl ConcurrencyScript {
                 source,
             })?;
         Ok(admitted == 1)
+    }
+
+    /// Adds the first of `members` to `env_id`'s set at `now_ms`, as many as fit under `limit`
+    /// (members older than [`ENTRY_TTL_S`] are swept first): the number added, 0 when the
+    /// environment is at its limit. Unbounded in time: the caller bounds it.
+    ///
+    /// Errors: [`RedisError::Command`] when Redis fails.
+    pub async fn lease(
+        &self,
+        env_id: &str,
+        members: &[String],
+        limit: u64,
+        now_ms: i64,
+    ) -> Result<usize, RedisError> {
+        let mut args = Vec::with_capacity(3 + members.len());
+        args.extend([now_ms.to_string(), limit.to_string(), ENTRY_TTL_S.to_string()]);
+        args.extend(members.iter().cloned());
+        let added: i64 = LEASE_SCRIPT
+            .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
+            .await
+            .map_err(|source| RedisError::Command {
+                op: "concurrency lease",
+                source,
+            })?;
+        Ok(usize::try_from(added).unwrap_or(0))
+    }
+
+    /// Re-stamps leased `members` of `env_id` at `now_ms` (only those still in the set) and
+    /// refreshes the key's TTL, so the [`ENTRY_TTL_S`] sweep never takes a slot that is still
+    /// leased. One pipeline of two commands.
+    ///
+    /// Errors: [`RedisError::Command`] when Redis fails.
+    pub async fn refresh(
+        &self,
+        env_id: &str,
+        members: &[String],
+        now_ms: i64,
+    ) -> Result<(), RedisError> {
+        use fred::interfaces::KeysInterface;
+        if members.is_empty() {
+            return Ok(());
+        }
+        let key = format!("{KEY_PREFIX}{env_id}");
+        let scored: Vec<(f64, String)> = members.iter().map(|m| (now_ms as f64, m.clone())).collect();
+        let pipeline = self.client.pipeline();
+        let _: Result<(), _> = pipeline
+            .zadd(key.as_str(), Some(fred::types::SetOptions::XX), None, false, false, scored)
+            .await;
+        let _: Result<(), _> = pipeline.expire(key.as_str(), ENTRY_TTL_S, None).await;
+        pipeline
+            .all::<()>()
+            .await
+            .map_err(|source| RedisError::Command {
+                op: "concurrency refresh",
+                source,
+            })
     }
 
     /// Removes `member` from `env_id`'s set in the background (fire and forget: a lost release

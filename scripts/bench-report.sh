@@ -7,7 +7,9 @@
 #   BASELINE_BIN=/path/to/older/runfeed bash scripts/bench-report.sh
 # Knobs (env): HELD_N (15000), FANOUT_F ("2000 10000"), CHURN_RATE (2000), CHURN_ENVS (1000),
 # CHURN_HELD (10000), CHURN_S (20), CHURN_RUNS (10), CHURN_KIND (tag|run), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
-# IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle").
+# IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle"; "cost" runs the
+# cost-per-unit-of-work group: idle floor, ended polls, deliveries, changes, on a Redis of its own
+# so its command counts are exact; COST_HELD (4000), COST_S (20)).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -119,5 +121,40 @@ if want idle; then
     bench idle-runs idle --held "${IDLE_HELD:-1000}" --distinct "${IDLE_HELD:-1000}" --kind run --duration-s "${IDLE_S:-300}"
   }
   stop_server
+fi
+if want cost; then
+  # A Redis of its own: `INFO commandstats` then counts only what the server sends.
+  COST_REDIS_PORT=$(free_port)
+  redis-server --port "$COST_REDIS_PORT" --save "" --appendonly no --bind 127.0.0.1 \
+    --logfile "$OUT/cost-redis.log" &
+  PIDS+=("$!")
+  for _ in $(seq 1 100); do redis-cli -p "$COST_REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+  SHARED_REDIS_URL=$REDIS_URL
+  REDIS_URL="redis://127.0.0.1:$COST_REDIS_PORT"
+  held_n=${COST_HELD:-4000}
+  cost_s=${COST_S:-20}
+  cost_pass() { # label binary
+    local label=$1 bin=$2
+    # The idle floor: nothing changes and no hold expires in the window.
+    start_server "$label-floor" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+      bench "cost-floor-$label" idle --held "$held_n" --distinct 100 --duration-s "$cost_s"
+    stop_server
+    # Ended polls: every hold expires after 2 s and is polled again.
+    start_server "$label-poll" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=2000 &&
+      bench "cost-poll-$label" idle --held "$held_n" --distinct 100 --duration-s "$cost_s"
+    stop_server
+    # Deliveries: 1 000 live run feeds (200 runs × 5) at 200 changes/s, long-poll then SSE.
+    start_server "$label-delivery" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+      bench "cost-delivery-$label" churn --kind run --rate 200 --envs 20 --runs 10 --held 1000 \
+        --duration-s "$cost_s" --transport both
+    stop_server
+    # Change records: 2 000 changes/s over 1 000 environments, 10 000 held tag feeds.
+    start_server "$label-change" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+      bench "cost-change-$label" churn --rate 2000 --envs 1000 --runs 10 --held 10000 --duration-s "$cost_s"
+    stop_server
+  }
+  cost_pass runfeed "$BIN/runfeed"
+  [ -n "${BASELINE_BIN:-}" ] && cost_pass baseline "$BASELINE_BIN"
+  REDIS_URL=$SHARED_REDIS_URL
 fi
 log "done (JSON in $OUT)"

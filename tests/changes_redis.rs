@@ -552,3 +552,123 @@ async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
     drop(local);
     admin.quit().await.expect("quit");
 }
+
+/// Leased concurrency slots (`feeds.concurrency_lease_slots`, docs/self-host.md "Concurrency
+/// limit"), two instances on one environment's sorted set: the fleet never admits past the
+/// limit; an instance refuses at most the other instances' unused blocks early; polls that end
+/// and come back cost no Redis call; trimmed and returned slots free the set for the other
+/// instance.
+#[tokio::test]
+async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_early() {
+    use runfeed::http::admit::{Limiter, LimiterConfig, IDLE_RETURN};
+    const LIMIT: u64 = 64;
+    let redis = runfeed::redis::Redis::connect(standalone(REDIS_URL)).expect("client");
+    let admin = Client::new(Config::from_url(REDIS_URL).expect("url"), None, None, None);
+    admin.init().await.expect("admin connect");
+    let cfg = LimiterConfig {
+        default_limit: LIMIT,
+        lease_slots: 4,
+        ..LimiterConfig::default()
+    };
+    let (a, b) = (
+        Limiter::new(Some(redis.concurrency()), cfg.clone()),
+        Limiter::new(Some(redis.concurrency()), cfg),
+    );
+    let block = a.lease_block(LIMIT) as usize;
+    assert_eq!(block, 4);
+    let env_id = env();
+    let key = format!("{}{env_id}", runfeed::redis::limit::KEY_PREFIX);
+    let zcard = || {
+        let (admin, key) = (admin.clone(), key.clone());
+        async move { admin.zcard::<u64, _>(&key).await.expect("zcard") }
+    };
+
+    // Instance A takes 30 polls; instance B takes polls until it is refused.
+    let mut on_a = Vec::new();
+    for _ in 0..30 {
+        on_a.push(
+            a.acquire(&env_id, "org")
+                .await
+                .expect("a admits below the limit"),
+        );
+    }
+    let mut on_b = Vec::new();
+    while let Some(slot) = b.acquire(&env_id, "org").await {
+        on_b.push(slot);
+        assert!(
+            on_a.len() + on_b.len() <= LIMIT as usize,
+            "admitted past the limit"
+        );
+    }
+    let admitted = on_a.len() + on_b.len();
+    println!("admitted {admitted} of {LIMIT} over two instances (block {block})");
+    assert!(
+        admitted >= LIMIT as usize - block,
+        "refused {} early; at most A's unused block ({block}) may be",
+        LIMIT as usize - admitted
+    );
+    assert!(
+        zcard().await <= LIMIT,
+        "the set never holds more than the limit"
+    );
+    assert!(a.acquire(&env_id, "org").await.is_some() || admitted == LIMIT as usize);
+
+    // A poll that ends and comes back reuses the instance's lease: no Redis call.
+    let calls = b
+        .stats
+        .script_calls
+        .load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..100 {
+        drop(on_b.pop());
+        on_b.push(
+            b.acquire(&env_id, "org")
+                .await
+                .expect("the freed slot is taken again"),
+        );
+    }
+    assert_eq!(
+        b.stats
+            .script_calls
+            .load(std::sync::atomic::Ordering::Relaxed),
+        calls,
+        "re-polls on a lease cost no Redis call"
+    );
+
+    // A's polls end: the trim keeps one block, an idle environment none; B gets the rest.
+    let a_leased = a.leased_slots();
+    on_a.clear();
+    a.trim(tokio::time::Instant::now());
+    assert_eq!(
+        a.leased_slots(),
+        block,
+        "A keeps one unused block ({a_leased} leased before)"
+    );
+    a.trim(tokio::time::Instant::now() + IDLE_RETURN);
+    assert_eq!(
+        a.leased_slots(),
+        0,
+        "an idle environment returns everything"
+    );
+    let deadline = Instant::now() + WAIT;
+    while zcard().await > b.leased_slots() as u64 {
+        assert!(Instant::now() < deadline, "A's slots never left the set");
+        sleep(Duration::from_millis(10)).await;
+    }
+    while let Some(slot) = b.acquire(&env_id, "org").await {
+        on_b.push(slot);
+    }
+    assert_eq!(
+        on_b.len(),
+        LIMIT as usize,
+        "B reaches the limit once A gave its slots back"
+    );
+
+    // Shutdown returns every slot.
+    on_b.clear();
+    b.return_all();
+    while zcard().await > 0 {
+        assert!(Instant::now() < deadline, "slots left behind at shutdown");
+        sleep(Duration::from_millis(10)).await;
+    }
+    admin.quit().await.expect("quit");
+}

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::body::{FragmentBody, Operation};
-use crate::protocol::cursor::{next_cursor, next_offset_seq};
+use crate::protocol::cursor::{next_cursor, next_offset_seq, vouched_wall_ms, Gap};
 use crate::protocol::electric::LogMode;
 use crate::protocol::encode::schema_header;
 use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
@@ -100,7 +100,21 @@ pub struct ConnState {
     /// Versions of the runs the latest responses carried (shared with the cursor, so another
     /// instance does not re-send them on a hop).
     pub recent: Vec<(RunId, Version)>,
+    /// When this offset's state was last written to the fleet-shared store with a cursor that
+    /// vouches for its gap (epoch ms); `None` when it was not. A later response at the same
+    /// offset that carries nothing new needs no write while this is fresh (see
+    /// [`SHARED_REWRITE_AFTER`]): another instance learns how far the client got from the
+    /// cursor it echoes ([`vouched_wall_ms`]).
+    pub shared_at_ms: Option<i64>,
 }
+
+/// A client cursor this much newer than the local state's own cursor means the client was
+/// answered elsewhere since (it hopped and came back): the poll replays from the cursor's wall
+/// time, like a hop, instead of from this instance's older position.
+pub const HOP_BACK_AFTER_MS: i64 = 1_000;
+/// An offset's shared state is written again after this fraction of the working-set TTL, so it
+/// never expires in Redis while its client keeps polling at that offset.
+pub const SHARED_REWRITE_AFTER: f64 = 0.5;
 
 type ConnKey = (EnvId, Handle, Offset);
 
@@ -118,6 +132,8 @@ pub struct Feeds {
     metrics: Arc<Metrics>,
     /// Fleet-shared replay cursors (None: per-instance only).
     cursors: Option<CursorStore>,
+    /// `caches.working_set_ttl_ms`: how long shared states live in Redis.
+    working_set_ttl_ms: u64,
 }
 
 /// One poll of a known feed: the request, the handle it verified, the target it resumes, and
@@ -152,6 +168,9 @@ impl Poll<'_> {
 struct ReplyShape {
     /// Carry `electric-schema` (non-live responses).
     schema: bool,
+    /// The cursor this reply records vouches for its gap (its `epoch` is not 0): the client's
+    /// `electric-cursor` says so ([`Gap`]).
+    vouched: bool,
     /// Every store re-check of this poll succeeded. When one failed, the recorded cursor is one
     /// no later poll takes as covered, so that poll re-checks instead of trusting a stream that
     /// may have skipped this feed.
@@ -190,6 +209,7 @@ impl Feeds {
             shutdown: CancellationToken::new(),
             metrics: Metrics::noop(),
             cursors: None,
+            working_set_ttl_ms: caches.working_set_ttl_ms,
         }
     }
 
@@ -391,7 +411,7 @@ impl Feeds {
             headers: ElectricHeaders {
                 handle,
                 offset: Some(offset.to_string()),
-                cursor: Some(next_cursor(req.cursor.as_deref()).to_string()),
+                cursor: Some(next_cursor(req.cursor.as_deref(), gap_of(shape)).to_string()),
                 schema: shape.schema.then(|| schema_header(req.cols)),
                 up_to_date: true,
             },
@@ -401,10 +421,21 @@ impl Feeds {
         }
     }
 
-    fn record(&self, req: &FeedRequest, handle: &Handle, offset: Offset, state: ConnState) {
+    /// Records `state` for `offset`, locally and (unless its `shared_at_ms` says the shared
+    /// store already has an equivalent, fresh value) in the fleet-shared store.
+    fn record(&self, req: &FeedRequest, handle: &Handle, offset: Offset, mut state: ConnState) {
         if let Some(store) = &self.cursors {
-            let value = cursors::encode(&state.cursor, &state.recent);
-            store.set(&req.env_id, handle, &offset.to_string(), value);
+            let now = now_ms();
+            let rewrite_after = (self.working_set_ttl_ms as f64 * SHARED_REWRITE_AFTER) as i64;
+            let fresh = state.cursor.epoch != 0
+                && state
+                    .shared_at_ms
+                    .is_some_and(|at| now.saturating_sub(at) < rewrite_after);
+            if !fresh {
+                let value = cursors::encode(&state.cursor, &state.recent);
+                store.set(&req.env_id, handle, &offset.to_string(), value);
+                state.shared_at_ms = (state.cursor.epoch != 0).then_some(now);
+            }
         }
         self.conns.insert(
             (req.env_id.clone(), handle.clone(), offset),
@@ -427,14 +458,14 @@ impl Feeds {
             }
         }
         let (cursor, recent) = match (&state, &self.cursors) {
-            (Some(state), _) => (Some(state.cursor), None),
+            (Some(state), _) => (Some(self.hop_back(state.cursor, req)), None),
             // Another instance answered the previous poll (or this one forgot it).
             (None, Some(store)) => match store
                 .get(&req.env_id, handle, &offset.to_string(), cursors::decode)
                 .await
             {
                 Some((cursor, recent)) => (
-                    Some(cursor),
+                    Some(Self::caught_up(cursor, req, 0)),
                     Some(recent.into_iter().collect::<WorkingSet>()),
                 ),
                 None => (None, None),
@@ -447,6 +478,28 @@ impl Feeds {
             cursor,
             recent,
         }
+    }
+
+    /// `cursor`, or one that replays from the wall time of the client's latest response when
+    /// that response vouched for its gap and is more than `after_ms` newer than `cursor` (it was
+    /// answered without writing the shared store: nothing was new). Never upgrades a cursor
+    /// that does not vouch for its own gap (`epoch == 0`).
+    fn caught_up(cursor: ReplayCursor, req: &FeedRequest, after_ms: i64) -> ReplayCursor {
+        match vouched_wall_ms(req.cursor.as_deref(), now_ms()) {
+            Some(wall_ms) if cursor.epoch != 0 && wall_ms > cursor.wall_ms + after_ms => {
+                ReplayCursor::at_wall(cursor.epoch, wall_ms)
+            }
+            _ => cursor,
+        }
+    }
+
+    /// This instance's own cursor for the offset, unless the client was answered elsewhere
+    /// since ([`HOP_BACK_AFTER_MS`]).
+    fn hop_back(&self, cursor: ReplayCursor, req: &FeedRequest) -> ReplayCursor {
+        if self.cursors.is_none() {
+            return cursor;
+        }
+        Self::caught_up(cursor, req, HOP_BACK_AFTER_MS)
     }
 
     fn known(&self, poll: Poll<'_>, resume: &Resume) -> Known {
@@ -564,10 +617,12 @@ impl Feeds {
                 cursor,
                 prev: None,
                 recent,
+                shared_at_ms: None,
             },
         );
         let shape = ReplyShape {
             schema: true,
+            vouched: cursor.epoch != 0,
             trusted: true,
         };
         Ok(self.reply(req, handle, offset, &changes, shape))
@@ -601,6 +656,7 @@ impl Feeds {
         }
         let shape = ReplyShape {
             schema: true,
+            vouched: false,
             trusted,
         };
         Ok(self.respond(poll, &known, pending, &reg, shape))
@@ -625,6 +681,10 @@ impl Feeds {
         if late.recheck || !shape.trusted {
             cursor.epoch = 0;
         }
+        let shape = ReplyShape {
+            vouched: cursor.epoch != 0,
+            ..shape
+        };
         pending.extend(late.rows);
         let changes = pending.changes(known);
         let ws = pending.next_working_set(known);
@@ -634,7 +694,10 @@ impl Feeds {
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (docs/protocol.md §10); its
             // state keeps the same working set and moves the replay cursor forward.
-            let prev = presented.and_then(|s| s.prev);
+            let prev = presented.as_ref().and_then(|s| s.prev);
+            // Nothing new: the shared store's value for this offset still holds, and the
+            // client's cursor will carry how far it got.
+            let shared_at_ms = presented.as_ref().and_then(|s| s.shared_at_ms);
             self.record(
                 req,
                 handle,
@@ -644,6 +707,7 @@ impl Feeds {
                     cursor,
                     prev,
                     recent,
+                    shared_at_ms,
                 },
             );
             return self.reply(req, handle.clone(), offset, &changes, shape);
@@ -661,6 +725,7 @@ impl Feeds {
                 cursor,
                 prev: Some(offset),
                 recent,
+                shared_at_ms: None,
             },
         );
         self.reply(req, handle.clone(), next, &changes, shape)
@@ -687,6 +752,7 @@ impl Feeds {
         pending.extend(first.rows);
         let mut shape = ReplyShape {
             schema: false,
+            vouched: false,
             trusted: true,
         };
         let mut path = DeliveryPath::Replay;
@@ -818,6 +884,15 @@ impl Feeds {
                 false
             }
         }
+    }
+}
+
+/// The mark of a reply's `electric-cursor`.
+fn gap_of(shape: ReplyShape) -> Gap {
+    if shape.vouched {
+        Gap::Vouched
+    } else {
+        Gap::Unvouched
     }
 }
 

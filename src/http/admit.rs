@@ -75,7 +75,11 @@ impl LimiterConfig {
     pub fn of(feeds: &crate::config::FeedsConfig) -> LimiterConfig {
         LimiterConfig {
             default_limit: feeds.default_concurrency_limit,
-            overrides: feeds.concurrency_limit_overrides.clone().into_iter().collect(),
+            overrides: feeds
+                .concurrency_limit_overrides
+                .clone()
+                .into_iter()
+                .collect(),
             lease_slots: feeds.concurrency_lease_slots,
         }
     }
@@ -414,19 +418,27 @@ impl Limiter {
         }
     }
 
-    /// Returns unused leased slots: beyond one block per environment, and all of them for an
-    /// environment idle for [`IDLE_RETURN`] (or every one when `all`, at shutdown). Returns how
-    /// many were given back.
-    pub fn trim(&self, all: bool) -> usize {
+    /// Returns unused leased slots, as of `now`: beyond one block per environment, and all of
+    /// them for an environment idle for [`IDLE_RETURN`]. Returns how many were given back.
+    pub fn trim(&self, now: Instant) -> usize {
+        self.give_back(now, false)
+    }
+
+    /// Returns every unused leased slot (at shutdown). Returns how many were given back.
+    pub fn return_all(&self) -> usize {
+        self.give_back(Instant::now(), true)
+    }
+
+    fn give_back(&self, now: Instant, all: bool) -> usize {
         let Some(script) = &self.script else {
             return 0;
         };
-        let now = Instant::now();
         let mut returned = Vec::new();
         {
             let mut envs = self.leases.lock();
             envs.retain(|env_id, lease| {
-                let idle = lease.in_use == 0 && now.duration_since(lease.idle_since) >= IDLE_RETURN;
+                let idle = lease.in_use == 0
+                    && now.saturating_duration_since(lease.idle_since) >= IDLE_RETURN;
                 let keep = if all || idle { 0 } else { lease.block };
                 let free = lease.members.len() - lease.in_use.min(lease.members.len());
                 if free > keep {
@@ -463,8 +475,12 @@ impl Limiter {
             let refresh = script.refresh(&env_id, &members, now_ms);
             match tokio::time::timeout(REDIS_DEADLINE * 4, refresh).await {
                 Ok(Ok(())) => {}
-                Ok(Err(err)) => tracing::warn!(env_id = %env_id, error = %err, "leased slots not re-stamped"),
-                Err(_) => tracing::warn!(env_id = %env_id, "leased slots not re-stamped: Redis timed out"),
+                Ok(Err(err)) => {
+                    tracing::warn!(env_id = %env_id, error = %err, "leased slots not re-stamped")
+                }
+                Err(_) => {
+                    tracing::warn!(env_id = %env_id, "leased slots not re-stamped: Redis timed out")
+                }
             }
         }
     }
@@ -479,12 +495,12 @@ impl Limiter {
         refresh.tick().await;
         loop {
             tokio::select! {
-                _ = trim.tick() => { self.trim(false); }
+                _ = trim.tick() => { self.trim(Instant::now()); }
                 _ = refresh.tick() => self.refresh().await,
                 _ = shutdown.cancelled() => break,
             }
         }
-        self.trim(true);
+        self.return_all();
     }
 }
 
@@ -513,5 +529,22 @@ mod tests {
         let zero = limiter.acquire("e2", "small").await;
         assert!(zero.is_none(), "REQ-03: a limit of 0 is a real limit");
         assert_eq!(limiter.stats.rejections.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_lease_block_is_at_most_a_sixteenth_of_the_limit_and_small_limits_are_exact() {
+        let limiter = Limiter::new(
+            None,
+            LimiterConfig {
+                lease_slots: 32,
+                ..LimiterConfig::default()
+            },
+        );
+        assert_eq!(limiter.lease_block(100_000), 32);
+        assert_eq!(limiter.lease_block(160), 10);
+        assert_eq!(limiter.lease_block(15), 0, "exact: one script per poll");
+        assert_eq!(limiter.lease_block(0), 0);
+        let exact = Limiter::new(None, LimiterConfig::default());
+        assert_eq!(exact.lease_block(100_000), 0, "concurrency_lease_slots = 0");
     }
 }

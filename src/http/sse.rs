@@ -21,7 +21,7 @@ use super::admit::Slot;
 use super::ClientGeneration;
 use crate::feeds::stream::{sse_frames, StreamTiming};
 use crate::feeds::{FeedRequest, Feeds};
-use crate::protocol::cursor::next_cursor;
+use crate::protocol::cursor::{next_cursor, Gap};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::sse::CONTENT_TYPE;
@@ -41,7 +41,7 @@ pub fn response(
     let headers = ElectricHeaders {
         handle: req.handle.clone().unwrap_or_default(),
         offset,
-        cursor: Some(next_cursor(req.cursor.as_deref()).to_string()),
+        cursor: Some(next_cursor(req.cursor.as_deref(), Gap::Unvouched).to_string()),
         schema: None,
         up_to_date: false,
     };

@@ -143,7 +143,11 @@ impl ConcurrencyScript {
         now_ms: i64,
     ) -> Result<usize, RedisError> {
         let mut args = Vec::with_capacity(3 + members.len());
-        args.extend([now_ms.to_string(), limit.to_string(), ENTRY_TTL_S.to_string()]);
+        args.extend([
+            now_ms.to_string(),
+            limit.to_string(),
+            ENTRY_TTL_S.to_string(),
+        ]);
         args.extend(members.iter().cloned());
         let added: i64 = LEASE_SCRIPT
             .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
@@ -171,10 +175,18 @@ impl ConcurrencyScript {
             return Ok(());
         }
         let key = format!("{KEY_PREFIX}{env_id}");
-        let scored: Vec<(f64, String)> = members.iter().map(|m| (now_ms as f64, m.clone())).collect();
+        let scored: Vec<(f64, String)> =
+            members.iter().map(|m| (now_ms as f64, m.clone())).collect();
         let pipeline = self.client.pipeline();
         let _: Result<(), _> = pipeline
-            .zadd(key.as_str(), Some(fred::types::SetOptions::XX), None, false, false, scored)
+            .zadd(
+                key.as_str(),
+                Some(fred::types::SetOptions::XX),
+                None,
+                false,
+                false,
+                scored,
+            )
             .await;
         let _: Result<(), _> = pipeline.expire(key.as_str(), ENTRY_TTL_S, None).await;
         pipeline

@@ -60,6 +60,20 @@ pub struct ReplayCursor {
     pub wall_ms: i64,
 }
 
+impl ReplayCursor {
+    /// A cursor that replays what the router received since `wall_ms` (less
+    /// `router.hop_margin_ms`), as after a hop between instances: instance 0 is no router's
+    /// (theirs are odd). `epoch` 0 makes it unusable, as for any cursor.
+    pub fn at_wall(epoch: u64, wall_ms: i64) -> ReplayCursor {
+        ReplayCursor {
+            epoch,
+            seq: 0,
+            instance: 0,
+            wall_ms,
+        }
+    }
+}
+
 /// What a router is built from.
 pub struct RouterParts {
     /// `[router]`.

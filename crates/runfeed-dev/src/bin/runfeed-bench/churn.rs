@@ -179,6 +179,9 @@ async fn churn_pass(
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let bs0 = b.metric("runfeed_feeds_backstops_total").await;
+    let q0 = b.metric("runfeed_pg_queries_total").await;
+    let rc0 = b.redis_commands().await;
+    let own0 = own_cpu_s();
     let cpu0 = b.server_cpu();
     let start = Instant::now();
     let total = (a.rate * a.duration_s).round() as u64;
@@ -229,7 +232,11 @@ async fn churn_pass(
     // Drain: give the last deliveries time to arrive.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let cpu1 = b.server_cpu();
+    let own1 = own_cpu_s();
+    let window_s = start.elapsed().as_secs_f64();
     let bs1 = b.metric("runfeed_feeds_backstops_total").await;
+    let q1 = b.metric("runfeed_pg_queries_total").await;
+    let rc1 = b.redis_commands().await;
     stop.store(true, Ordering::Relaxed);
     for f in &followers {
         f.abort();
@@ -249,6 +256,30 @@ async fn churn_pass(
         (l("delivery latency p99 (ms)"), json!(pct(&lat, 99.0))),
         (l("delivery latency p99.9 (ms)"), json!(pct(&lat, 99.9))),
         (l("server CPU s per 1000 deliveries"), opt(cpu_per_1k)),
+        (
+            l("server CPU per delivery (us)"),
+            per_unit(cpu0, cpu1, deliveries as f64, 1e6),
+        ),
+        (
+            l("server CPU per change (us)"),
+            per_unit(cpu0, cpu1, total as f64, 1e6),
+        ),
+        (
+            l("redis commands per delivery"),
+            per_unit(rc0, rc1, deliveries as f64, 1.0),
+        ),
+        (
+            l("postgres queries per change"),
+            per_unit(q0, q1, total as f64, 1.0),
+        ),
+        (
+            l("server CPU (% of one core)"),
+            opt(delta(cpu0, cpu1).map(|d| d / window_s * 100.0)),
+        ),
+        (
+            l("bench client CPU (% of one core)"),
+            opt(delta(own0, own1).map(|d| d / window_s * 100.0)),
+        ),
         (l("backstop deliveries"), opt(delta(bs0, bs1))),
         (l("client errors"), json!(errors.load(Ordering::Relaxed))),
     ])

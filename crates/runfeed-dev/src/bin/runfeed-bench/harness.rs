@@ -442,6 +442,25 @@ impl Bench {
     pub(crate) fn server_cpu(&self) -> Option<f64> {
         self.c.server_pid.and_then(proc_cpu_s)
     }
+
+    /// Commands a server sends to Redis, so far: the calls of the commands runfeed sends
+    /// outside scripts (`EVALSHA`, `SET`, `GET`, `ZREM`) from `INFO commandstats` of
+    /// `--redis-url`. Exact only on a Redis no one else uses (scripts/bench-report.sh starts
+    /// one); the bench's own commands (`PUBLISH`, `INFO`) are not among them.
+    pub(crate) async fn redis_commands(&self) -> Option<f64> {
+        use fred::prelude::*;
+        let client = Client::new(Config::from_url(&self.c.redis_url).ok()?, None, None, None);
+        client.init().await.ok()?;
+        let info: String = client
+            .custom(
+                fred::types::CustomCommand::new_static("INFO", None, false),
+                vec!["commandstats"],
+            )
+            .await
+            .ok()?;
+        let _ = client.quit().await;
+        Some(redis_sent_calls(&info))
+    }
 }
 
 pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
@@ -461,6 +480,22 @@ pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
         }
     }
     found
+}
+
+/// The calls of the commands runfeed sends outside scripts, in an `INFO commandstats` text.
+pub(crate) fn redis_sent_calls(info: &str) -> f64 {
+    const SENT: [&str; 5] = ["evalsha", "set", "get", "zrem", "mget"];
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| l.split_once(":calls="))
+        .filter(|(name, _)| SENT.contains(name))
+        .filter_map(|(_, rest)| rest.split(',').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `(b − a) / n` per unit, scaled by `scale` (e.g. 1e6 for µs from seconds).
+pub(crate) fn per_unit(a: Option<f64>, b: Option<f64>, n: f64, scale: f64) -> Value {
+    opt(delta(a, b).filter(|_| n > 0.0).map(|d| d * scale / n))
 }
 
 pub(crate) fn page_size() -> f64 {

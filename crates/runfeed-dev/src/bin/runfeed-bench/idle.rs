@@ -75,15 +75,21 @@ pub(crate) async fn idle(a: IdleArgs) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r0 = b.metric("runfeed_http_requests_total").await;
     let q0 = b.metric("runfeed_pg_queries_total").await;
+    let rc0 = b.redis_commands().await;
+    let own0 = own_cpu_s();
     let c0 = b.server_cpu();
     let cr0 = client_requests.load(Ordering::Relaxed);
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(a.duration_s)).await;
     let secs = t0.elapsed().as_secs_f64();
+    let c1 = b.server_cpu();
+    let own1 = own_cpu_s();
+    let cr1 = client_requests.load(Ordering::Relaxed);
     let r1 = b.metric("runfeed_http_requests_total").await;
     let q1 = b.metric("runfeed_pg_queries_total").await;
-    let c1 = b.server_cpu();
-    let cr1 = client_requests.load(Ordering::Relaxed);
+    let rc1 = b.redis_commands().await;
+    // Live polls that ended in the window (each one's hold expired and it was polled again).
+    let polls = delta(r0, r1).unwrap_or(0.0);
     for f in &followers {
         f.abort();
     }
@@ -102,6 +108,21 @@ pub(crate) async fn idle(a: IdleArgs) -> anyhow::Result<()> {
             (
                 "server CPU (% of one core)",
                 opt(delta(c0, c1).map(|d| d / secs * 100.0)),
+            ),
+            (
+                "server CPU per held feed (% of one core)",
+                opt(delta(c0, c1).map(|d| d / secs * 100.0 / a.held.max(1) as f64)),
+            ),
+            (
+                "server CPU per ended poll (us)",
+                per_unit(c0, c1, polls, 1e6),
+            ),
+            ("redis commands per poll", per_unit(rc0, rc1, polls, 1.0)),
+            ("redis commands/s", opt(delta(rc0, rc1).map(|d| d / secs))),
+            ("postgres queries per poll", per_unit(q0, q1, polls, 1.0)),
+            (
+                "bench client CPU (% of one core)",
+                opt(delta(own0, own1).map(|d| d / secs * 100.0)),
             ),
             ("client errors", json!(errors.load(Ordering::Relaxed))),
         ],

@@ -129,10 +129,14 @@ export function render(kind, { port, runfeed, runfeedAdminPort, webapp }) {
     ],
     haproxy: [
       ["bind :80", `bind 127.0.0.1:${port}`],
-      ["server runfeed1 127.0.0.1:3030 check port 9464", `server runfeed1 ${runfeed} check port ${runfeedAdminPort}`],
+      // The health check goes to the serving port (the compose overlay publishes no other).
+      ["server runfeed1 127.0.0.1:3030 check inter", `server runfeed1 ${runfeed} check inter`],
       ["server webapp 127.0.0.1:8030", `server webapp ${webapp}`],
     ],
   }[kind];
+  if (kind === "haproxy" && /check[^\n]*\bport\b/.test(text.replace(/^\s*#.*$/gm, ""))) {
+    throw new Error(`${SHIPPED.haproxy}: a health check on another port than the serving one (the compose overlay publishes only 3030)`);
+  }
   for (const [from, to] of subs) {
     const n = text.split(from).length - 1;
     if (n !== 1) throw new Error(`${SHIPPED[kind]}: expected "${from}" exactly once, found ${n} (update tests/e2e/proxies/suite.mjs with the file)`);
@@ -292,7 +296,7 @@ async function startWebappStub() {
 
 /**
  * The stub feed upstream (in runfeed's place behind the second proxy instance):
- *   GET /readyz                       → 200 (HAProxy's health check)
+ *   GET /healthz, GET /readyz         → 200 (HAProxy's and Traefik's health checks)
  *   GET /realtime/v1/runs/echo        → 200 JSON echo of the request
  *   GET /realtime/v1/runs/sse-<id>    → an SSE stream: event "one", then waits until the test
  *                                       reports that its client received "one" (or 5 s), then
@@ -303,7 +307,7 @@ async function startFeedStub() {
   const server = await listen(
     http.createServer(async (req, res) => {
       const url = new URL(req.url, "http://stub");
-      if (url.pathname === "/readyz") {
+      if (url.pathname === "/readyz" || url.pathname === "/healthz") {
         res.writeHead(200, { "content-type": "application/json" });
         return res.end('{"status":"ready"}');
       }
@@ -400,7 +404,7 @@ export function proxySuite(kind) {
       args: ["--config", configFile],
       env: {
         RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO: "0", // exactly 20 s: the hold check's bounds are tight
-        RUNFEED_TELEMETRY__ADMIN_LISTEN: `127.0.0.1:${adminPort}`, // HAProxy's health check port
+        RUNFEED_TELEMETRY__ADMIN_LISTEN: `127.0.0.1:${adminPort}`, // Traefik's health check port
       },
     });
     world.servers.main = rf;

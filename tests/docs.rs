@@ -90,12 +90,15 @@ fn markdown_files() -> Vec<String> {
 struct Md {
     prose: Vec<(usize, String)>,
     code: Vec<(usize, String)>,
+    /// Line numbers inside fenced code blocks.
+    fenced: BTreeSet<usize>,
 }
 
 fn parse_md(text: &str) -> Md {
     let mut md = Md {
         prose: Vec::new(),
         code: Vec::new(),
+        fenced: BTreeSet::new(),
     };
     let mut fenced = false;
     for (i, line) in text.lines().enumerate() {
@@ -106,6 +109,7 @@ fn parse_md(text: &str) -> Md {
         }
         if fenced {
             md.code.push((n, line.to_string()));
+            md.fenced.insert(n);
             continue;
         }
         // Inline code spans.
@@ -284,6 +288,11 @@ fn check_paths(file: &str, md: &Md, exists: &dyn Fn(&str) -> bool) -> Vec<String
     let mut p = Vec::new();
     for (n, w) in code_words(md) {
         let w = w.trim_start_matches("$RUNFEED/");
+        // kubectl names resources `deploy/<name>`, `svc/<name>`: not paths.
+        let kubectl = md.code.iter().any(|(m, c)| *m == n && c.trim_start().starts_with("kubectl"));
+        if kubectl {
+            continue;
+        }
         if !PATH_PREFIXES.iter().any(|pre| w.starts_with(pre))
             || w.contains(['*', '<', '>', '…', '{', '}', '$', '|'])
         {
@@ -317,13 +326,22 @@ fn check_commands(
     let mut p = Vec::new();
     for (n, code) in &md.code {
         let words: Vec<&str> = code.split_whitespace().collect();
-        for w in words.windows(2) {
+        // A span that quotes output (`runfeed listening on http://…`) is not a command: commands
+        // are fenced lines, and inline spans of two words or with flags.
+        let fenced = md.fenced.contains(n);
+        if !fenced && words.len() > 2 && !words.iter().any(|w| w.starts_with("--")) {
+            continue;
+        }
+        for (i, w) in words.windows(2).enumerate() {
             let next = w[1].trim_matches(|c: char| "\"'`,;".contains(c));
+            // `runfeed` in the command position: first word, or after a shell separator.
+            let command_position =
+                i == 0 || ["&&", "||", ";", "|", "$", "exec", "#"].contains(&words[i - 1]);
             match w[0] {
                 "bash" if next.starts_with("scripts/") && !exists(next) => {
                     p.push(format!("{file}:{n}: bash {next}: no such script"))
                 }
-                "--test" => {
+                "--test" if i > 0 && words[..i].contains(&"cargo") => {
                     let t = next;
                     let found = exists(&format!("tests/{t}.rs"))
                         || exists(&format!("crates/runfeed-dev/tests/{t}.rs"));
@@ -332,7 +350,9 @@ fn check_commands(
                     }
                 }
                 "runfeed"
-                    if next.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                    if command_position
+                        && next.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                        && !next.starts_with('-')
                         && !next.is_empty()
                         && !subcommands.contains(next) =>
                 {
@@ -421,10 +441,17 @@ fn check_env(file: &str, text: &str, config_envs: &BTreeSet<String>, corpus: &st
     p
 }
 
+/// Configuration keys named in code spans that are a key alone (`feeds.max_tags`,
+/// `[feeds.concurrency_limit_overrides]`, `redis.cluster = true`), not part of an expression.
 fn check_config_keys(file: &str, md: &Md, keys: &BTreeSet<String>) -> Vec<String> {
     let sections: BTreeSet<&str> = keys.iter().filter_map(|k| k.split('.').next()).collect();
     let mut p = Vec::new();
-    for (n, w) in code_words(md) {
+    for (n, code) in &md.code {
+        let mut words = code.split_whitespace();
+        let Some(w) = words.next() else { continue };
+        if !matches!(words.next(), None | Some("=")) {
+            continue;
+        }
         let w = w.trim_matches(|c| c == '[' || c == ']');
         let Some((section, key)) = w.split_once('.') else { continue };
         if sections.contains(section)
@@ -588,6 +615,7 @@ fn check_section_citations(
 
 /// Comments in files other branches are changing at the same time; reworded there.
 const SECTION_CITATIONS_REWORDED_ELSEWHERE: &[&str] = &[
+    "Cargo.toml",
     "src/http/serve.rs",
     "src/http/mod.rs",
     "src/redis/limit.rs",
@@ -858,7 +886,7 @@ fn name_checks_catch_what_does_not_exist() {
     let p = check_commands("x.md", &md, &exists, &subs);
     assert_eq!(p.len(), 3, "{p:#?}");
     let p = check_paths("x.md", &md, &exists);
-    assert_eq!(p, ["x.md:1: src/nope.rs does not exist"]);
+    assert_eq!(p, ["x.md:1: scripts/gone.sh does not exist", "x.md:1: src/nope.rs does not exist"]);
 
     let envs: BTreeSet<String> = ["RUNFEED_FEEDS__MAX_TAGS".to_string()].into();
     let text = "RUNFEED_FEEDS__MAX_TAGS, RUNFEED_FEEDS__MAX_TAG, SKIP_FUZZ=1 and SKIP_NOTHING, RUNFEED_DEV_PORT";
@@ -866,7 +894,7 @@ fn name_checks_catch_what_does_not_exist() {
     assert_eq!(p.len(), 2, "{p:#?}");
 
     let keys: BTreeSet<String> = ["feeds.max_tags".to_string()].into();
-    let md = parse_md("`feeds.max_tags`, `[feeds.max_tagz]`, `router.x` (unknown section), `a.b`");
+    let md = parse_md("`feeds.max_tags`, `[feeds.max_tagz]`, `router.x` (unknown section), `a.b`, `feeds.serve(req)`");
     assert_eq!(check_config_keys("x.md", &md, &keys).len(), 1);
 
     let fams: BTreeSet<String> = ["runfeed_http_duration_milliseconds".to_string()].into();

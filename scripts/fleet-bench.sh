@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fleet benchmark (issue 16): FEEDS live feeds held across INSTANCES runfeed instances on this
+# The fleet benchmark (BENCHMARKS.md "Fleet"): FEEDS live feeds held across INSTANCES runfeed instances on this
 # machine (one Postgres, one Redis), by HOLDERS `runfeed-bench fleet-hold` processes on disjoint
 # 127.0.0.x source addresses (one process may open at most `ulimit -Hn` files); then ONE change
 # that wakes HOT of them, spread over the instances. Prints RSS and CPU per instance and the time

@@ -1,6 +1,6 @@
 //! runfeed: a standalone server for trigger.dev's realtime run feeds.
 //!
-//! Data flow (see README "Architecture"):
+//! Data flow (see docs/architecture.md):
 //! Redis change records → [`changes`] (decode, coalesce) → [`router`] (index of held feeds,
 //! replay buffer, hydrate once / serialize once) → [`feeds`] (snapshot, live hold, diff against
 //! what the client echoed) → [`http`] (axum routes, auth, Electric headers, CORS).

@@ -425,7 +425,7 @@ async fn own_redis() -> (RedisServer, String, Client) {
 
 /// One change can end thousands of live polls of one environment at once: their concurrency
 /// slots are released in a burst, and the burst reaches Redis as a pipeline with one `ZREM` per
-/// environment, not one command per poll (BENCHMARKS.md §0.2). Every slot is freed.
+/// environment, not one command per poll (BENCHMARKS.md "Fan-out"). Every slot is freed.
 #[tokio::test]
 async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
     let (_server, url, admin) = own_redis().await;

@@ -1,8 +1,8 @@
-//! Regression tests for what the randomized delivery checker (`runfeed-bench check`, README
-//! "Correctness checker") found. Each test pins one rule of the checker's properties in a small
+//! Regression tests for what the randomized delivery checker (`runfeed-bench check`,
+//! CORRECTNESS.md "The checker") found. Each test pins one rule of the checker's properties in a small
 //! deterministic scenario and is named for that rule.
 //!
-//! The rules (README "Correctness checker"): 1 monotonic, 2 fresh start, 3 convergent,
+//! The rules (CORRECTNESS.md "The checker"): 1 monotonic, 2 fresh start, 3 convergent,
 //! 4 timely, 5 isolated, 6 no server errors.
 //!
 //! Every test owns its server and database (harness `tests/common/mod.rs`); every await that

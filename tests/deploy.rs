@@ -1,6 +1,5 @@
 //! Static checks of the container artefacts (docker-compose.yml, Dockerfile, deploy/,
-//! grafana/prometheus.yml) and of README's generated configuration reference. No Docker and no
-//! network: the files are parsed here, runfeed's commands with the real CLI parser
+//! grafana/prometheus.yml). No Docker and no network: the files are parsed here, runfeed's commands with the real CLI parser
 //! ([`runfeed::cli::Cli`]) and the `RUNFEED_*` variables with the real configuration loader
 //! ([`runfeed::config::Config::load`]).
 //!
@@ -974,52 +973,6 @@ fn check_dockerfile_env(instrs: &[Instr]) -> Vec<String> {
     check_config_env("Dockerfile ENV", &dockerfile_env(instrs))
 }
 
-// ---------------------------------------------------------------------------------------------
-// README's configuration reference
-
-const REF_START: &str = "<!-- config-reference:start -->";
-const REF_END: &str = "<!-- config-reference:end -->";
-
-fn check_reference_block(readme: &str, generated: &str) -> Result<(), String> {
-    const HOW: &str =
-        "regenerate it with `bash scripts/config-reference.sh` (rewrites the block in \
-                       place; `cargo run -q -- config-reference` prints it)";
-    let (Some(start), Some(end)) = (readme.find(REF_START), readme.find(REF_END)) else {
-        return Err(format!(
-            "README.md has no {REF_START} … {REF_END} block in \"Deploy\"; add the markers and {HOW}"
-        ));
-    };
-    if end < start {
-        return Err(format!("README.md: {REF_END} comes before {REF_START}"));
-    }
-    let block = readme[start + REF_START.len()..end].trim();
-    let generated = generated.trim();
-    if block == generated {
-        return Ok(());
-    }
-    let first_diff = block
-        .lines()
-        .zip(generated.lines())
-        .enumerate()
-        .find(|(_, (a, b))| a != b)
-        .map(|(i, (a, b))| {
-            format!(
-                "first difference at block line {}:\n    README:    {a}\n    generated: {b}",
-                i + 1
-            )
-        })
-        .unwrap_or_else(|| {
-            format!(
-                "README block has {} lines, the generated reference {}",
-                block.lines().count(),
-                generated.lines().count()
-            )
-        });
-    Err(format!(
-        "README.md's configuration reference is out of date with src/config.rs; {HOW}.\n  {first_diff}"
-    ))
-}
-
 // =============================================================================================
 // Tests: docker-compose.yml
 
@@ -1418,34 +1371,3 @@ fn dockerfile_checks_catch_a_bad_dockerfile() {
     );
 }
 
-// =============================================================================================
-// Tests: the configuration reference
-
-#[test]
-fn readme_config_reference_is_current() {
-    let readme = read("README.md");
-    if let Err(e) = check_reference_block(&readme, &runfeed::cli::reference::reference_markdown()) {
-        panic!("{e}");
-    }
-    let deploy = readme
-        .find("## Deploy")
-        .expect("README has a Deploy section");
-    assert!(
-        readme.find(REF_START).is_some_and(|s| s > deploy),
-        "the configuration reference belongs in README's \"Deploy\" section"
-    );
-}
-
-#[test]
-fn reference_check_catches_a_stale_block() {
-    let generated = "| a | b |\n| c | d |\n";
-    let ok = format!("# x\n{REF_START}\n{generated}{REF_END}\n");
-    assert!(check_reference_block(&ok, generated).is_ok());
-    let stale = format!("# x\n{REF_START}\n| a | b |\n| c | old |\n{REF_END}\n");
-    let err = check_reference_block(&stale, generated).unwrap_err();
-    assert!(
-        err.contains("scripts/config-reference.sh") && err.contains("| c | old |"),
-        "{err}"
-    );
-    assert!(check_reference_block("# no markers", generated).is_err());
-}

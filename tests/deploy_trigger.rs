@@ -24,7 +24,6 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
 }
 
-const DIR: &str = "deploy/trigger.dev/compose";
 const OVERLAY: &str = "deploy/trigger.dev/compose/docker-compose.runfeed.yml";
 const TRAEFIK_OVERLAY: &str = "deploy/trigger.dev/compose/docker-compose.runfeed.traefik.yml";
 const NO_ELECTRIC: &str = "deploy/trigger.dev/compose/docker-compose.no-electric.yml";
@@ -679,8 +678,8 @@ fn interpolation_and_urls_parse_like_compose() {
 }
 
 #[test]
-fn compose_readme_has_the_exact_up_line_and_names_the_version() {
-    let readme = read(&format!("{DIR}/README.md"));
+fn compose_guide_has_the_exact_up_line_and_names_the_version() {
+    let readme = read("docs/install-compose.md");
     assert!(
         readme.contains(TRIGGER_VERSION),
         "names the trigger.dev version"
@@ -714,13 +713,13 @@ fn compose_readme_has_the_exact_up_line_and_names_the_version() {
         let rel = f.trim_start_matches("$RUNFEED/");
         assert!(repo().join(rel).is_file(), "{rel} missing");
     }
-    // The variables the overlay requires are the ones the README tells to set.
+    // The variables the overlay requires are the ones the guide tells to set.
     for var in [
         "RUNFEED_DB_PASSWORD",
         "RUNFEED_HANDLE_SECRET",
         "TRAEFIK_WEBAPP_HOST",
     ] {
-        assert!(readme.contains(var), "README does not explain {var}");
+        assert!(readme.contains(var), "docs/install-compose.md does not explain {var}");
     }
     let required: BTreeSet<String> = read(OVERLAY)
         .split("${")

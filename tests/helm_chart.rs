@@ -4,7 +4,7 @@
 //! language the chart uses (Go `text/template` actions `if`/`else`/`with`/`range`/`define`,
 //! `{{-`/`-}}` trimming, pipelines, parentheses, and Helm's `include`, `toYaml`, `nindent`,
 //! `indent`, `quote`, `default`, `required`, `printf`, `trunc`, `trimSuffix`, `not`, `and`,
-//! `or`, `eq`). Anything else in a template is an error, so the chart cannot drift outside
+//! `or`, `eq`, `contains`). Anything else in a template is an error, so the chart cannot drift outside
 //! what is checked here. The rendered manifests are parsed as YAML and checked: probes on the
 //! admin port's `/readyz` and `/healthz`, ports, the environment runfeed requires (through the
 //! real CLI parser and configuration loader), resources, the preStop drain against the graceful
@@ -151,6 +151,7 @@ const FUNCS: &[&str] = &[
     "and",
     "or",
     "eq",
+    "contains",
 ];
 
 fn parse_pipe(ws: &[String], pos: &mut usize) -> Result<Pipe, String> {
@@ -508,6 +509,10 @@ impl Engine {
                 want(2)?;
                 Value::Bool(args[0] == args[1])
             }
+            "contains" => {
+                want(2)?;
+                Value::Bool(s(&args[1]).contains(&s(&args[0])))
+            }
             other => return Err(format!("unsupported function {other}")),
         })
     }
@@ -616,6 +621,7 @@ fn render_chart(overrides: &str) -> Vec<Doc> {
 /// Every switch on: the manifests a full install renders.
 const ALL_ON: &str = r#"
 serviceMonitor: {enabled: true, labels: {release: prometheus}}
+prometheusRule: {enabled: true, labels: {release: prometheus}}
 autoscaling: {heldFeeds: {enabled: true}}
 database: {replicaUrlKey: replica-url}
 redis: {existingSecret: runfeed-redis}
@@ -1005,6 +1011,10 @@ fn chart_renders_every_manifest_with_defaults_and_with_everything_on() {
         !kinds.contains(&"ServiceMonitor"),
         "ServiceMonitor is opt-in (needs the CRD)"
     );
+    assert!(
+        !kinds.contains(&"PrometheusRule"),
+        "PrometheusRule is opt-in (needs the CRD)"
+    );
     let all = render_chart(ALL_ON);
     assert!(kind(&all, "ServiceMonitor").is_some());
     for d in defaults.iter().chain(&all) {
@@ -1255,4 +1265,117 @@ fn chart_defaults_name_trigger_charts_services() {
     assert!(text.contains(&format!("v{TRIGGER_CHART_VERSION}")));
     // The Ingress host must be set to the webapp's; default = trigger's chart default host.
     assert_eq!(values["ingress"]["host"], "trigger.local");
+}
+
+/// The names of every rendered resource.
+fn resource_names(docs: &[Doc]) -> Vec<String> {
+    docs.iter()
+        .map(|d| s(&d.value["metadata"]["name"]).unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn resources_follow_helms_fullname_rule() {
+    // A release named after the chart keeps its name: `helm install runfeed …` → `runfeed`,
+    // never `runfeed-runfeed`.
+    let own = render_chart_in(CHART, ALL_ON, "runfeed").unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        resource_names(&own).iter().all(|n| n == "runfeed"),
+        "{:?}",
+        resource_names(&own)
+    );
+    let contains = render_chart_in(CHART, "", "prod-runfeed").unwrap_or_else(|e| panic!("{e}"));
+    assert!(resource_names(&contains).iter().all(|n| n == "prod-runfeed"));
+    // Any other release: `<release>-runfeed`.
+    let other = render_chart_in(CHART, "", "trigger").unwrap_or_else(|e| panic!("{e}"));
+    assert!(resource_names(&other).iter().all(|n| n == "trigger-runfeed"));
+    // fullnameOverride wins; nameOverride replaces the chart name (and the name label).
+    let full = render_chart_in(CHART, "fullnameOverride: feeds", "trigger").unwrap();
+    assert!(resource_names(&full).iter().all(|n| n == "feeds"));
+    let named = render_chart_in(CHART, "nameOverride: realtime", "trigger").unwrap();
+    assert!(resource_names(&named).iter().all(|n| n == "trigger-realtime"));
+    let deploy = kind(&named, "Deployment").unwrap();
+    assert_eq!(
+        deploy["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
+        "realtime"
+    );
+    // Whatever the names, everything still selects and routes to the same pods.
+    for docs in [&own, &full, &named] {
+        let problems = check_wiring(docs);
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
+}
+
+#[test]
+fn stage_a_of_the_switch_over_renders_no_ingress() {
+    let docs = render_chart("ingress: {enabled: false}");
+    assert!(kind(&docs, "Ingress").is_none());
+    assert!(kind(&docs, "Deployment").is_some() && kind(&docs, "Service").is_some());
+}
+
+/// The metric families a PromQL expression names (`runfeed_…` identifiers).
+fn metrics_in(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("runfeed_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        out.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[test]
+fn prometheus_rule_alerts_on_5xx_429s_delivery_lag_and_memory() {
+    let docs = render_chart(
+        "prometheusRule: {enabled: true, errorRatio: 0.05, memoryBytes: 123456789, labels: {release: prometheus}}",
+    );
+    let rule = kind(&docs, "PrometheusRule").expect("a PrometheusRule when enabled");
+    assert_eq!(rule["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(rule["metadata"]["labels"]["release"], "prometheus");
+    let rules: Vec<&Value> = rule["spec"]["groups"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_sequence().into_iter().flatten())
+        .collect();
+    let exported: Vec<String> = runfeed::telemetry::metrics::exported()
+        .into_iter()
+        .map(|e| e.prometheus)
+        .collect();
+    let mut problems = Vec::new();
+    for r in &rules {
+        let expr = s(&r["expr"]).unwrap_or("");
+        for m in metrics_in(expr) {
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| m.strip_suffix(suffix))
+                .unwrap_or(&m);
+            if !exported.iter().any(|e| e == family) {
+                problems.push(format!("{:?}: {m} is not a metric runfeed exports", r["alert"]));
+            }
+        }
+        if r["for"].is_null() || r["labels"]["severity"].is_null() || r["annotations"]["summary"].is_null() {
+            problems.push(format!("{:?}: needs for, a severity and a summary", r["alert"]));
+        }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    let expr_of = |needle: &str| {
+        rules
+            .iter()
+            .map(|r| s(&r["expr"]).unwrap_or("").to_string())
+            .find(|e| e.contains(needle))
+            .unwrap_or_else(|| panic!("no alert on {needle}"))
+    };
+    assert!(expr_of("status=~\"5..\"").ends_with("> 0.05"), "the 5xx threshold comes from values");
+    expr_of("runfeed_feeds_concurrency_rejections_total");
+    assert!(expr_of("runfeed_feeds_delivery_lag_milliseconds_bucket").contains("histogram_quantile(0.99"));
+    assert!(expr_of("runfeed_process_resident_memory_bytes").ends_with("> 123456789"));
+    // No alert on a publisher `serve` never creates.
+    assert!(rules
+        .iter()
+        .all(|r| !s(&r["expr"]).unwrap_or("").contains("runfeed_notifier_publishes_total")));
 }

@@ -1010,3 +1010,54 @@ fn label_parser_handles_braces_and_escapes() {
     assert_eq!(s.get("plain", &[]), 1.5);
     assert_eq!(s.get("h_bucket", &[("le", "+Inf")]), 2.0);
 }
+
+/// The metric reference (docs/observability.md, `runfeed metrics-reference`) is generated from
+/// the instrument declarations; its Prometheus names must be exactly the families the exporter
+/// exposes (checked against a real scrape by `every_instrument_is_exported_and_moves_with_the_workload`).
+#[test]
+fn the_declared_instruments_are_exactly_the_exported_families() {
+    let declared: BTreeSet<String> = runfeed::telemetry::metrics::exported()
+        .into_iter()
+        .map(|e| e.prometheus)
+        .collect();
+    let exported: BTreeSet<String> = FAMILIES.iter().map(|f| f.to_string()).collect();
+    assert_eq!(
+        declared, exported,
+        "src/telemetry/metrics.rs declarations vs FAMILIES (the scraped families)"
+    );
+}
+
+/// The dashboard imports into any Grafana: every panel and query picks its Prometheus through
+/// the `datasource` template variable, never a fixed datasource uid.
+#[test]
+fn the_dashboard_takes_its_datasource_from_a_variable() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/grafana/dashboards/runfeed.json");
+    let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("read dashboard"))
+        .expect("dashboard JSON");
+    let vars = dash["templating"]["list"].as_array().expect("templating.list");
+    assert!(
+        vars.iter()
+            .any(|v| v["name"] == "datasource" && v["type"] == "datasource" && v["query"] == "prometheus"),
+        "no `datasource` variable of type datasource (prometheus): {vars:?}"
+    );
+    fn walk(v: &Value, uses: &mut usize, fixed: &mut Vec<String>) {
+        match v {
+            Value::Object(map) => {
+                if let Some(uid) = map.get("datasource").and_then(|d| d.get("uid")) {
+                    if uid == "${datasource}" {
+                        *uses += 1;
+                    } else {
+                        fixed.push(uid.to_string());
+                    }
+                }
+                map.values().for_each(|v| walk(v, uses, fixed));
+            }
+            Value::Array(items) => items.iter().for_each(|v| walk(v, uses, fixed)),
+            _ => {}
+        }
+    }
+    let (mut uses, mut fixed) = (0, Vec::new());
+    walk(&dash["panels"], &mut uses, &mut fixed);
+    assert!(fixed.is_empty(), "fixed datasource uids: {fixed:?}");
+    assert!(uses >= 20, "only {uses} datasource references use the variable");
+}

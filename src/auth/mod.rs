@@ -141,7 +141,7 @@ struct Caches {
     revoked_keys: Cache<EnvId, Vec<String>>,
     /// Public tokens already verified with their environment's current signing key: a live
     /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
-    /// largest single cost of a delivery (BENCHMARKS.md §7).
+    /// largest single cost of a delivery (BENCHMARKS.md "Cost per unit of work").
     verified: Cache<String, VerifiedToken>,
 }
 

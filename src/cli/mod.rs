@@ -36,6 +36,9 @@ pub enum Command {
     /// Print the configuration reference (Markdown: every key, its environment variable, type,
     /// default and description), generated from the config struct.
     ConfigReference,
+    /// Print the metric reference (Markdown: every Prometheus metric, its type, unit, labels
+    /// and meaning), generated from the instrument declarations.
+    MetricsReference,
 }
 
 /// Connection flags shared by the commands.
@@ -132,6 +135,10 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::ConfigReference => {
             print!("{}", reference::reference_markdown());
+            Ok(())
+        }
+        Command::MetricsReference => {
+            print!("{}", reference::metrics_reference_markdown());
             Ok(())
         }
     }

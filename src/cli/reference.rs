@@ -1,8 +1,14 @@
-//! `runfeed config-reference`: the configuration reference, generated from the config struct's
-//! JSON schema (doc comments → descriptions), [`Config::default`] and the `serve` command's
-//! flags. README "Deploy" holds a copy between `<!-- config-reference:start -->` and
-//! `<!-- config-reference:end -->`; `scripts/config-reference.sh` rewrites it, and a test fails
-//! when it is stale.
+//! The generated references.
+//!
+//! - `runfeed config-reference`: the configuration reference, generated from the config struct's
+//!   JSON schema (doc comments → descriptions), [`Config::default`] and the `serve` command's
+//!   flags. docs/configuration.md holds a copy between `<!-- config-reference:start -->` and
+//!   `<!-- config-reference:end -->`.
+//! - `runfeed metrics-reference`: the metric reference, generated from the instrument
+//!   declarations in `telemetry::metrics`. docs/observability.md holds a copy between
+//!   `<!-- metrics-reference:start -->` and `<!-- metrics-reference:end -->`.
+//!
+//! `scripts/config-reference.sh` rewrites both copies, and a test fails when one is stale.
 
 use crate::config::Config;
 
@@ -114,9 +120,9 @@ pub fn reference() -> Vec<ReferenceSection> {
     sections
 }
 
-/// The configuration reference as Markdown: one table per section (README "Deploy" holds a
-/// copy between `<!-- config-reference:start -->` and `<!-- config-reference:end -->`;
-/// `runfeed config-reference` prints it, `scripts/config-reference.sh` rewrites the README).
+/// The configuration reference as Markdown: one table per section (docs/configuration.md holds
+/// a copy between `<!-- config-reference:start -->` and `<!-- config-reference:end -->`;
+/// `runfeed config-reference` prints it, `scripts/config-reference.sh` rewrites the copy).
 pub fn reference_markdown() -> String {
     let mut out = String::new();
     for section in reference() {
@@ -243,6 +249,40 @@ fn first_paragraph(doc: &str) -> String {
 }
 
 /// Text safe inside a Markdown table cell.
+/// The metric reference as Markdown: one row per Prometheus metric family, with its type, unit,
+/// labels and meaning, from `telemetry::metrics::exported` (docs/observability.md holds a copy
+/// between `<!-- metrics-reference:start -->` and `<!-- metrics-reference:end -->`).
+pub fn metrics_reference_markdown() -> String {
+    let mut out = String::from(
+        "| metric (Prometheus) | type | unit | labels | meaning |\n|---|---|---|---|---|\n",
+    );
+    for e in crate::telemetry::metrics::exported() {
+        let unit = match e.unit {
+            "ms" => "milliseconds".to_string(),
+            "By" => "bytes".to_string(),
+            u => u.trim_start_matches('{').trim_end_matches('}').to_string(),
+        };
+        let labels = if e.labels.is_empty() {
+            "–".to_string()
+        } else {
+            e.labels
+                .iter()
+                .map(|l| format!("`{l}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} |\n",
+            e.prometheus,
+            e.kind,
+            unit,
+            labels,
+            md_cell(e.description)
+        ));
+    }
+    out
+}
+
 fn md_cell(text: &str) -> String {
     text.replace('|', "\\|")
 }

@@ -225,6 +225,32 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
+fn counter(meter: &Meter, spec: &Recorded) -> Counter<u64> {
+    meter
+        .u64_counter(spec.name)
+        .with_unit(spec.unit)
+        .with_description(spec.description)
+        .build()
+}
+
+fn f64_histogram(meter: &Meter, spec: &Recorded, bounds: &[f64]) -> Histogram<f64> {
+    meter
+        .f64_histogram(spec.name)
+        .with_unit(spec.unit)
+        .with_description(spec.description)
+        .with_boundaries(bounds.to_vec())
+        .build()
+}
+
+fn u64_histogram(meter: &Meter, spec: &Recorded, bounds: &[f64]) -> Histogram<u64> {
+    meter
+        .u64_histogram(spec.name)
+        .with_unit(spec.unit)
+        .with_description(spec.description)
+        .with_boundaries(bounds.to_vec())
+        .build()
+}
+
 fn kv(key: &'static str, value: &'static str) -> KeyValue {
     KeyValue::new(key, value)
 }
@@ -237,82 +263,20 @@ impl Metrics {
     /// Creates every synchronous instrument on `meter` (fixed label sets start at zero).
     pub fn new(meter: &Meter) -> Metrics {
         let m = Metrics {
-            delivery_lag: meter
-                .f64_histogram("runfeed.feeds.delivery_lag")
-                .with_unit("ms")
-                .with_description("Now minus the newest emitted row's updatedAt, per live emission, by delivery path")
-                .with_boundaries(LAG_BOUNDS_MS.to_vec())
-                .build(),
-            emitted_rows: meter
-                .u64_histogram("runfeed.feeds.emitted_rows")
-                .with_unit("{row}")
-                .with_description("Rows per live emission, by delivery path")
-                .with_boundaries(ROW_BOUNDS.to_vec())
-                .build(),
-            live_polls: meter
-                .u64_counter("runfeed.feeds.live_polls")
-                .with_unit("{event}")
-                .with_description("Live-loop path events: fast-hydrate (router wake), cold-resolve (registration re-read), full-resolve (re-read on a gap)")
-                .build(),
-            wakeups: meter
-                .u64_counter("runfeed.feeds.wakeups")
-                .with_unit("{wakeup}")
-                .with_description("How live waits ended: notify, timeout (backstop follows) or abort (client gone, draining)")
-                .build(),
-            backstops: meter
-                .u64_counter("runfeed.feeds.backstops")
-                .with_unit("{backstop}")
-                .with_description("Backstop re-reads at the end of a hold: delivered (a missed change; should be ~0) or empty")
-                .build(),
-            state_lookups: meter
-                .u64_counter("runfeed.feeds.state_lookups")
-                .with_unit("{lookup}")
-                .with_description("Lookups of this instance's per-connection state (working set, replay cursor) by result")
-                .build(),
-            resolves: meter
-                .u64_counter("runfeed.runset.resolves")
-                .with_unit("{resolve}")
-                .with_description("Run-set reads through the shared cache: hit, miss (ran the query) or coalesced (joined one in flight)")
-                .build(),
-            query_duration: meter
-                .f64_histogram("runfeed.runset.query_duration")
-                .with_unit("ms")
-                .with_description("Latency of run-set store reads (resolve and hydrate), by feed kind and result")
-                .with_boundaries(QUERY_BOUNDS_MS.to_vec())
-                .build(),
-            admission_waits: meter
-                .u64_counter("runfeed.runset.admission_waits")
-                .with_unit("{wait}")
-                .with_description("Fresh list resolves that waited at least 1 ms for an admission permit")
-                .build(),
-            http_requests: meter
-                .u64_counter("runfeed.http.requests")
-                .with_unit("{request}")
-                .with_description("HTTP requests by route, method and status (499: client went away)")
-                .build(),
-            http_duration: meter
-                .f64_histogram("runfeed.http.duration")
-                .with_unit("ms")
-                .with_description("Time to the response head by route, status and live (live=true: the poll hold)")
-                .with_boundaries(HTTP_BOUNDS_MS.to_vec())
-                .build(),
-            http_sent: meter
-                .u64_counter("runfeed.http.sent")
-                .with_unit("By")
-                .with_description("Response body bytes sent, by route")
-                .build(),
-            pg_acquire_wait: meter
-                .f64_histogram("runfeed.pg.acquire_wait")
-                .with_unit("ms")
-                .with_description("Time a store read waited for a pooled Postgres connection")
-                .with_boundaries(QUERY_BOUNDS_MS.to_vec())
-                .build(),
-            hydrate_batch: meter
-                .u64_histogram("runfeed.router.hydrate_batch")
-                .with_unit("{run}")
-                .with_description("Runs per router hydrate query (all environments of a batch, one query per column set)")
-                .with_boundaries(ROW_BOUNDS.to_vec())
-                .build(),
+            delivery_lag: f64_histogram(meter, &recorded::FEEDS_DELIVERY_LAG, LAG_BOUNDS_MS),
+            emitted_rows: u64_histogram(meter, &recorded::FEEDS_EMITTED_ROWS, ROW_BOUNDS),
+            live_polls: counter(meter, &recorded::FEEDS_LIVE_POLLS),
+            wakeups: counter(meter, &recorded::FEEDS_WAKEUPS),
+            backstops: counter(meter, &recorded::FEEDS_BACKSTOPS),
+            state_lookups: counter(meter, &recorded::FEEDS_STATE_LOOKUPS),
+            resolves: counter(meter, &recorded::RUNSET_RESOLVES),
+            query_duration: f64_histogram(meter, &recorded::RUNSET_QUERY_DURATION, QUERY_BOUNDS_MS),
+            admission_waits: counter(meter, &recorded::RUNSET_ADMISSION_WAITS),
+            http_requests: counter(meter, &recorded::HTTP_REQUESTS),
+            http_duration: f64_histogram(meter, &recorded::HTTP_DURATION, HTTP_BOUNDS_MS),
+            http_sent: counter(meter, &recorded::HTTP_SENT),
+            pg_acquire_wait: f64_histogram(meter, &recorded::PG_ACQUIRE_WAIT, QUERY_BOUNDS_MS),
+            hydrate_batch: u64_histogram(meter, &recorded::ROUTER_HYDRATE_BATCH, ROW_BOUNDS),
             meter: meter.clone(),
         };
         for path in LivePath::ALL {
@@ -480,6 +444,180 @@ impl Metrics {
     }
 }
 
+/// Whether a synchronous instrument is a counter or a histogram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordedKind {
+    /// Monotonic sum (Prometheus `_total`).
+    Counter,
+    /// Distribution (Prometheus `_bucket`, `_sum`, `_count`).
+    Histogram,
+}
+
+/// A synchronous instrument, declared here once; [`Metrics::new`] builds it and the metric
+/// reference (`runfeed metrics-reference`) lists it.
+#[derive(Clone, Copy, Debug)]
+pub struct Recorded {
+    /// Instrument name (`runfeed.<area>.<name>`).
+    pub name: &'static str,
+    /// Counter or histogram.
+    pub kind: RecordedKind,
+    /// UCUM unit.
+    pub unit: &'static str,
+    /// Names of the labels its series carry (besides `otel_scope_name`).
+    pub labels: &'static [&'static str],
+    /// Description (the Prometheus HELP text).
+    pub description: &'static str,
+}
+
+/// Every synchronous instrument of [`Metrics`].
+pub mod recorded {
+    use super::{Recorded, RecordedKind};
+
+    /// `runfeed.feeds.delivery_lag` (histogram).
+    pub const FEEDS_DELIVERY_LAG: Recorded = Recorded {
+        name: "runfeed.feeds.delivery_lag",
+        kind: RecordedKind::Histogram,
+        unit: "ms",
+        labels: &["path"],
+        description: "Now minus the newest emitted row's updatedAt, per live emission, by delivery path",
+    };
+
+    /// `runfeed.feeds.emitted_rows` (histogram).
+    pub const FEEDS_EMITTED_ROWS: Recorded = Recorded {
+        name: "runfeed.feeds.emitted_rows",
+        kind: RecordedKind::Histogram,
+        unit: "{row}",
+        labels: &["path"],
+        description: "Rows per live emission, by delivery path",
+    };
+
+    /// `runfeed.feeds.live_polls` (counter).
+    pub const FEEDS_LIVE_POLLS: Recorded = Recorded {
+        name: "runfeed.feeds.live_polls",
+        kind: RecordedKind::Counter,
+        unit: "{event}",
+        labels: &["path"],
+        description: "Live-loop path events: fast-hydrate (router wake), cold-resolve (registration re-read), full-resolve (re-read on a gap)",
+    };
+
+    /// `runfeed.feeds.wakeups` (counter).
+    pub const FEEDS_WAKEUPS: Recorded = Recorded {
+        name: "runfeed.feeds.wakeups",
+        kind: RecordedKind::Counter,
+        unit: "{wakeup}",
+        labels: &["reason"],
+        description: "How live waits ended: notify, timeout (backstop follows) or abort (client gone, draining)",
+    };
+
+    /// `runfeed.feeds.backstops` (counter).
+    pub const FEEDS_BACKSTOPS: Recorded = Recorded {
+        name: "runfeed.feeds.backstops",
+        kind: RecordedKind::Counter,
+        unit: "{backstop}",
+        labels: &["result"],
+        description: "Backstop re-reads at the end of a hold: delivered (a missed change; should be ~0) or empty",
+    };
+
+    /// `runfeed.feeds.state_lookups` (counter).
+    pub const FEEDS_STATE_LOOKUPS: Recorded = Recorded {
+        name: "runfeed.feeds.state_lookups",
+        kind: RecordedKind::Counter,
+        unit: "{lookup}",
+        labels: &["result"],
+        description: "Lookups of this instance's per-connection state (working set, replay cursor) by result",
+    };
+
+    /// `runfeed.runset.resolves` (counter).
+    pub const RUNSET_RESOLVES: Recorded = Recorded {
+        name: "runfeed.runset.resolves",
+        kind: RecordedKind::Counter,
+        unit: "{resolve}",
+        labels: &["result", "kind"],
+        description: "Run-set reads through the shared cache: hit, miss (ran the query) or coalesced (joined one in flight)",
+    };
+
+    /// `runfeed.runset.query_duration` (histogram).
+    pub const RUNSET_QUERY_DURATION: Recorded = Recorded {
+        name: "runfeed.runset.query_duration",
+        kind: RecordedKind::Histogram,
+        unit: "ms",
+        labels: &["kind", "result"],
+        description: "Latency of run-set store reads (resolve and hydrate), by feed kind and result",
+    };
+
+    /// `runfeed.runset.admission_waits` (counter).
+    pub const RUNSET_ADMISSION_WAITS: Recorded = Recorded {
+        name: "runfeed.runset.admission_waits",
+        kind: RecordedKind::Counter,
+        unit: "{wait}",
+        labels: &[],
+        description: "Fresh list resolves that waited at least 1 ms for an admission permit",
+    };
+
+    /// `runfeed.http.requests` (counter).
+    pub const HTTP_REQUESTS: Recorded = Recorded {
+        name: "runfeed.http.requests",
+        kind: RecordedKind::Counter,
+        unit: "{request}",
+        labels: &["route", "method", "status"],
+        description: "HTTP requests by route, method and status (499: client went away)",
+    };
+
+    /// `runfeed.http.duration` (histogram).
+    pub const HTTP_DURATION: Recorded = Recorded {
+        name: "runfeed.http.duration",
+        kind: RecordedKind::Histogram,
+        unit: "ms",
+        labels: &["route", "status", "live"],
+        description: "Time to the response head by route, status and live (live=true: the poll hold)",
+    };
+
+    /// `runfeed.http.sent` (counter).
+    pub const HTTP_SENT: Recorded = Recorded {
+        name: "runfeed.http.sent",
+        kind: RecordedKind::Counter,
+        unit: "By",
+        labels: &["route"],
+        description: "Response body bytes sent, by route",
+    };
+
+    /// `runfeed.pg.acquire_wait` (histogram).
+    pub const PG_ACQUIRE_WAIT: Recorded = Recorded {
+        name: "runfeed.pg.acquire_wait",
+        kind: RecordedKind::Histogram,
+        unit: "ms",
+        labels: &[],
+        description: "Time a store read waited for a pooled Postgres connection",
+    };
+
+    /// `runfeed.router.hydrate_batch` (histogram).
+    pub const ROUTER_HYDRATE_BATCH: Recorded = Recorded {
+        name: "runfeed.router.hydrate_batch",
+        kind: RecordedKind::Histogram,
+        unit: "{run}",
+        labels: &[],
+        description: "Runs per router hydrate query (all environments of a batch, one query per column set)",
+    };
+
+    /// All of them, in declaration order.
+    pub const ALL: [&Recorded; 14] = [
+        &FEEDS_DELIVERY_LAG,
+        &FEEDS_EMITTED_ROWS,
+        &FEEDS_LIVE_POLLS,
+        &FEEDS_WAKEUPS,
+        &FEEDS_BACKSTOPS,
+        &FEEDS_STATE_LOOKUPS,
+        &RUNSET_RESOLVES,
+        &RUNSET_QUERY_DURATION,
+        &RUNSET_ADMISSION_WAITS,
+        &HTTP_REQUESTS,
+        &HTTP_DURATION,
+        &HTTP_SENT,
+        &PG_ACQUIRE_WAIT,
+        &ROUTER_HYDRATE_BATCH,
+    ];
+}
+
 /// Whether an observable instrument is a monotonic counter or a gauge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ObservedKind {
@@ -499,6 +637,8 @@ pub struct Observed {
     pub kind: ObservedKind,
     /// UCUM unit.
     pub unit: &'static str,
+    /// Names of the labels its series carry (besides `otel_scope_name`).
+    pub labels: &'static [&'static str],
     /// Description (the Prometheus HELP text).
     pub description: &'static str,
 }
@@ -540,6 +680,7 @@ pub mod observed {
         name: "runfeed.router.held_feeds",
         kind: ObservedKind::Gauge,
         unit: "{feed}",
+        labels: &["kind"],
         description: "Feeds held by a live poll now, by kind: the capacity unit",
     };
 
@@ -548,6 +689,7 @@ pub mod observed {
         name: "runfeed.router.active_envs",
         kind: ObservedKind::Gauge,
         unit: "{environment}",
+        labels: &[],
         description: "Environments routed now (including lingering ones)",
     };
 
@@ -556,6 +698,7 @@ pub mod observed {
         name: "runfeed.replica.lag_estimate",
         kind: ObservedKind::Gauge,
         unit: "ms",
+        labels: &[],
         description: "Current replica-lag estimate of the read-your-writes gate (clock rule)",
     };
 
@@ -564,6 +707,7 @@ pub mod observed {
         name: "runfeed.replica.gate_waits",
         kind: ObservedKind::Counter,
         unit: "{wait}",
+        labels: &["outcome"],
         description: "Read-your-writes gate waits that actually waited for the replica, or gave up at max_delay_ms",
     };
 
@@ -572,6 +716,7 @@ pub mod observed {
         name: "runfeed.feeds.working_set_size",
         kind: ObservedKind::Gauge,
         unit: "{entry}",
+        labels: &[],
         description: "Per-connection feed states kept (working sets and replay cursors), including expired but unswept",
     };
 
@@ -580,6 +725,7 @@ pub mod observed {
         name: "runfeed.feeds.cursor_store_ops",
         kind: ObservedKind::Counter,
         unit: "{operation}",
+        labels: &["op", "result"],
         description: "Fleet-shared replay cursor store (Redis) operations: get hit/miss/error, set ok/error; errors degrade instance hops into cold resolves",
     };
 
@@ -588,6 +734,7 @@ pub mod observed {
         name: "runfeed.feeds.concurrency_rejections",
         kind: ObservedKind::Counter,
         unit: "{request}",
+        labels: &[],
         description: "Live polls rejected with 429 by the per-environment concurrency limit",
     };
 
@@ -596,6 +743,7 @@ pub mod observed {
         name: "runfeed.runset.admission_in_use",
         kind: ObservedKind::Gauge,
         unit: "{permit}",
+        labels: &[],
         description: "Resolve admission permits held now",
     };
 
@@ -604,6 +752,7 @@ pub mod observed {
         name: "runfeed.pg.queries",
         kind: ObservedKind::Counter,
         unit: "{query}",
+        labels: &[],
         description: "Postgres queries issued",
     };
 
@@ -612,6 +761,7 @@ pub mod observed {
         name: "runfeed.pg.errors",
         kind: ObservedKind::Counter,
         unit: "{error}",
+        labels: &["kind"],
         description: "Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
     };
 
@@ -620,6 +770,7 @@ pub mod observed {
         name: "runfeed.notifier.messages_received",
         kind: ObservedKind::Counter,
         unit: "{message}",
+        labels: &[],
         description: "Raw change-record messages received from Redis, before coalescing",
     };
 
@@ -628,6 +779,7 @@ pub mod observed {
         name: "runfeed.notifier.active_subscriptions",
         kind: ObservedKind::Gauge,
         unit: "{channel}",
+        labels: &[],
         description: "Environment channels Redis confirmed on the current subscriber connection",
     };
 
@@ -636,6 +788,7 @@ pub mod observed {
         name: "runfeed.notifier.publishes",
         kind: ObservedKind::Counter,
         unit: "{publish}",
+        labels: &["result"],
         description: "Change-record publishes by this process (tooling, demo) by result; errors make feeds fall back to backstops",
     };
 
@@ -644,6 +797,7 @@ pub mod observed {
         name: "runfeed.redis.errors",
         kind: ObservedKind::Counter,
         unit: "{error}",
+        labels: &["kind"],
         description: "Redis errors: connection (drops, failed connects), command (SUBSCRIBE/UNSUBSCRIBE), lagged (messages lost to a full buffer), lost_subscription (sharded subscriptions found gone), limiter_fallback (concurrency admissions decided locally because Redis failed or was slow)",
     };
 
@@ -652,6 +806,7 @@ pub mod observed {
         name: "runfeed.redis.connected",
         kind: ObservedKind::Gauge,
         unit: "{connection}",
+        labels: &[],
         description: "Whether the Redis subscriber connection is up (1) or not (0)",
     };
 
@@ -660,6 +815,7 @@ pub mod observed {
         name: "runfeed.process.resident_memory",
         kind: ObservedKind::Gauge,
         unit: "By",
+        labels: &[],
         description: "Resident set size of this process (VmRSS)",
     };
 
@@ -668,6 +824,7 @@ pub mod observed {
         name: "runfeed.router.hydrates",
         kind: ObservedKind::Counter,
         unit: "{query}",
+        labels: &["result"],
         description: "Router hydrate queries (live and replay) by result",
     };
 
@@ -676,6 +833,7 @@ pub mod observed {
         name: "runfeed.router.hydrated_runs",
         kind: ObservedKind::Counter,
         unit: "{run}",
+        labels: &[],
         description: "Rows returned by router hydrates (live and replay)",
     };
 
@@ -684,6 +842,7 @@ pub mod observed {
         name: "runfeed.router.deliveries",
         kind: ObservedKind::Counter,
         unit: "{delivery}",
+        labels: &[],
         description: "Sum of (feed, row) deliveries per routed batch",
     };
 
@@ -692,6 +851,7 @@ pub mod observed {
         name: "runfeed.router.distinct_runs",
         kind: ObservedKind::Counter,
         unit: "{run}",
+        labels: &[],
         description: "Sum of distinct (column set, run) per routed batch; deliveries / distinct_runs = fan-out",
     };
 
@@ -700,6 +860,7 @@ pub mod observed {
         name: "runfeed.router.replays",
         kind: ObservedKind::Counter,
         unit: "{replay}",
+        labels: &["result"],
         description: "Replays that hydrated: delivered rows or found nothing for the feed",
     };
 
@@ -708,6 +869,7 @@ pub mod observed {
         name: "runfeed.router.replay_evictions",
         kind: ObservedKind::Counter,
         unit: "{record}",
+        labels: &["reason"],
         description: "Replay-buffer evictions: window (aged out) or cap (an env churns more runs than the buffer holds)",
     };
 
@@ -716,6 +878,7 @@ pub mod observed {
         name: "runfeed.router.stale_hydrates",
         kind: ObservedKind::Counter,
         unit: "{run}",
+        labels: &["outcome"],
         description: "Runs the stale tripwire withheld: recovered by a retry, or delivered stale after the retries (gave_up)",
     };
 
@@ -724,6 +887,7 @@ pub mod observed {
         name: "runfeed.notifier.batches_delivered",
         kind: ObservedKind::Counter,
         unit: "{batch}",
+        labels: &[],
         description: "Hydrate batches the router started (records of every environment that arrived together or while a hydrate was in flight); messages_received / batches_delivered = coalesce ratio",
     };
 
@@ -732,8 +896,105 @@ pub mod observed {
         name: "runfeed.router.arrivals",
         kind: ObservedKind::Counter,
         unit: "{arrival}",
+        labels: &[],
         description: "Change-record arrivals routed through the index of held feeds (sequenced and buffered for replay, whether or not a feed matched)",
     };
+
+    /// All of them, in declaration order.
+    pub const ALL: [&Observed; 25] = [
+        &ROUTER_HELD_FEEDS,
+        &ROUTER_ACTIVE_ENVS,
+        &REPLICA_LAG_ESTIMATE,
+        &REPLICA_GATE_WAITS,
+        &FEEDS_WORKING_SET_SIZE,
+        &FEEDS_CURSOR_STORE_OPS,
+        &FEEDS_CONCURRENCY_REJECTIONS,
+        &RUNSET_ADMISSION_IN_USE,
+        &PG_QUERIES,
+        &PG_ERRORS,
+        &NOTIFIER_MESSAGES_RECEIVED,
+        &NOTIFIER_ACTIVE_SUBSCRIPTIONS,
+        &NOTIFIER_PUBLISHES,
+        &REDIS_ERRORS,
+        &REDIS_CONNECTED,
+        &PROCESS_RESIDENT_MEMORY,
+        &ROUTER_HYDRATES,
+        &ROUTER_HYDRATED_RUNS,
+        &ROUTER_DELIVERIES,
+        &ROUTER_DISTINCT_RUNS,
+        &ROUTER_REPLAYS,
+        &ROUTER_REPLAY_EVICTIONS,
+        &ROUTER_STALE_HYDRATES,
+        &NOTIFIER_BATCHES_DELIVERED,
+        &ROUTER_ARRIVALS,
+    ];
+}
+
+/// One instrument as Prometheus sees it: a row of the metric reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// The Prometheus metric family name (`runfeed_…`; histograms add `_bucket`, `_sum`,
+    /// `_count` to it).
+    pub prometheus: String,
+    /// The OpenTelemetry instrument name (`runfeed.<area>.<name>`).
+    pub name: &'static str,
+    /// `counter`, `histogram` or `gauge`.
+    pub kind: &'static str,
+    /// UCUM unit.
+    pub unit: &'static str,
+    /// Label names.
+    pub labels: &'static [&'static str],
+    /// What it means.
+    pub description: &'static str,
+}
+
+/// The Prometheus family name of an instrument: dots become underscores, the unit is appended
+/// (`ms` → `_milliseconds`, `By` → `_bytes`, `{…}` annotations add nothing) and counters end in
+/// `_total`, as the OpenTelemetry Prometheus exporter names them.
+pub fn prometheus_name(name: &str, unit: &str, counter: bool) -> String {
+    let mut out = name.replace('.', "_");
+    match unit {
+        "ms" => out.push_str("_milliseconds"),
+        "By" => out.push_str("_bytes"),
+        "s" => out.push_str("_seconds"),
+        _ => {}
+    }
+    if counter {
+        out.push_str("_total");
+    }
+    out
+}
+
+/// Every instrument runfeed exports (synchronous and observable), sorted by Prometheus name:
+/// the source of the generated metric reference.
+pub fn exported() -> Vec<Exported> {
+    let mut out: Vec<Exported> = recorded::ALL
+        .iter()
+        .map(|r| {
+            let counter = r.kind == RecordedKind::Counter;
+            Exported {
+                prometheus: prometheus_name(r.name, r.unit, counter),
+                name: r.name,
+                kind: if counter { "counter" } else { "histogram" },
+                unit: r.unit,
+                labels: r.labels,
+                description: r.description,
+            }
+        })
+        .chain(observed::ALL.iter().map(|o| {
+            let counter = o.kind == ObservedKind::Counter;
+            Exported {
+                prometheus: prometheus_name(o.name, o.unit, counter),
+                name: o.name,
+                kind: if counter { "counter" } else { "gauge" },
+                unit: o.unit,
+                labels: o.labels,
+                description: o.description,
+            }
+        }))
+        .collect();
+    out.sort_by(|a, b| a.prometheus.cmp(&b.prometheus));
+    out
 }
 
 /// Counts an `abort` wakeup when dropped unfinished (see [`Metrics::live_guard`]).
@@ -773,6 +1034,18 @@ mod tests {
     fn resident_memory_is_read() {
         let rss = resident_memory_bytes().expect("VmRSS on Linux");
         assert!(rss > 1024 * 1024, "rss {rss}");
+    }
+
+    #[test]
+    fn every_instrument_is_declared_once_with_a_prometheus_name() {
+        let all = exported();
+        assert_eq!(all.len(), recorded::ALL.len() + observed::ALL.len());
+        let mut names: Vec<&str> = all.iter().map(|e| e.prometheus.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), all.len(), "a Prometheus name is declared twice");
+        assert!(all.iter().any(|e| e.prometheus == "runfeed_feeds_delivery_lag_milliseconds"));
+        assert!(all.iter().any(|e| e.prometheus == "runfeed_http_sent_bytes_total"));
+        assert!(all.iter().any(|e| e.prometheus == "runfeed_router_held_feeds"));
     }
 
     #[test]

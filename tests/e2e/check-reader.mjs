@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// One reader of the delivery checker (`runfeed-bench check`, README "Correctness checker") that
+// One reader of the delivery checker (`runfeed-bench check`, CORRECTNESS.md "The checker") that
 // uses the REAL npm clients: `@electric-sql/client` 1.0.14 (`ShapeStream`, --mode shape) or
 // `@trigger.dev/sdk` 4.8.3 (`runs.subscribeTo…`, --mode sdk). It follows one feed until it is
 // killed and prints one JSON line per event on stdout:

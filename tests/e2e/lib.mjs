@@ -6,7 +6,7 @@
 // AFTER the database change is committed (trigger.dev's order); tokens come from `runfeed token`
 // (or are signed here when a test needs a deliberately broken one).
 //
-// Nothing here reads ../shared: a fresh clone has only this directory and the binary.
+// Nothing here reads outside the repository: a fresh clone has only this directory and the binary.
 //
 // Env overrides (deliberately NOT named RUNFEED_*: the server reads every RUNFEED_* variable as
 // configuration): E2E_RUNFEED_BIN (default <repo>/target/debug/runfeed),

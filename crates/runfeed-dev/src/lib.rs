@@ -3,11 +3,11 @@
 //!
 //! - [`fixtures`]: environments, runs and batches written the way trigger.dev writes them, and
 //!   throwaway test databases ([`fixtures::TestDb`]).
-//! - [`demo`]: the demo environment and workload behind `runfeed-demo` (README "set-up").
+//! - [`demo`]: the demo environment and workload behind `runfeed-demo` (`scripts/dev.sh` runs it).
 //! - [`client`]: an Electric shape-protocol follower (snapshot, live polls, 409 must-refetch,
 //!   materialized view), as the npm client behaves.
-//! - [`check`]: the randomized, fault-injecting delivery checker (`runfeed-bench check`, README
-//!   "Correctness checker").
+//! - [`check`]: the randomized, fault-injecting delivery checker (`runfeed-bench check`,
+//!   CORRECTNESS.md "The checker").
 //!
 //! Binaries: `runfeed-demo` (seed + live workload) and `runfeed-bench` (benchmarks, see
 //! BENCHMARKS.md, and the checker).

@@ -1,5 +1,5 @@
-//! The seconds-long seeded delivery check of the test command (README "Correctness
-//! checker"): `runfeed-bench check` in-process against two `runfeed serve` instances of the
+//! The seconds-long seeded delivery check of the test command (CORRECTNESS.md "How
+//! to reproduce"): `runfeed-bench check` in-process against two `runfeed serve` instances of the
 //! workspace's own binary, its own Redis and a fresh database, with small fault rates, one
 //! SIGTERM restart and one Redis restart.
 //!

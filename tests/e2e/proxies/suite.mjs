@@ -10,18 +10,23 @@
 //   - a stub "feed upstream" that stands in for runfeed where runfeed cannot yet show a behaviour
 //     (an SSE stream) and echoes what reaches it;
 //   - the proxy with its SHIPPED configuration in front of runfeed + the webapp stub, and a second
-//     instance of it in front of the feed stub + the webapp stub. Only the listen address and the
-//     upstream addresses are rewritten (`render`, which fails if one is not found exactly once).
+//     instance of it in front of the feed stub + the webapp stub. Only the listen addresses, the
+//     upstream addresses and the certificate paths are rewritten (`render`, which fails if one is
+//     not found exactly once); the certificate is a self-signed one made here with openssl
+//     (Caddy's comes from its own local CA: the recipe gets its certificate itself).
 //
 // Through the proxy it checks the routing (the three feed routes on GET/HEAD/OPTIONS to runfeed;
 // /realtime/v1/streams/…, /realtime/v1/sessions/… and everything else to the webapp), the SDK
 // following a run, a tag and a batch, a live poll held the full 20 s, a client abort freeing its
 // concurrency slot, a 409 that is not cached, CORS from runfeed only, the client's address
-// forwarded, an SSE stream passed on unbuffered, and — once runfeed serves SSE — runfeed's own.
+// forwarded, an SSE stream passed on unbuffered, and — once runfeed serves SSE — runfeed's own;
+// and on the TLS listener, HTTP/2 negotiated by ALPN with a feed followed over it while the
+// upstream request stays HTTP/1.1.
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import http from "node:http";
+import http2 from "node:http2";
 import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
@@ -57,11 +62,32 @@ const SHIPPED = {
 /**
  * trigger.dev v4.5.12's Traefik set-up (hosting/docker/docker-compose.traefik.yml): the webapp's
  * router `webapp` with rule Host(`webapp.localhost`), entrypoint ${TRAEFIK_ENTRYPOINT:-web},
- * service port 3000, no explicit priority. The test puts its host on 127.0.0.1 for both
+ * service port 3000, no explicit priority; entry points `web` (:80) and `websecure` (:443). The test puts its host on 127.0.0.1 for both
  * routers (the webapp's rule names the real host; TRAEFIK_WEBAPP_HOST must equal it).
  */
-const TRIGGER_TRAEFIK = { host: "webapp.localhost", entrypoint: "web" };
+const TRIGGER_TRAEFIK = { host: "webapp.localhost", entrypoint: "web", tlsEntrypoint: "websecure" };
 const TEST_HOST = "127.0.0.1";
+
+/**
+ * A self-signed certificate for 127.0.0.1 and localhost (openssl, EC P-256, 2 days) in `dir`:
+ * {cert, key, pem} paths, `pem` being the certificate followed by its key (HAProxy's form).
+ */
+export function makeCert(dir) {
+  const cert = path.join(dir, "cert.pem");
+  const key = path.join(dir, "key.pem");
+  const out = spawnSync(
+    "openssl",
+    ["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+      "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", key, "-out", cert],
+    { encoding: "utf8" }
+  );
+  if (out.status !== 0) throw new Error(`openssl req failed: ${out.stderr}`);
+  fs.mkdirSync(path.join(dir, "pem"));
+  const pem = path.join(dir, "pem", "runfeed.pem");
+  fs.writeFileSync(pem, fs.readFileSync(cert, "utf8") + fs.readFileSync(key, "utf8"));
+  for (const f of [cert, key, pem]) fs.chmodSync(f, 0o644); // nginx workers read it as nobody
+  return { cert, key, pem };
+}
 
 /** Compose's interpolation for the overlay's labels: ${VAR:-default}, $$. */
 function composeInterpolate(text, vars) {
@@ -75,7 +101,7 @@ function composeInterpolate(text, vars) {
  * overlay's Docker labels — the Docker provider reads the same keys from labels — plus the webapp's
  * router as trigger.dev ships it. Only the upstream addresses and the host are the test's.
  */
-function renderTraefik({ runfeed, runfeedAdminPort, webapp }) {
+function renderTraefik({ runfeed, runfeedAdminPort, webapp, tls }) {
   const text = fs.readFileSync(path.join(ROOT, SHIPPED.traefik), "utf8");
   const vars = { TRAEFIK_WEBAPP_HOST: TEST_HOST, TRAEFIK_ENTRYPOINT: TRIGGER_TRAEFIK.entrypoint };
   const labels = [...text.matchAll(/^\s*-\s*"(traefik\.[^=]+)=(.*)"\s*$/gm)].map((m) => [m[1], composeInterpolate(m[2], vars)]);
@@ -90,12 +116,15 @@ function renderTraefik({ runfeed, runfeedAdminPort, webapp }) {
   };
   for (const [key, value] of labels) {
     let m;
-    if ((m = /^traefik\.http\.routers\.([\w-]+)\.(rule|priority|entrypoints|service)$/.exec(key))) {
+    if ((m = /^traefik\.http\.routers\.([\w-]+)\.(rule|priority|entrypoints|service|tls)$/.exec(key))) {
       const r = (dyn.http.routers[m[1]] ??= {});
       if (m[2] === "rule") r.rule = value;
       else if (m[2] === "priority") r.priority = Number(value);
       else if (m[2] === "entrypoints") r.entryPoints = value.split(",");
-      else r.service = value;
+      else if (m[2] === "tls") {
+        if (value !== "true") throw new Error(`${SHIPPED.traefik}: ${key}=${value}, expected true`);
+        r.tls = {};
+      } else r.service = value;
     } else if ((m = /^traefik\.http\.services\.([\w-]+)\.loadbalancer\.(server\.port|healthcheck\.(path|port|interval))$/.exec(key))) {
       const lb = ((dyn.http.services[m[1]] ??= {}).loadBalancer ??= {});
       if (m[2] === "server.port") {
@@ -109,30 +138,45 @@ function renderTraefik({ runfeed, runfeedAdminPort, webapp }) {
       throw new Error(`${SHIPPED.traefik}: label ${key} is not translated by this test`);
     }
   }
+  // The certificate: where the compose set-up has a certresolver, the test has its own file.
+  const pair = { certFile: tls.cert, keyFile: tls.key };
+  dyn.tls = { certificates: [pair], stores: { default: { defaultCertificate: pair } } };
   return JSON.stringify(dyn, null, 2);
 }
 
-/** The shipped file of `kind` with only its listen address and upstreams replaced. */
-export function render(kind, { port, runfeed, runfeedAdminPort, webapp }) {
-  if (kind === "traefik") return renderTraefik({ runfeed, runfeedAdminPort, webapp });
+/**
+ * The shipped file of `kind` with only its listen addresses (plain `port`, TLS `tlsPort`), upstreams
+ * and certificate paths (`tls` from makeCert) replaced.
+ */
+export function render(kind, { port, tlsPort, tls, runfeed, runfeedAdminPort, webapp }) {
+  if (kind === "traefik") return renderTraefik({ runfeed, runfeedAdminPort, webapp, tls });
   let text = fs.readFileSync(path.join(ROOT, SHIPPED[kind]), "utf8");
   const subs = {
     nginx: [
       ["server 127.0.0.1:3030;", `server ${runfeed};`],
       ["server 127.0.0.1:8030;", `server ${webapp};`],
       ["listen 80;", `listen 127.0.0.1:${port};`],
+      ["listen 443 ssl http2;", `listen 127.0.0.1:${tlsPort} ssl http2;`],
+      ["ssl_certificate     /etc/ssl/runfeed/fullchain.pem;", `ssl_certificate     ${tls.cert};`],
+      ["ssl_certificate_key /etc/ssl/runfeed/privkey.pem;", `ssl_certificate_key ${tls.key};`],
     ],
     caddy: [
-      ["trigger.example.com {", `http://127.0.0.1:${port} {`],
+      // The site on both listeners; Caddy's local CA issues the TLS one's certificate.
+      ["trigger.example.com {", `http://127.0.0.1:${port}, https://127.0.0.1:${tlsPort} {`],
       ["reverse_proxy 127.0.0.1:3030 {", `reverse_proxy ${runfeed} {`],
       ["reverse_proxy 127.0.0.1:8030 {", `reverse_proxy ${webapp} {`],
     ],
     haproxy: [
-      ["bind :80", `bind 127.0.0.1:${port}`],
-      ["server runfeed1 127.0.0.1:3030 check port 9464", `server runfeed1 ${runfeed} check port ${runfeedAdminPort}`],
+      ["bind :80\n", `bind 127.0.0.1:${port}\n`],
+      ["bind :443 ssl crt /etc/haproxy/certs/ alpn", `bind 127.0.0.1:${tlsPort} ssl crt ${path.dirname(tls.pem)}/ alpn`],
+      // The health check goes to the serving port (the compose overlay publishes no other).
+      ["server runfeed1 127.0.0.1:3030 check inter", `server runfeed1 ${runfeed} check inter`],
       ["server webapp 127.0.0.1:8030", `server webapp ${webapp}`],
     ],
   }[kind];
+  if (kind === "haproxy" && /check[^\n]*\bport\b/.test(text.replace(/^\s*#.*$/gm, ""))) {
+    throw new Error(`${SHIPPED.haproxy}: a health check on another port than the serving one (the compose overlay publishes only 3030)`);
+  }
   for (const [from, to] of subs) {
     const n = text.split(from).length - 1;
     if (n !== 1) throw new Error(`${SHIPPED[kind]}: expected "${from}" exactly once, found ${n} (update tests/e2e/proxies/suite.mjs with the file)`);
@@ -141,8 +185,11 @@ export function render(kind, { port, runfeed, runfeedAdminPort, webapp }) {
   return text;
 }
 
-/** Starts `kind` with `config` in a temp dir; resolves once it accepts connections. */
-async function startProxy(kind, config, port, label) {
+/**
+ * Starts `kind` with `config` in a temp dir; resolves once its plain listener answers (the stub
+ * webapp behind it, at /__proxy_ready). {base, tlsBase, logs(), stop()}.
+ */
+export async function startProxy(kind, config, { port, tlsPort }, label) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), `runfeed-${kind}-`));
   fs.chmodSync(dir, 0o777); // nginx workers run as nobody when the master is root
   let cmd;
@@ -168,8 +215,12 @@ async function startProxy(kind, config, port, label) {
     cmd = ["/usr/sbin/nginx", "-c", path.join(dir, "nginx.conf"), "-p", dir, "-e", "stderr"];
   } else if (kind === "caddy") {
     // The test-only global options (the shipped file has none): no admin endpoint (three Caddys
-    // at once would fight over :2019) and no certificate automation on loopback.
-    fs.writeFileSync(path.join(dir, "Caddyfile"), `{\n\tadmin off\n\tauto_https off\n}\n\n${config}`);
+    // at once would fight over :2019), certificates from Caddy's local CA instead of ACME (kept
+    // in this temp dir, not installed in the system's trust store), no redirect listener on :80.
+    fs.writeFileSync(
+      path.join(dir, "Caddyfile"),
+      `{\n\tadmin off\n\tlocal_certs\n\tskip_install_trust\n\tauto_https disable_redirects\n}\n\n${config}`
+    );
     cmd = ["/usr/bin/caddy", "run", "--config", path.join(dir, "Caddyfile"), "--adapter", "caddyfile"];
   } else if (kind === "traefik") {
     // Static configuration: trigger.dev's entrypoint name on the test's port, the file provider
@@ -178,6 +229,7 @@ async function startProxy(kind, config, port, label) {
     cmd = [
       process.env.PROXY_TRAEFIK_BIN || "traefik",
       `--entryPoints.${TRIGGER_TRAEFIK.entrypoint}.address=127.0.0.1:${port}`,
+      `--entryPoints.${TRIGGER_TRAEFIK.tlsEntrypoint}.address=127.0.0.1:${tlsPort}`,
       `--providers.file.filename=${path.join(dir, "dynamic.yml")}`,
       "--global.checkNewVersion=false",
       "--global.sendAnonymousUsage=false",
@@ -206,6 +258,7 @@ async function startProxy(kind, config, port, label) {
   const proxy = {
     kind,
     base,
+    tlsBase: `https://127.0.0.1:${tlsPort}`,
     logs: () => logs.join("\n"),
     async stop() {
       if (!exited) {
@@ -262,6 +315,47 @@ function request(url, { method = "GET", headers = {}, token, sdk = false, timeou
   });
 }
 
+/**
+ * An HTTP/2 session to `base` (https, the test's self-signed certificate accepted); resolves once
+ * TLS and ALPN are done. `session.alpnProtocol` is what was negotiated.
+ */
+function h2connect(base) {
+  return new Promise((resolve, reject) => {
+    const session = http2.connect(base, { rejectUnauthorized: false });
+    session.once("connect", () => resolve(session));
+    session.once("error", reject);
+  });
+}
+
+/** One GET on an HTTP/2 session. Resolves {status, headers, text, json}. */
+function h2get(session, pathAndQuery, { token, timeoutMs = 30000 } = {}) {
+  return new Promise((resolve, reject) => {
+    const headers = { ":method": "GET", ":path": pathAndQuery, ...SDK_HEADERS };
+    if (token) headers.authorization = `Bearer ${token}`;
+    const req = session.request(headers);
+    const timer = setTimeout(() => req.close(http2.constants.NGHTTP2_CANCEL), timeoutMs);
+    let head;
+    let text = "";
+    req.setEncoding("utf8");
+    req.on("response", (h) => (head = h));
+    req.on("data", (d) => (text += d));
+    req.on("end", () => {
+      clearTimeout(timer);
+      let json;
+      try {
+        json = text ? JSON.parse(text) : undefined;
+      } catch {}
+      if (!head) return reject(new Error(`no response to ${pathAndQuery} within ${timeoutMs} ms`));
+      resolve({ status: head[":status"], headers: head, text, json });
+    });
+    req.on("error", (e) => {
+      clearTimeout(timer);
+      reject(e);
+    });
+    req.end();
+  });
+}
+
 /** How many times `name` appears among the raw response headers. */
 const headerCount = (res, name) => res.rawHeaders.filter((h, i) => i % 2 === 0 && h.toLowerCase() === name).length;
 
@@ -273,7 +367,7 @@ function listen(server) {
 }
 
 function echo(req) {
-  return { method: req.method, url: req.url, headers: req.headers };
+  return { method: req.method, url: req.url, httpVersion: req.httpVersion, headers: req.headers };
 }
 
 /** The stub webapp: every request → 200 JSON {via: "webapp", method, url, headers}. */
@@ -292,7 +386,7 @@ async function startWebappStub() {
 
 /**
  * The stub feed upstream (in runfeed's place behind the second proxy instance):
- *   GET /readyz                       → 200 (HAProxy's health check)
+ *   GET /healthz, GET /readyz         → 200 (HAProxy's and Traefik's health checks)
  *   GET /realtime/v1/runs/echo        → 200 JSON echo of the request
  *   GET /realtime/v1/runs/sse-<id>    → an SSE stream: event "one", then waits until the test
  *                                       reports that its client received "one" (or 5 s), then
@@ -303,7 +397,7 @@ async function startFeedStub() {
   const server = await listen(
     http.createServer(async (req, res) => {
       const url = new URL(req.url, "http://stub");
-      if (url.pathname === "/readyz") {
+      if (url.pathname === "/readyz" || url.pathname === "/healthz") {
         res.writeHead(200, { "content-type": "application/json" });
         return res.end('{"status":"ready"}');
       }
@@ -400,19 +494,20 @@ export function proxySuite(kind) {
       args: ["--config", configFile],
       env: {
         RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO: "0", // exactly 20 s: the hold check's bounds are tight
-        RUNFEED_TELEMETRY__ADMIN_LISTEN: `127.0.0.1:${adminPort}`, // HAProxy's health check port
+        RUNFEED_TELEMETRY__ADMIN_LISTEN: `127.0.0.1:${adminPort}`, // Traefik's health check port
       },
     });
     world.servers.main = rf;
     const rfAddr = new URL(rf.baseUrl).host;
-    const port = await freePort();
-    proxy = await startProxy(kind, render(kind, { port, runfeed: rfAddr, runfeedAdminPort: adminPort, webapp: webapp.addr }), port, kind);
+    const tls = makeCert(dir);
+    const ports = { port: await freePort(), tlsPort: await freePort() };
+    proxy = await startProxy(kind, render(kind, { ...ports, tls, runfeed: rfAddr, runfeedAdminPort: adminPort, webapp: webapp.addr }), ports, kind);
     world.track(() => proxy.stop());
-    const stubPort = await freePort();
+    const stubPorts = { port: await freePort(), tlsPort: await freePort() };
     stubProxy = await startProxy(
       kind,
-      render(kind, { port: stubPort, runfeed: feedStub.addr, runfeedAdminPort: feedStub.port, webapp: webapp.addr }),
-      stubPort,
+      render(kind, { ...stubPorts, tls, runfeed: feedStub.addr, runfeedAdminPort: feedStub.port, webapp: webapp.addr }),
+      stubPorts,
       `${kind} (feed stub)`
     );
     world.track(() => stubProxy.stop());
@@ -653,6 +748,56 @@ export function proxySuite(kind) {
 
   test(`${kind}: runfeed's own SSE feed (live_sse=true) flows unbuffered`, async (t) => {
     await runfeedSseFlowsUnbuffered(t, { base, fx, env: sdkEnv, token: sdkToken });
+  });
+
+  test(`${kind}: HTTP/2 over TLS (ALPN h2) to the client; a feed's snapshot and live poll over it`, async () => {
+    const session = await h2connect(proxy.tlsBase);
+    world.track(() => session.destroy());
+    assert.equal(session.alpnProtocol, "h2", `${kind} negotiated ${session.alpnProtocol} on its TLS listener`);
+    const run = await fx.createRun(sdkEnv, { status: "EXECUTING" });
+    const snap = await h2get(session, runPath(run, { offset: "-1" }), { token: sdkToken });
+    assert.equal(snap.status, 200, snap.text);
+    const handle = snap.headers["electric-handle"];
+    const offset = snap.headers["electric-offset"];
+    assert.ok(handle && offset, `snapshot headers: ${JSON.stringify(snap.headers)}`);
+    assert.ok(snap.json.some((m) => "key" in m), `the run's row in the snapshot: ${snap.text}`);
+    // Two live polls on the one connection at once: the run's and an untouched run's.
+    const heldBefore = await metricSum(adminBase, "runfeed_router_held_feeds", ['kind="run"']);
+    const other = await fx.createRun(sdkEnv, { status: "EXECUTING" });
+    const otherSnap = await h2get(session, runPath(other, { offset: "-1" }), { token: sdkToken });
+    const held = h2get(
+      session,
+      runPath(other, { handle: otherSnap.headers["electric-handle"], offset: otherSnap.headers["electric-offset"], live: "true" }),
+      { token: sdkToken, timeoutMs: 60000 }
+    );
+    const live = h2get(session, runPath(run, { handle, offset, live: "true" }), { token: sdkToken });
+    await waitFor(() => metricSum(adminBase, "runfeed_router_held_feeds", ['kind="run"']).then((n) => n >= heldBefore + 2), {
+      what: "both live polls held by runfeed",
+      timeoutMs: 5000,
+    });
+    const t0 = Date.now();
+    await fx.updateAndPublish(run, { status: "WAITING_TO_RESUME" });
+    const res = await live;
+    assert.equal(res.status, 200, res.text);
+    assert.match(res.text, /WAITING_TO_RESUME/);
+    assert.ok(Date.now() - t0 < 5000, `the change arrived after ${Date.now() - t0} ms`);
+    session.destroy(); // ends the other poll at once (close() would wait for its hold)
+    await held.catch(() => {});
+  });
+
+  test(`${kind}: over TLS the upstream request is HTTP/1.1 with X-Forwarded-Proto https`, async () => {
+    const session = await h2connect(stubProxy.tlsBase);
+    world.track(() => session.destroy());
+    try {
+      const res = await h2get(session, "/realtime/v1/runs/echo", { token: "tok" });
+      assert.equal(res.status, 200, res.text);
+      assert.equal(res.json.via, "feed");
+      assert.equal(res.json.httpVersion, "1.1", "runfeed is reached over HTTP/1.1");
+      assert.equal(res.json.headers["x-forwarded-proto"], "https", JSON.stringify(res.json.headers));
+      assert.equal(res.json.headers.authorization, "Bearer tok");
+    } finally {
+      session.close();
+    }
   });
 
   test(`${kind}: a live poll held the full 20 s is not cut`, async () => {

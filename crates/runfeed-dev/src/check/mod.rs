@@ -1,5 +1,5 @@
-//! The randomized, fault-injecting delivery checker behind `runfeed-bench check` (README
-//! "Correctness checker"), in the spirit of Jepsen and of Electric's client invariants.
+//! The randomized, fault-injecting delivery checker behind `runfeed-bench check` (CORRECTNESS.md
+//! "The checker"), in the spirit of Jepsen and of Electric's client invariants.
 //!
 //! A check runs for a bounded time against 1–3 `runfeed serve` instances sharing one fresh
 //! Postgres database (optionally read through a lagging streaming replica) and one Redis (its

@@ -349,7 +349,7 @@ impl ReplicaControl {
     /// replayed transaction (`pg_last_xact_replay_timestamp()`) while the replica has received
     /// WAL it has not replayed yet, and 0 when it has replayed all it received. Without that
     /// condition a quiet primary (the checker's writers stop for the convergence tail) reads as
-    /// a growing lag: the 11–13 s "replay lag" of the earlier replica runs in CORRECTNESS.md.
+    /// a growing lag (11–13 s by the end of a run).
     ///
     /// # Errors
     /// When the query fails.

@@ -1,10 +1,24 @@
-{{/* Names and labels. */}}
+{{/* Names and labels. The fullname follows Helm's usual rule: fullnameOverride if set, else the
+release name when it already contains the chart name (release `runfeed` → `runfeed`), else
+`<release>-<chart name>` (release `trigger` → `trigger-runfeed`); nameOverride replaces the chart name. */}}
+{{- define "runfeed.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "runfeed.fullname" -}}
-{{- printf "%s-runfeed" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- if contains (include "runfeed.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "runfeed.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "runfeed.selectorLabels" -}}
-app.kubernetes.io/name: runfeed
+app.kubernetes.io/name: {{ include "runfeed.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 

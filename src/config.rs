@@ -160,7 +160,7 @@ pub struct FeedsConfig {
     /// `min(this, limit / 16)`; 0, or a limit under 16, counts every live poll exactly with one
     /// Redis script call. Tolerance: an environment may be refused up to
     /// `(instances − 1) × block` polls before its limit, never admitted past it
-    /// (docs/self-host.md "Concurrency limit").
+    /// (docs/operations.md "Concurrency limit").
     pub concurrency_lease_slots: u64,
     /// Most tags in one tag-feed filter; more → 400 (422 legacy) (100).
     pub max_tags: usize,

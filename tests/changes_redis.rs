@@ -553,7 +553,7 @@ async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
     admin.quit().await.expect("quit");
 }
 
-/// Leased concurrency slots (`feeds.concurrency_lease_slots`, docs/self-host.md "Concurrency
+/// Leased concurrency slots (`feeds.concurrency_lease_slots`, docs/operations.md "Concurrency
 /// limit"), two instances on one environment's sorted set: the fleet never admits past the
 /// limit; an instance refuses at most the other instances' unused blocks early; polls that end
 /// and come back cost no Redis call; trimmed and returned slots free the set for the other

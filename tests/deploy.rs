@@ -1370,4 +1370,3 @@ fn dockerfile_checks_catch_a_bad_dockerfile() {
         [3030]
     );
 }
-

@@ -719,7 +719,10 @@ fn compose_guide_has_the_exact_up_line_and_names_the_version() {
         "RUNFEED_HANDLE_SECRET",
         "TRAEFIK_WEBAPP_HOST",
     ] {
-        assert!(readme.contains(var), "docs/install-compose.md does not explain {var}");
+        assert!(
+            readme.contains(var),
+            "docs/install-compose.md does not explain {var}"
+        );
     }
     let required: BTreeSet<String> = read(OVERLAY)
         .split("${")

@@ -167,7 +167,11 @@ fn anchors(text: &str) -> BTreeSet<String> {
     for h in headings(text) {
         let s = slug(&h);
         let n = seen.entry(s.clone()).or_insert(0);
-        out.insert(if *n == 0 { s.clone() } else { format!("{s}-{n}") });
+        out.insert(if *n == 0 {
+            s.clone()
+        } else {
+            format!("{s}-{n}")
+        });
         *n += 1;
     }
     out
@@ -221,13 +225,17 @@ fn check_links(
             continue;
         }
         if !exists(&resolved) {
-            p.push(format!("{file}:{n}: link to {target}: {resolved} does not exist"));
+            p.push(format!(
+                "{file}:{n}: link to {target}: {resolved} does not exist"
+            ));
             continue;
         }
         if let (Some(anchor), true) = (anchor, resolved.ends_with(".md")) {
             let linked = text_of(&resolved).unwrap_or_default();
             if !anchors(&linked).contains(anchor) {
-                p.push(format!("{file}:{n}: link to {target}: no heading #{anchor} in {resolved}"));
+                p.push(format!(
+                    "{file}:{n}: link to {target}: no heading #{anchor} in {resolved}"
+                ));
             }
         }
     }
@@ -289,7 +297,10 @@ fn check_paths(file: &str, md: &Md, exists: &dyn Fn(&str) -> bool) -> Vec<String
     for (n, w) in code_words(md) {
         let w = w.trim_start_matches("$RUNFEED/");
         // kubectl names resources `deploy/<name>`, `svc/<name>`: not paths.
-        let kubectl = md.code.iter().any(|(m, c)| *m == n && c.trim_start().starts_with("kubectl"));
+        let kubectl = md
+            .code
+            .iter()
+            .any(|(m, c)| *m == n && c.trim_start().starts_with("kubectl"));
         if kubectl {
             continue;
         }
@@ -346,7 +357,9 @@ fn check_commands(
                     let found = exists(&format!("tests/{t}.rs"))
                         || exists(&format!("crates/runfeed-dev/tests/{t}.rs"));
                     if !found && !t.is_empty() && !t.starts_with('-') {
-                        p.push(format!("{file}:{n}: cargo test --test {t}: no such test target"));
+                        p.push(format!(
+                            "{file}:{n}: cargo test --test {t}: no such test target"
+                        ));
                     }
                 }
                 "runfeed"
@@ -412,9 +425,11 @@ fn config_names() -> (BTreeSet<String>, BTreeSet<String>) {
 fn code_corpus() -> String {
     let mut out = String::new();
     for f in repo_files() {
-        let code = [".rs", ".sh", ".mjs", ".js", ".yml", ".yaml", ".toml", ".tpl", ".cfg", ".conf"]
-            .iter()
-            .any(|e| f.ends_with(e))
+        let code = [
+            ".rs", ".sh", ".mjs", ".js", ".yml", ".yaml", ".toml", ".tpl", ".cfg", ".conf",
+        ]
+        .iter()
+        .any(|e| f.ends_with(e))
             || f.ends_with("Dockerfile")
             || f.ends_with("Caddyfile")
             || f.starts_with(".ci/");
@@ -435,7 +450,9 @@ fn check_env(file: &str, text: &str, config_envs: &BTreeSet<String>, corpus: &st
             config_envs.contains(&name) || corpus.contains(&name)
         };
         if !known {
-            p.push(format!("{file}: {name} is neither a configuration key's variable nor read anywhere"));
+            p.push(format!(
+                "{file}: {name} is neither a configuration key's variable nor read anywhere"
+            ));
         }
     }
     p
@@ -453,7 +470,9 @@ fn check_config_keys(file: &str, md: &Md, keys: &BTreeSet<String>) -> Vec<String
             continue;
         }
         let w = w.trim_matches(|c| c == '[' || c == ']');
-        let Some((section, key)) = w.split_once('.') else { continue };
+        let Some((section, key)) = w.split_once('.') else {
+            continue;
+        };
         if sections.contains(section)
             && !key.is_empty()
             && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
@@ -474,7 +493,8 @@ fn metric_names(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = text;
     while let Some(i) = rest.find("runfeed_") {
-        let before_ok = i == 0 || !rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+        let before_ok =
+            i == 0 || !rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
         let tail = &rest[i..];
         let end = tail
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
@@ -500,7 +520,9 @@ fn check_metrics(file: &str, text: &str, families: &BTreeSet<String>) -> Vec<Str
             .find_map(|s| name.strip_suffix(s).filter(|f| families.contains(*f)))
             .unwrap_or(&name);
         if !families.contains(family) {
-            p.push(format!("{file}: metric {name} is not declared in src/telemetry/metrics.rs"));
+            p.push(format!(
+                "{file}: metric {name} is not declared in src/telemetry/metrics.rs"
+            ));
         }
     }
     p
@@ -531,7 +553,11 @@ fn check_citations(file: &str, text: &str) -> Vec<String> {
                 if !before.ends_with(|c: char| c.is_ascii_alphanumeric())
                     && after.starts_with(|c: char| c.is_ascii_digit())
                 {
-                    p.push(format!("{file}:{n}: cites \"{}\": {}", word.trim(), line.trim()));
+                    p.push(format!(
+                        "{file}:{n}: cites \"{}\": {}",
+                        word.trim(),
+                        line.trim()
+                    ));
                 }
                 rest = after;
             }
@@ -545,7 +571,10 @@ fn check_citations(file: &str, text: &str) -> Vec<String> {
             }
         }
         if lower.contains("../shared") {
-            p.push(format!("{file}:{n}: names a path outside the repository: {}", line.trim()));
+            p.push(format!(
+                "{file}:{n}: names a path outside the repository: {}",
+                line.trim()
+            ));
         }
     }
     p
@@ -557,11 +586,16 @@ fn commented_files() -> Vec<String> {
         .into_iter()
         .filter(|f| f != "tests/docs.rs")
         .filter(|f| {
-            let code_dir = ["src/", "crates/", "tests/", "scripts/", "deploy/", "grafana/", ".ci/", "config/"]
-                .iter()
-                .any(|d| f.starts_with(d));
+            let code_dir = [
+                "src/", "crates/", "tests/", "scripts/", "deploy/", "grafana/", ".ci/", "config/",
+            ]
+            .iter()
+            .any(|d| f.starts_with(d));
             let root = ["Dockerfile", "docker-compose.yml", "Cargo.toml"].contains(&f.as_str());
-            (code_dir || root) && !f.ends_with(".png") && !f.ends_with(".lock") && !f.ends_with(".json")
+            (code_dir || root)
+                && !f.ends_with(".png")
+                && !f.ends_with(".lock")
+                && !f.ends_with(".json")
         })
         .collect()
 }
@@ -613,21 +647,14 @@ fn check_section_citations(
     p
 }
 
-/// Comments in files other branches are changing at the same time; reworded there.
-const SECTION_CITATIONS_REWORDED_ELSEWHERE: &[&str] = &[
-    "Cargo.toml",
-    "src/http/serve.rs",
-    "src/http/mod.rs",
-    "src/redis/limit.rs",
-    "src/router/tests.rs",
-    "crates/runfeed-dev/src/bin/runfeed-bench.rs",
-];
-
 // ---------------------------------------------------------------------------------------------
 // Generated blocks
 
 fn block<'a>(text: &'a str, marker: &str) -> Result<&'a str, String> {
-    let (start, end) = (format!("<!-- {marker}:start -->"), format!("<!-- {marker}:end -->"));
+    let (start, end) = (
+        format!("<!-- {marker}:start -->"),
+        format!("<!-- {marker}:end -->"),
+    );
     let (Some(s), Some(e)) = (text.find(&start), text.find(&end)) else {
         return Err(format!("no {start} … {end} block"));
     };
@@ -639,7 +666,8 @@ fn block<'a>(text: &'a str, marker: &str) -> Result<&'a str, String> {
 
 fn check_generated(file: &str, text: &str, marker: &str, generated: &str) -> Result<(), String> {
     let how = "regenerate it with `bash scripts/config-reference.sh`";
-    let found = block(text, marker).map_err(|e| format!("{file}: {e}; add the markers and {how}"))?;
+    let found =
+        block(text, marker).map_err(|e| format!("{file}: {e}; add the markers and {how}"))?;
     if found == generated.trim() {
         return Ok(());
     }
@@ -648,16 +676,28 @@ fn check_generated(file: &str, text: &str, marker: &str, generated: &str) -> Res
         .zip(generated.trim().lines())
         .enumerate()
         .find(|(_, (a, b))| a != b)
-        .map(|(i, (a, b))| format!("first difference at block line {}:\n  doc:       {a}\n  generated: {b}", i + 1))
+        .map(|(i, (a, b))| {
+            format!(
+                "first difference at block line {}:\n  doc:       {a}\n  generated: {b}",
+                i + 1
+            )
+        })
         .unwrap_or_else(|| "the generated block has more or fewer lines".into());
-    Err(format!("{file}: the {marker} block is stale; {how}.\n{first}"))
+    Err(format!(
+        "{file}: the {marker} block is stale; {how}.\n{first}"
+    ))
 }
 
 // =============================================================================================
 // Tests on the repository
 
 fn assert_none(problems: Vec<String>) {
-    assert!(problems.is_empty(), "{} problem(s):\n{}", problems.len(), problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "{} problem(s):\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
 }
 
 #[test]
@@ -694,7 +734,10 @@ fn dashboards_alerts_and_chart_name_only_declared_metrics() {
     let fams = families();
     let mut p = Vec::new();
     for f in repo_files() {
-        if f.starts_with("grafana/") || f.starts_with("deploy/helm/") || f.starts_with("deploy/proxies/") {
+        if f.starts_with("grafana/")
+            || f.starts_with("deploy/helm/")
+            || f.starts_with("deploy/proxies/")
+        {
             p.extend(check_metrics(&f, &read(&f), &fams));
         }
     }
@@ -727,7 +770,11 @@ fn the_generated_references_are_current() {
 fn the_readme_is_an_entrance() {
     let readme = read("README.md");
     let lines: Vec<&str> = readme.lines().collect();
-    assert!(lines.len() <= 150, "README.md has {} lines (at most 150)", lines.len());
+    assert!(
+        lines.len() <= 150,
+        "README.md has {} lines (at most 150)",
+        lines.len()
+    );
     let long: Vec<String> = lines
         .iter()
         .enumerate()
@@ -749,7 +796,10 @@ fn the_readme_is_an_entrance() {
         "docs/http-api.md",
         "CONTRIBUTING.md",
     ] {
-        assert!(readme.contains(&format!("]({page})")), "the README's index lacks {page}");
+        assert!(
+            readme.contains(&format!("]({page})")),
+            "the README's index lacks {page}"
+        );
     }
 }
 
@@ -762,7 +812,8 @@ fn figures_pages_hold_no_history() {
         for (n, code) in &md.code {
             let c = code.trim();
             if (7..=40).contains(&c.len())
-                && c.chars().all(|ch| ch.is_ascii_hexdigit() && !ch.is_ascii_uppercase())
+                && c.chars()
+                    .all(|ch| ch.is_ascii_hexdigit() && !ch.is_ascii_uppercase())
                 && c.chars().any(|ch| ch.is_ascii_alphabetic())
             {
                 p.push(format!("{f}:{n}: a commit id `{c}`"));
@@ -779,7 +830,10 @@ fn figures_pages_hold_no_history() {
                     && &s[7..8] == "-"
                     && s[8..].chars().all(|c| c.is_ascii_digit());
                 if date {
-                    p.push(format!("{f}:{}: a date ({s}): figures are current, not dated", i + 1));
+                    p.push(format!(
+                        "{f}:{}: a date ({s}): figures are current, not dated",
+                        i + 1
+                    ));
                 }
             }
             for word in ["before/after", "this round", "step 1", "step 2", "step 3"] {
@@ -840,9 +894,6 @@ fn comments_cite_sections_that_exist() {
     let headings_of = |doc: &str| headings(&read(doc));
     let mut p = Vec::new();
     for f in commented_files() {
-        if SECTION_CITATIONS_REWORDED_ELSEWHERE.contains(&f.as_str()) {
-            continue;
-        }
         if let Ok(text) = std::fs::read_to_string(repo().join(&f)) {
             p.extend(check_section_citations(&f, &text, &headings_of));
         }
@@ -855,24 +906,38 @@ fn comments_cite_sections_that_exist() {
 
 #[test]
 fn slugs_and_anchors_follow_github() {
-    assert_eq!(slug("What each `/readyz` body means"), "what-each-readyz-body-means");
-    assert_eq!(slug("Many feeds in one browser tab: HTTP/2"), "many-feeds-in-one-browser-tab-http2");
+    assert_eq!(
+        slug("What each `/readyz` body means"),
+        "what-each-readyz-body-means"
+    );
+    assert_eq!(
+        slug("Many feeds in one browser tab: HTTP/2"),
+        "many-feeds-in-one-browser-tab-http2"
+    );
     let a = anchors("# A\n## Setup\n```\n# not a heading\n```\n## Setup\n");
     assert!(a.contains("setup") && a.contains("setup-1") && !a.contains("not-a-heading"));
 }
 
 #[test]
 fn link_check_catches_missing_files_and_anchors() {
-    let files: BTreeMap<&str, &str> = [("docs/a.md", "# Title\n## Here\n"), ("README.md", "")].into();
+    let files: BTreeMap<&str, &str> =
+        [("docs/a.md", "# Title\n## Here\n"), ("README.md", "")].into();
     let exists = |p: &str| files.contains_key(p);
     let text_of = |p: &str| files.get(p).map(|t| t.to_string());
-    let text = "[ok](docs/a.md#here) [gone](docs/b.md) [anchor](docs/a.md#there) [web](https://x.y/z) \
+    let text =
+        "[ok](docs/a.md#here) [gone](docs/b.md) [anchor](docs/a.md#there) [web](https://x.y/z) \
                 [pending](CHANGELOG.md) `[in code](docs/c.md)`";
     let p = check_links("README.md", text, &exists, &text_of);
     assert_eq!(p.len(), 2, "{p:#?}");
     assert!(p[0].contains("docs/b.md does not exist") && p[1].contains("no heading #there"));
     // Relative to the linking file's directory.
-    assert!(check_links("docs/x.md", "[up](../README.md) [side](a.md#title)", &exists, &text_of).is_empty());
+    assert!(check_links(
+        "docs/x.md",
+        "[up](../README.md) [side](a.md#title)",
+        &exists,
+        &text_of
+    )
+    .is_empty());
 }
 
 #[test]
@@ -886,7 +951,13 @@ fn name_checks_catch_what_does_not_exist() {
     let p = check_commands("x.md", &md, &exists, &subs);
     assert_eq!(p.len(), 3, "{p:#?}");
     let p = check_paths("x.md", &md, &exists);
-    assert_eq!(p, ["x.md:1: scripts/gone.sh does not exist", "x.md:1: src/nope.rs does not exist"]);
+    assert_eq!(
+        p,
+        [
+            "x.md:1: scripts/gone.sh does not exist",
+            "x.md:1: src/nope.rs does not exist"
+        ]
+    );
 
     let envs: BTreeSet<String> = ["RUNFEED_FEEDS__MAX_TAGS".to_string()].into();
     let text = "RUNFEED_FEEDS__MAX_TAGS, RUNFEED_FEEDS__MAX_TAG, SKIP_FUZZ=1 and SKIP_NOTHING, RUNFEED_DEV_PORT";
@@ -899,7 +970,10 @@ fn name_checks_catch_what_does_not_exist() {
 
     let fams: BTreeSet<String> = ["runfeed_http_duration_milliseconds".to_string()].into();
     let text = "runfeed_http_duration_milliseconds_bucket runfeed_http_gone_total runfeed_demo runfeed_e2e_x";
-    assert_eq!(check_metrics("x.md", text, &fams), ["x.md: metric runfeed_http_gone_total is not declared in src/telemetry/metrics.rs"]);
+    assert_eq!(
+        check_metrics("x.md", text, &fams),
+        ["x.md: metric runfeed_http_gone_total is not declared in src/telemetry/metrics.rs"]
+    );
 }
 
 #[test]
@@ -925,6 +999,9 @@ fn generated_block_check_catches_a_stale_block() {
     assert!(check_generated("x.md", &ok, "m", generated).is_ok());
     let stale = "# x\n<!-- m:start -->\n| a | b |\n| c | old |\n<!-- m:end -->\n";
     let err = check_generated("x.md", stale, "m", generated).unwrap_err();
-    assert!(err.contains("scripts/config-reference.sh") && err.contains("| c | old |"), "{err}");
+    assert!(
+        err.contains("scripts/config-reference.sh") && err.contains("| c | old |"),
+        "{err}"
+    );
     assert!(check_generated("x.md", "# no markers", "m", generated).is_err());
 }

@@ -765,3 +765,109 @@ async fn hop_right_after_a_change_holds_instead_of_redelivering() {
         next.offset()
     );
 }
+
+/// Fleet: a quiet hold (nothing new) is answered without writing the shared cursor; its
+/// `electric-cursor` carries the response's wall time and that it vouched for its gap
+/// (docs/operations.md "Fleet"). Once the offset's stored cursor is older than the replay
+/// buffer, a client's next poll landing on the other instance replays from the echoed time: it
+/// holds without reading the store, and a change made during its hold reaches it from the
+/// router. The same poll with an unvouched (odd) cursor cannot be trusted that far: it re-reads
+/// the feed from the store before holding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hop_after_a_quiet_hold_replays_from_the_echoed_cursor_without_a_store_read() {
+    let srv = TestServer::start_with(500, |c| c.router.hop_margin_ms = 200).await;
+    let peer = srv.peer(|_| {}).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &["quiet"]).await;
+    let h = modern(&env.api_key);
+    let warm = run_url(&run.friendly_id).snapshot();
+    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
+    let url = tag_url("quiet");
+    // Two clients of the feed (two handles), each polling A through quiet holds until the
+    // state stored at their snapshot is older than the replay buffer (2 s).
+    let (trusting, distrusting) = tokio::join!(
+        quiet_holds(&srv, &url, &h, Duration::from_millis(2_600)),
+        quiet_holds(&srv, &url, &h, Duration::from_millis(2_600)),
+    );
+    let cursor: u64 = trusting
+        .cursor()
+        .expect("cursor")
+        .parse()
+        .expect("numeric cursor");
+    assert_eq!(
+        cursor % 2,
+        0,
+        "a trusted quiet hold's cursor vouches (even)"
+    );
+
+    let b_queries = || peer.running.store.query_count();
+    let router = peer.running.router.clone();
+    // The unvouched cursor first: B reads the store before it holds.
+    let q0 = b_queries();
+    let odd = (distrusting
+        .cursor()
+        .expect("cursor")
+        .parse::<u64>()
+        .expect("numeric")
+        | 1)
+    .to_string();
+    let distrusted = url.live(&distrusting.handle(), &distrusting.offset(), Some(&odd));
+    let held_before = router.held_feeds().1;
+    let poll = srv.fetch_at(&peer.base, &distrusted, &h);
+    let check = async {
+        wait_until(WAIT, "held on B", || router.held_feeds().1 > held_before).await;
+        assert!(
+            b_queries() > q0,
+            "an unvouched cursor is re-checked against the store"
+        );
+    };
+    let (r, ()) = within(WAIT, "distrusted poll", async { tokio::join!(poll, check) }).await;
+    r.assert_status(200);
+
+    // The vouched cursor: B holds without a store read, and a change during the hold reaches it.
+    let q1 = b_queries();
+    let held_before = router.held_feeds().1;
+    let trusted = url.live_after(&trusting);
+    let poll = srv.fetch_at(&peer.base, &trusted, &h);
+    let change = async {
+        wait_until(WAIT, "held on B", || router.held_feeds().1 > held_before).await;
+        assert_eq!(
+            b_queries() - q1,
+            0,
+            "B trusted the echoed cursor: no store read"
+        );
+        srv.change(&env, &run.id, &["quiet"], None, "EXECUTING")
+            .await;
+    };
+    let (woken, ()) = within(WAIT, "wake on B", async { tokio::join!(poll, change) }).await;
+    woken.assert_status(200);
+    assert_eq!(
+        woken.ops(),
+        vec![("update".to_string(), run.id.clone())],
+        "{}",
+        woken.text
+    );
+}
+
+/// A snapshot of `url` on `srv`, then quiet live holds there until `at_least` has passed; the
+/// last response (its offset still the snapshot's).
+async fn quiet_holds(
+    srv: &TestServer,
+    url: &Url,
+    h: &[(String, String)],
+    at_least: Duration,
+) -> Resp {
+    let started = Instant::now();
+    let snap = srv.fetch(&url.snapshot(), h).await;
+    snap.assert_status(200);
+    let offset = snap.offset();
+    let mut last = snap;
+    while started.elapsed() < at_least {
+        let next = srv.fetch(&url.live_after(&last), h).await;
+        next.assert_status(200);
+        assert!(next.is_bare_up_to_date(), "{}", next.text);
+        assert_eq!(next.offset(), offset, "nothing new: the offset stays");
+        last = next;
+    }
+    last
+}

@@ -1285,15 +1285,21 @@ fn resources_follow_helms_fullname_rule() {
         resource_names(&own)
     );
     let contains = render_chart_in(CHART, "", "prod-runfeed").unwrap_or_else(|e| panic!("{e}"));
-    assert!(resource_names(&contains).iter().all(|n| n == "prod-runfeed"));
+    assert!(resource_names(&contains)
+        .iter()
+        .all(|n| n == "prod-runfeed"));
     // Any other release: `<release>-runfeed`.
     let other = render_chart_in(CHART, "", "trigger").unwrap_or_else(|e| panic!("{e}"));
-    assert!(resource_names(&other).iter().all(|n| n == "trigger-runfeed"));
+    assert!(resource_names(&other)
+        .iter()
+        .all(|n| n == "trigger-runfeed"));
     // fullnameOverride wins; nameOverride replaces the chart name (and the name label).
     let full = render_chart_in(CHART, "fullnameOverride: feeds", "trigger").unwrap();
     assert!(resource_names(&full).iter().all(|n| n == "feeds"));
     let named = render_chart_in(CHART, "nameOverride: realtime", "trigger").unwrap();
-    assert!(resource_names(&named).iter().all(|n| n == "trigger-realtime"));
+    assert!(resource_names(&named)
+        .iter()
+        .all(|n| n == "trigger-realtime"));
     let deploy = kind(&named, "Deployment").unwrap();
     assert_eq!(
         deploy["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
@@ -1355,11 +1361,20 @@ fn prometheus_rule_alerts_on_5xx_429s_delivery_lag_and_memory() {
                 .find_map(|suffix| m.strip_suffix(suffix))
                 .unwrap_or(&m);
             if !exported.iter().any(|e| e == family) {
-                problems.push(format!("{:?}: {m} is not a metric runfeed exports", r["alert"]));
+                problems.push(format!(
+                    "{:?}: {m} is not a metric runfeed exports",
+                    r["alert"]
+                ));
             }
         }
-        if r["for"].is_null() || r["labels"]["severity"].is_null() || r["annotations"]["summary"].is_null() {
-            problems.push(format!("{:?}: needs for, a severity and a summary", r["alert"]));
+        if r["for"].is_null()
+            || r["labels"]["severity"].is_null()
+            || r["annotations"]["summary"].is_null()
+        {
+            problems.push(format!(
+                "{:?}: needs for, a severity and a summary",
+                r["alert"]
+            ));
         }
     }
     assert!(problems.is_empty(), "{problems:#?}");
@@ -1370,12 +1385,16 @@ fn prometheus_rule_alerts_on_5xx_429s_delivery_lag_and_memory() {
             .find(|e| e.contains(needle))
             .unwrap_or_else(|| panic!("no alert on {needle}"))
     };
-    assert!(expr_of("status=~\"5..\"").ends_with("> 0.05"), "the 5xx threshold comes from values");
+    assert!(
+        expr_of("status=~\"5..\"").ends_with("> 0.05"),
+        "the 5xx threshold comes from values"
+    );
     expr_of("runfeed_feeds_concurrency_rejections_total");
-    assert!(expr_of("runfeed_feeds_delivery_lag_milliseconds_bucket").contains("histogram_quantile(0.99"));
+    assert!(expr_of("runfeed_feeds_delivery_lag_milliseconds_bucket")
+        .contains("histogram_quantile(0.99"));
     assert!(expr_of("runfeed_process_resident_memory_bytes").ends_with("> 123456789"));
     // No alert on a publisher `serve` never creates.
-    assert!(rules
-        .iter()
-        .all(|r| !s(&r["expr"]).unwrap_or("").contains("runfeed_notifier_publishes_total")));
+    assert!(rules.iter().all(|r| !s(&r["expr"])
+        .unwrap_or("")
+        .contains("runfeed_notifier_publishes_total")));
 }

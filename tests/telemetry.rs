@@ -1031,13 +1031,19 @@ fn the_declared_instruments_are_exactly_the_exported_families() {
 /// the `datasource` template variable, never a fixed datasource uid.
 #[test]
 fn the_dashboard_takes_its_datasource_from_a_variable() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/grafana/dashboards/runfeed.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/grafana/dashboards/runfeed.json"
+    );
     let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("read dashboard"))
         .expect("dashboard JSON");
-    let vars = dash["templating"]["list"].as_array().expect("templating.list");
+    let vars = dash["templating"]["list"]
+        .as_array()
+        .expect("templating.list");
     assert!(
-        vars.iter()
-            .any(|v| v["name"] == "datasource" && v["type"] == "datasource" && v["query"] == "prometheus"),
+        vars.iter().any(|v| v["name"] == "datasource"
+            && v["type"] == "datasource"
+            && v["query"] == "prometheus"),
         "no `datasource` variable of type datasource (prometheus): {vars:?}"
     );
     fn walk(v: &Value, uses: &mut usize, fixed: &mut Vec<String>) {
@@ -1059,5 +1065,8 @@ fn the_dashboard_takes_its_datasource_from_a_variable() {
     let (mut uses, mut fixed) = (0, Vec::new());
     walk(&dash["panels"], &mut uses, &mut fixed);
     assert!(fixed.is_empty(), "fixed datasource uids: {fixed:?}");
-    assert!(uses >= 20, "only {uses} datasource references use the variable");
+    assert!(
+        uses >= 20,
+        "only {uses} datasource references use the variable"
+    );
 }

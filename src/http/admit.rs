@@ -5,7 +5,7 @@
 //! released the moment the poll ends — including when the client disconnects, since the
 //! [`Slot`] guard is dropped with the request future.
 //!
-//! **Leased slots** (`feeds.concurrency_lease_slots`, docs/self-host.md "Concurrency limit"): an
+//! **Leased slots** (`feeds.concurrency_lease_slots`, docs/operations.md "Concurrency limit"): an
 //! instance takes slots from Redis in blocks and admits live polls from them locally, so a live
 //! poll that ends and is re-polled costs no Redis command. The instance keeps at most one block
 //! of unused slots per environment (trimmed every [`TRIM_EVERY`]; all of them

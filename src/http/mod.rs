@@ -47,8 +47,9 @@ pub use error::{ApiError, ClientGeneration};
 pub const CURRENT_API_VERSION: &str = "2025-07-16";
 
 /// Response header of a tag feed whose `createdAt` asked for more than
-/// `feeds.maximum_created_at_filter_age_ms`: its value is the window served, ms (README,
-/// "Protocol"). Without it, the requested window was served as asked.
+/// `feeds.maximum_created_at_filter_age_ms`: its value is the window served, ms
+/// (docs/http-api.md "`createdAt` clamp (tag feeds)"). Without it, the requested window was
+/// served as asked.
 pub const CREATED_AT_CLAMPED_HEADER: &str = "x-runfeed-created-at-clamped";
 
 /// Shared state of the HTTP layer.
@@ -578,7 +579,7 @@ const NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 /// A feed's 200: its headers are built in one map sized once, from static values plus the
 /// reply's Electric values (whose strings become header values without a copy), CORS included
 /// (the layer then leaves the response alone). This is the fan-out write path: one change to
-/// N feeds builds N of these (BENCHMARKS.md §0.2).
+/// N feeds builds N of these (BENCHMARKS.md "Fan-out").
 fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
     let mut headers = HeaderMap::with_capacity(FEED_RESPONSE_HEADERS);
     headers.insert(CONTENT_TYPE, JSON);

@@ -1,5 +1,5 @@
 //! The HTTP/1.1 accept loop: one tokio task per connection, with the per-connection bounds
-//! axum's own `serve` does not expose (README "Request limits").
+//! axum's own `serve` does not expose (docs/http-api.md "Request limits").
 //!
 //! - **Slow clients (slowloris):** a request head must arrive complete within
 //!   `header_read_timeout` (hyper's `header_read_timeout`, measured from the first poll of an

@@ -203,7 +203,7 @@ impl ConcurrencyScript {
     ///
     /// Releases queue for one task that sends whatever has queued up as one pipeline with one
     /// `ZREM key member…` per environment: one change that answers 10 000 live polls of one
-    /// environment costs about ten commands, not 10 000 tasks and commands (BENCHMARKS.md §0.2).
+    /// environment costs about ten commands, not 10 000 tasks and commands (BENCHMARKS.md "Fan-out").
     pub fn release(&self, env_id: &str, member: String) {
         if let Some(releases) = &self.releases {
             if releases.try_send((env_id.to_string(), member)).is_err() {

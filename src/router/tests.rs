@@ -789,7 +789,7 @@ async fn a_burst_of_100_records_on_one_run_costs_at_most_3_hydrates() {
 /// They are all woken from the hydrate task at once: that does not starve new connections,
 /// because tokio polls the I/O driver every 61 task polls and runs what it wakes next
 /// (`runfeed-bench fanout` reports new-connection answer times during the wake; batching the
-/// wakes made them worse, BENCHMARKS.md §0.2b).
+/// wakes made them worse, BENCHMARKS.md "Fan-out").
 #[tokio::test]
 async fn rtr_16_thousand_tag_feeds_one_hydrate_thousand_deliveries() {
     let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);

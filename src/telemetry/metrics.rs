@@ -479,7 +479,8 @@ pub mod recorded {
         kind: RecordedKind::Histogram,
         unit: "ms",
         labels: &["path"],
-        description: "Now minus the newest emitted row's updatedAt, per live emission, by delivery path",
+        description:
+            "Now minus the newest emitted row's updatedAt, per live emission, by delivery path",
     };
 
     /// `runfeed.feeds.emitted_rows` (histogram).
@@ -524,7 +525,8 @@ pub mod recorded {
         kind: RecordedKind::Counter,
         unit: "{lookup}",
         labels: &["result"],
-        description: "Lookups of this instance's per-connection state (working set, replay cursor) by result",
+        description:
+            "Lookups of this instance's per-connection state (working set, replay cursor) by result",
     };
 
     /// `runfeed.runset.resolves` (counter).
@@ -542,7 +544,8 @@ pub mod recorded {
         kind: RecordedKind::Histogram,
         unit: "ms",
         labels: &["kind", "result"],
-        description: "Latency of run-set store reads (resolve and hydrate), by feed kind and result",
+        description:
+            "Latency of run-set store reads (resolve and hydrate), by feed kind and result",
     };
 
     /// `runfeed.runset.admission_waits` (counter).
@@ -569,7 +572,8 @@ pub mod recorded {
         kind: RecordedKind::Histogram,
         unit: "ms",
         labels: &["route", "status", "live"],
-        description: "Time to the response head by route, status and live (live=true: the poll hold)",
+        description:
+            "Time to the response head by route, status and live (live=true: the poll hold)",
     };
 
     /// `runfeed.http.sent` (counter).
@@ -596,7 +600,8 @@ pub mod recorded {
         kind: RecordedKind::Histogram,
         unit: "{run}",
         labels: &[],
-        description: "Runs per router hydrate query (all environments of a batch, one query per column set)",
+        description:
+            "Runs per router hydrate query (all environments of a batch, one query per column set)",
     };
 
     /// All of them, in declaration order.
@@ -1042,10 +1047,20 @@ mod tests {
         assert_eq!(all.len(), recorded::ALL.len() + observed::ALL.len());
         let mut names: Vec<&str> = all.iter().map(|e| e.prometheus.as_str()).collect();
         names.dedup();
-        assert_eq!(names.len(), all.len(), "a Prometheus name is declared twice");
-        assert!(all.iter().any(|e| e.prometheus == "runfeed_feeds_delivery_lag_milliseconds"));
-        assert!(all.iter().any(|e| e.prometheus == "runfeed_http_sent_bytes_total"));
-        assert!(all.iter().any(|e| e.prometheus == "runfeed_router_held_feeds"));
+        assert_eq!(
+            names.len(),
+            all.len(),
+            "a Prometheus name is declared twice"
+        );
+        assert!(all
+            .iter()
+            .any(|e| e.prometheus == "runfeed_feeds_delivery_lag_milliseconds"));
+        assert!(all
+            .iter()
+            .any(|e| e.prometheus == "runfeed_http_sent_bytes_total"));
+        assert!(all
+            .iter()
+            .any(|e| e.prometheus == "runfeed_router_held_feeds"));
     }
 
     #[test]

@@ -3,11 +3,11 @@
 //! server's database (an environment and runs, written like trigger.dev writes them), mints
 //! public tokens, and publishes change records on Redis (Postgres update + change record).
 //!
-//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see README "Benchmarks"); `held`,
+//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see BENCHMARKS.md "How to reproduce"); `held`,
 //! `fanout` and `churn` take `--transport long-poll|sse|both` (SSE live mode, `live_sse=true`;
 //! `both` measures the two in one run, on the same server, one after the other); plus
 //! `bare`, a tiny axum server that parks every request (the baseline of `held`), and `check`,
-//! the delivery checker (README "Correctness checker", `runfeed_dev::check`). Each scenario
+//! the delivery checker (CORRECTNESS.md "The checker", `runfeed_dev::check`). Each scenario
 //! prints a table and, with `--json FILE`, writes its figures as JSON.
 //!
 //! Server-side figures come from the admin `/metrics` (`--admin-url`) and, for CPU/RSS of a
@@ -83,7 +83,7 @@ enum Scenario {
     /// Fleet, step 3: one change of the hot run; writes its publish time (Unix ms) to
     /// `--go-file`.
     FleetChange(FleetChangeArgs),
-    /// The randomized, fault-injecting delivery checker (README "Correctness checker"): starts
+    /// The randomized, fault-injecting delivery checker (CORRECTNESS.md "The checker"): starts
     /// its own instances, database and Redis, writes, reads and injects faults, then checks
     /// six delivery properties. Exit status 1 on a violation not marked `--known`.
     Check(Box<runfeed_dev::check::CheckArgs>),

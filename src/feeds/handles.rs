@@ -1,0 +1,69 @@
+//! Handles: the claims a handle carries for a feed, checking one the client presents (409 must-
+//! refetch otherwise), and the target a tag feed resumes with (its pinned `createdAt` floor).
+
+use super::*;
+
+impl Feeds {
+    pub(super) fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {
+        let (kind, target) = match &req.target {
+            Target::Run { run_id } => (FeedKind::Run, run_id.to_string()),
+            Target::Tag { tags, .. } => (FeedKind::Tag, filter_digest(tags)),
+            Target::Batch { batch_id } => (FeedKind::Batch, batch_id.to_string()),
+        };
+        HandleClaims {
+            kind,
+            env_id: req.env_id.clone(),
+            target,
+            floor_ms,
+            columns: req.cols.bits(),
+            nonce: rand::rng().random(),
+        }
+    }
+
+    pub(super) fn verify(
+        &self,
+        req: &FeedRequest,
+        handle: &Handle,
+    ) -> Result<HandleClaims, FeedError> {
+        let expected = self.claims_for(req, None);
+        match self.handles.verify(handle) {
+            Ok(claims)
+                if claims.kind == expected.kind
+                    && claims.env_id == expected.env_id
+                    && claims.target == expected.target
+                    && claims.columns == expected.columns =>
+            {
+                Ok(claims)
+            }
+            _ => {
+                let floor = match &req.target {
+                    Target::Tag { floor_ms, .. } => Some(*floor_ms),
+                    _ => None,
+                };
+                Err(FeedError::MustRefetch {
+                    handle: self.handles.mint(&self.claims_for(req, floor)),
+                })
+            }
+        }
+    }
+
+    /// Tag feeds resume with the floor pinned in the handle, re-clamped to the max age (TAG-04).
+    pub(super) fn resume_target(&self, target: &Target, claims: &HandleClaims) -> Target {
+        match (target, claims.floor_ms) {
+            (Target::Tag { tags, .. }, Some(pinned)) => {
+                // The pinned floor wins over the request's `createdAt` (the client resends the
+                // same URL), unless it is older than the max age (a stale or crafted handle).
+                let min_floor = self.min_floor_ms();
+                Target::Tag {
+                    tags: tags.clone(),
+                    floor_ms: bucket(pinned.max(min_floor), self.cfg.runset_created_at_bucket_ms),
+                }
+            }
+            _ => target.clone(),
+        }
+    }
+
+    pub(super) fn min_floor_ms(&self) -> i64 {
+        now_ms() - i64::try_from(self.cfg.maximum_created_at_filter_age_ms).unwrap_or(i64::MAX / 2)
+    }
+}

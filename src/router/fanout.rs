@@ -1,0 +1,285 @@
+//! The fan-out of change records: sequencing and buffering each arrival, matching it against the
+//! index, hydrating the matched runs with ONE store query per column set, serializing each ONCE,
+//! and pushing the shared rows into every matching feed's inbox.
+
+use super::*;
+
+impl Inner {
+    /// Hydrates buffered records for one feed: behind the read-your-writes gate like the live
+    /// path (a record still in its batch's gate wait must not be read early from the replica),
+    /// then the feed's authoritative filter (REP-06/07).
+    pub(super) async fn replay(
+        &self,
+        env_id: &EnvId,
+        filter: &FeedFilter,
+        cols: ColumnSet,
+        buffered: &[Buffered],
+    ) -> Result<Vec<SerializedRow>, ()> {
+        if let Some(gate) = &self.gate {
+            let newest = buffered.iter().map(|b| b.received_at).max();
+            if let Some(newest) = newest {
+                let records: Vec<ChangeRecord> =
+                    buffered.iter().map(|b| b.record.clone()).collect();
+                gate.wait(&records, tokio::time::Instant::from_std(newest))
+                    .await;
+            }
+        }
+        let ids: Vec<RunId> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
+        let rows = self.hydrate(env_id, &ids, cols).await?;
+        Ok(rows
+            .into_values()
+            .filter(|r| filter.accepts(&r.meta))
+            .collect())
+    }
+
+    /// One store query for `ids`, each row serialized once. `Err(())` after logging a failure.
+    pub(super) async fn hydrate(
+        &self,
+        env_id: &EnvId,
+        ids: &[RunId],
+        cols: ColumnSet,
+    ) -> Result<HashMap<RunId, SerializedRow>, ()> {
+        self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
+        match self.store.hydrate(env_id, ids, cols).await {
+            Ok(rows) => {
+                self.stats
+                    .hydrated_rows
+                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
+                Ok(rows
+                    .iter()
+                    .map(|row| (row.id.clone(), serialize_row(row, cols)))
+                    .collect())
+            }
+            Err(err) => {
+                self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%env_id, error = %err, "router hydrate failed; feeds fall back to their backstop");
+                Err(())
+            }
+        }
+    }
+
+    /// Records of `env_id` arrived: queue them for the hydrate stage ([`batch`]), which routes
+    /// them when their batch starts — at once when no hydrate is in flight. `attempt` > 0: a
+    /// re-hydrate of records the stale tripwire withheld (or an echo pass after giving up).
+    pub(super) fn arrive(
+        self: &Arc<Self>,
+        env_id: &EnvId,
+        records: Vec<ChangeRecord>,
+        attempt: u32,
+        arrived: tokio::time::Instant,
+    ) {
+        let Some(env) = self.env(env_id) else { return };
+        env.received.fetch_add(1, Ordering::SeqCst);
+        if let Some(batcher) = self.batcher.get() {
+            batcher.push(Arrival {
+                env_id: env_id.clone(),
+                records,
+                attempt,
+                arrived,
+            });
+        }
+    }
+
+    /// Routes an arrival as its batch starts: sequences its records, buffers them for replay
+    /// and matches them against the feeds held NOW (under the environment's lock, no awaits).
+    /// `None` when no held feed wants them (they stay replayable; nothing to hydrate).
+    ///
+    /// Records are sequenced here and not on arrival: a feed that registers while its records
+    /// wait for the batch is matched when the batch starts, instead of replaying them itself
+    /// with a hydrate of its own.
+    pub(super) fn route(&self, arrival: Arrival) -> Option<Routed> {
+        let env = self.env(&arrival.env_id)?;
+        // Counted routed once sequenced below (the guard runs after the lock is released).
+        struct CountRouted(Arc<Env>);
+        impl Drop for CountRouted {
+            fn drop(&mut self) {
+                self.0.routed.fetch_add(1, Ordering::SeqCst);
+                self.0.routed_changed.notify_waiters();
+            }
+        }
+        let _routed = CountRouted(env.clone());
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        let window = Duration::from_millis(self.cfg.replay_window_ms);
+        let now = Instant::now();
+        let records = arrival.records;
+        let mut state = lock(&env.state);
+        let first_seq = state.last_seq + 1;
+        let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
+        let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
+        for record in &records {
+            state.last_seq += 1;
+            for id in state.candidates(record) {
+                if let Some(slot) = state.feeds.get(&id) {
+                    groups
+                        .entry(slot.cols)
+                        .or_default()
+                        .insert(record.run_id.clone());
+                    matches
+                        .entry(id)
+                        .or_insert_with(|| (slot.clone(), BTreeSet::new()))
+                        .1
+                        .insert(record.run_id.clone());
+                }
+            }
+        }
+        if !window.is_zero() {
+            let cap = self.cfg.replay_max_runs;
+            for (seq, record) in (first_seq..).zip(records.iter().cloned()) {
+                for eviction in state.buffer.insert(seq, record, now, window, cap) {
+                    let counter = match eviction {
+                        Eviction::Window => &self.stats.evictions_window,
+                        Eviction::Cap => &self.stats.evictions_cap,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if matches.is_empty() {
+            return None;
+        }
+        let last = state.last_seq;
+        state.in_flight.insert(first_seq, last);
+        drop(state);
+        Some(Routed {
+            env,
+            records,
+            first_seq,
+            matches,
+            groups,
+            attempt: arrival.attempt,
+            arrived: arrival.arrived,
+        })
+    }
+
+    /// Hydrates one batch of arrivals (any environments): waits for the read-your-writes gate,
+    /// reads every matched run in ONE query per column set, serializes each row ONCE per column
+    /// set, lets the tripwire withhold stale rows, delivers to the matched feeds' inboxes, marks
+    /// the arrivals routed, then wakes the feeds (so a woken feed's response cursor already
+    /// covers its arrival and its next poll does not replay it).
+    pub(super) async fn hydrate_batch(self: Arc<Self>, arrivals: Vec<Routed>) {
+        // Whatever happens below, every arrival leaves the in-flight set.
+        struct Done(Arc<Env>, u64);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                lock(&self.0.state).in_flight.remove(&self.1);
+            }
+        }
+        let done: Vec<Done> = arrivals
+            .iter()
+            .map(|a| Done(a.env.clone(), a.first_seq))
+            .collect();
+        // 1. Read-your-writes: hydrate only what the replica has applied (first passes only;
+        //    retries were already delayed).
+        let first_pass: Vec<ChangeRecord> = arrivals
+            .iter()
+            .filter(|a| a.attempt == 0)
+            .flat_map(|a| a.records.iter().cloned())
+            .collect();
+        let newest = arrivals
+            .iter()
+            .filter(|a| a.attempt == 0)
+            .map(|a| a.arrived)
+            .max();
+        let outcome = match (&self.gate, newest) {
+            (Some(gate), Some(arrived)) => Some(gate.wait(&first_pass, arrived).await),
+            _ => None,
+        };
+        // 2. One query per column set over every environment's runs.
+        let mut wanted: HashMap<ColumnSet, BTreeSet<(EnvId, RunId)>> = HashMap::new();
+        for arrival in &arrivals {
+            for (cols, ids) in &arrival.groups {
+                let set = wanted.entry(*cols).or_default();
+                set.extend(ids.iter().map(|id| (arrival.env.id.clone(), id.clone())));
+            }
+        }
+        self.stats.distinct_runs.fetch_add(
+            wanted.values().map(|runs| runs.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        let inner = &self;
+        let hydrated = futures::future::join_all(wanted.into_iter().map(|(cols, runs)| {
+            let runs: Vec<(EnvId, RunId)> = runs.into_iter().collect();
+            async move { (cols, inner.hydrate_many(&runs, cols).await.ok()) }
+        }))
+        .await;
+        let hydrated: HashMap<ColumnSet, Option<HydratedRows>> = hydrated.into_iter().collect();
+        // 3. Per arrival: tripwire, then deliver.
+        let mut woken = Vec::new();
+        let mut deliveries = 0u64;
+        for arrival in arrivals {
+            let env_id = &arrival.env.id;
+            // A failed hydrate must not pass silently under the cursors: its feeds re-check
+            // from the store (and answer with an untrusted cursor if that fails too).
+            let view: HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>> = arrival
+                .groups
+                .iter()
+                .map(|(cols, ids)| {
+                    let rows = hydrated.get(cols).and_then(Option::as_ref).map(|rows| {
+                        ids.iter()
+                            .filter_map(|id| {
+                                rows.get(&(env_id.clone(), id.clone()))
+                                    .map(|row| (id.clone(), row.clone()))
+                            })
+                            .collect()
+                    });
+                    (*cols, rows)
+                })
+                .collect();
+            let outcome = outcome.filter(|_| arrival.attempt == 0);
+            let withheld = self.tripwire(env_id, &arrival.records, &view, outcome, arrival.attempt);
+            for (_, (slot, run_ids)) in arrival.matches {
+                let Some(rows_by_id) = view.get(&slot.cols).and_then(Option::as_ref) else {
+                    slot.push(Vec::new(), true);
+                    woken.push(slot);
+                    continue;
+                };
+                let rows: Vec<SerializedRow> = run_ids
+                    .iter()
+                    .filter(|id| !withheld.contains(*id))
+                    .filter_map(|id| rows_by_id.get(id))
+                    .filter(|row| slot.filter.accepts(&row.meta))
+                    .cloned()
+                    .collect();
+                if !rows.is_empty() {
+                    deliveries += rows.len() as u64;
+                    slot.push(rows, false);
+                    woken.push(slot);
+                }
+            }
+        }
+        self.stats
+            .deliveries
+            .fetch_add(deliveries, Ordering::Relaxed);
+        drop(done);
+        for slot in woken {
+            slot.notify.notify_one();
+        }
+    }
+
+    /// One store query for `runs` (any environments), each row serialized once. `Err(())`
+    /// after logging a failure.
+    pub(super) async fn hydrate_many(
+        &self,
+        runs: &[(EnvId, RunId)],
+        cols: ColumnSet,
+    ) -> Result<HashMap<(EnvId, RunId), SerializedRow>, ()> {
+        self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
+        self.metrics.hydrated_batch(runs.len());
+        match self.store.hydrate_many(runs, cols).await {
+            Ok(rows) => {
+                self.stats
+                    .hydrated_rows
+                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
+                Ok(rows
+                    .iter()
+                    .map(|(env, row)| ((env.clone(), row.id.clone()), serialize_row(row, cols)))
+                    .collect())
+            }
+            Err(err) => {
+                self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(runs = runs.len(), error = %err, "router hydrate failed; feeds re-check from the store");
+                Err(())
+            }
+        }
+    }
+}

@@ -18,12 +18,11 @@ import http from "node:http";
 import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { chromium } from "playwright-core";
+import { CHROMIUM, launchChromium } from "./chromium.mjs";
 import { createDatabase, dropDatabase, Fixture, startServer, mintToken, publish, freePort, waitFor } from "../e2e/lib.mjs";
 import { render, startProxy, makeCert } from "../e2e/proxies/suite.mjs";
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
-const CHROMIUM = process.env.BROWSER_CHROMIUM ?? "/usr/bin/chromium";
 const FEEDS = 12;
 const LATENCY_MS = 1000;
 
@@ -81,21 +80,7 @@ before(async () => {
   const config = render("nginx", { ...ports, tls, runfeed: new URL(server.baseUrl).host, webapp: webapp.addr });
   proxy = await startProxy("nginx", config, ports, "nginx (many feeds)");
 
-  browser = await chromium.launch({
-    executablePath: CHROMIUM,
-    headless: true,
-    chromiumSandbox: false,
-    args: [
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-quic",
-      "--no-first-run",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-      "--ignore-certificate-errors", // the test's self-signed certificate
-    ],
-  });
+  browser = await launchChromium(["--ignore-certificate-errors"]); // the test's self-signed certificate
   const context = await browser.newContext();
   page = await context.newPage();
   page.on("console", (m) => consoleLog.push(`${m.type()}: ${m.text()}`));

@@ -3,9 +3,13 @@
 # @trigger.dev/react-hooks) in Debian's headless chromium, driven by playwright-core, against a real
 # `runfeed serve`, from another loopback origin (so CORS is real).
 #   bash scripts/browser.sh
-# Installs what it needs: Debian's chromium (if /usr/bin/chromium is missing), the npm packages of
-# tests/browser and tests/e2e (npm ci), the runfeed debug binary (cargo build, if missing); builds the
-# page (vite build); runs tests/browser/browser.test.mjs. Screenshot: target/test-logs/browser.png.
+# Then many feeds on one page over HTTP/2: tests/browser/many-feeds.test.mjs, 12 live run feeds
+# through the nginx recipe's TLS listener (deploy/proxies/nginx/runfeed.conf).
+# Installs what it needs: Debian's chromium (if /usr/bin/chromium is missing) and nginx (through
+# scripts/proxies.sh install), the npm packages of tests/browser and tests/e2e (npm ci), the runfeed
+# debug binary (cargo build, if missing); builds the page (vite build); runs
+# tests/browser/browser.test.mjs and tests/browser/many-feeds.test.mjs. Screenshot:
+# target/test-logs/browser.png.
 # Env: BROWSER_TIMEOUT (seconds for the test run, default 180), BROWSER_UPDATE_SCREENSHOT=1 (also
 # refresh tests/browser/screenshot.png, the README's picture), E2E_RUNFEED_BIN (runfeed binary).
 set -uo pipefail
@@ -26,6 +30,7 @@ if [ ! -x /usr/bin/chromium ]; then
     { tail -20 "$LOG_DIR/apt-chromium.log"; exit 1; }
 fi
 /usr/bin/chromium --version 2>/dev/null || true
+PROXIES=nginx bash scripts/proxies.sh install || exit 1
 
 npm_ci() { # dir
   if [ ! -d "$1/node_modules" ] || [ "$1/package-lock.json" -nt "$1/node_modules/.package-lock.json" ]; then
@@ -45,10 +50,10 @@ fi
 say "vite build (tests/browser -> tests/browser/dist)"
 (cd tests/browser && npx --no-install vite build) || exit 1
 
-say "node --test tests/browser/browser.test.mjs"
+say "node --test tests/browser/browser.test.mjs tests/browser/many-feeds.test.mjs"
 cd tests/browser || exit 1
 E2E_RUNFEED_BIN="$BIN" timeout --kill-after=15 "${BROWSER_TIMEOUT:-180}" \
-  node --test --test-concurrency=1 --test-timeout=120000 --test-force-exit --test-reporter=spec browser.test.mjs 2>&1 |
+  node --test --test-concurrency=1 --test-timeout=120000 --test-force-exit --test-reporter=spec browser.test.mjs many-feeds.test.mjs 2>&1 |
   tee "$LOG_DIR/browser.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 124 ] && echo "browser: the test run exceeded ${BROWSER_TIMEOUT:-180}s and was killed"

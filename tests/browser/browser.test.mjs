@@ -19,14 +19,13 @@ import assert from "node:assert/strict";
 import fs from "node:fs";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { chromium } from "playwright-core";
+import { CHROMIUM, launchChromium } from "./chromium.mjs";
 import { startStatic, pageUrl as makePageUrl, DIST } from "./serve.mjs";
 import { createDatabase, dropDatabase, Fixture, startServer, mintToken, signJwt, jwtClaims, publish, ROOT, sleep } from "../e2e/lib.mjs";
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const LOG_DIR = path.join(process.env.CARGO_TARGET_DIR ? path.resolve(process.env.CARGO_TARGET_DIR) : path.join(ROOT, "target"), "test-logs");
 const SHOT = path.join(LOG_DIR, "browser.png");
-const CHROMIUM = process.env.BROWSER_CHROMIUM ?? "/usr/bin/chromium";
 const LATENCY_MS = 1000;
 
 // ---------------------------------------------------------------------------------------------
@@ -54,21 +53,7 @@ before(async () => {
   runC = await fixture.createRun(env, { tags: [tag, "other"], batchId: batch.id, taskIdentifier: "send-email", createdAt: t - 1000 });
   web = await startStatic(DIST);
   assert.notEqual(new URL(web.origin).origin, new URL(base).origin, "the page must be served from another origin than runfeed");
-  browser = await chromium.launch({
-    executablePath: CHROMIUM,
-    headless: true,
-    chromiumSandbox: false,
-    // playwright-core gives every launch a fresh, empty --user-data-dir of its own.
-    args: [
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-quic",
-      "--no-first-run",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-    ],
-  });
+  browser = await launchChromium();
   context = await browser.newContext({ viewport: { width: 1100, height: 900 } });
 });
 

@@ -9,7 +9,8 @@
 # CHURN_HELD (10000), CHURN_S (20), CHURN_RUNS (10), CHURN_KIND (tag|run), STAMPEDE_K (1000), IDLE_HELD (1000), IDLE_DISTINCT (50),
 # IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle"; "cost" runs the
 # cost-per-unit-of-work group: idle floor, ended polls, deliveries, changes, on a Redis of its own
-# so its command counts are exact; COST_HELD (4000), COST_S (20)).
+# so its command counts are exact; COST_HELD (4000), COST_S (20), COST_PASSES ("floor poll delivery
+# change")).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -69,7 +70,7 @@ start_server() {
   log "server $name: $BASE (pid $PID, admin $ADMIN)"
 }
 
-stop_server() { kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; }
+stop_server() { [ -n "${PID:-}" ] || return 0; kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; PID=""; }
 
 bench() { # label scenario args...
   local label=$1 name=$2; shift 2
@@ -133,23 +134,24 @@ if want cost; then
   REDIS_URL="redis://127.0.0.1:$COST_REDIS_PORT"
   held_n=${COST_HELD:-4000}
   cost_s=${COST_S:-20}
+  cost_want() { [[ " ${COST_PASSES:-floor poll delivery change} " == *" $1 "* ]]; }
   cost_pass() { # label binary
     local label=$1 bin=$2
-    # The idle floor: nothing changes and no hold expires in the window.
-    start_server "$label-floor" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+    # The idle floor: nothing changes and no hold expires in the window (30 s holds, no jitter).
+    cost_want floor && start_server "$label-floor" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=30000 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=0 &&
       bench "cost-floor-$label" idle --held "$held_n" --distinct 100 --duration-s "$cost_s"
     stop_server
     # Ended polls: every hold expires after 2 s and is polled again.
-    start_server "$label-poll" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=2000 &&
+    cost_want poll && start_server "$label-poll" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=2000 &&
       bench "cost-poll-$label" idle --held "$held_n" --distinct 100 --duration-s "$cost_s"
     stop_server
     # Deliveries: 1 000 live run feeds (200 runs × 5) at 200 changes/s, long-poll then SSE.
-    start_server "$label-delivery" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+    cost_want delivery && start_server "$label-delivery" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=30000 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=0 &&
       bench "cost-delivery-$label" churn --kind run --rate 200 --envs 20 --runs 10 --held 1000 \
         --duration-s "$cost_s" --transport both
     stop_server
     # Change records: 2 000 changes/s over 1 000 environments, 10 000 held tag feeds.
-    start_server "$label-change" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=300000 &&
+    cost_want change && start_server "$label-change" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=30000 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=0 &&
       bench "cost-change-$label" churn --rate 2000 --envs 1000 --runs 10 --held 10000 --duration-s "$cost_s"
     stop_server
   }

@@ -535,7 +535,9 @@ fn check_traefik(doc: &Value, base: &Value) -> Vec<String> {
     let tls = |k: &str| l.get(&format!("traefik.http.routers.runfeed-websecure.{k}"));
     for k in ["rule", "priority", "service"] {
         if tls(k) != l.get(&format!("traefik.http.routers.runfeed.{k}")) {
-            p.push(format!("the runfeed-websecure router's {k} must be the runfeed router's"));
+            p.push(format!(
+                "the runfeed-websecure router's {k} must be the runfeed router's"
+            ));
         }
     }
     if tls("entrypoints").map(String::as_str) != Some(traefik_compose::TLS_ENTRYPOINT)

@@ -67,6 +67,8 @@ async fn churn_pass(
     let published: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
     let errors = Arc::new(AtomicU64::new(0));
+    // Live-poll failures by kind (status or transport error), printed with the figures.
+    let error_kinds: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
     let held_before = b.metric("runfeed_router_held_feeds").await.unwrap_or(0.0) as usize;
@@ -85,6 +87,7 @@ async fn churn_pass(
             errors.clone(),
             stop.clone(),
         );
+        let kinds = error_kinds.clone();
         followers.push(tokio::spawn(async move {
             let feed = &feed;
             let token = Bench::token(&env, feed);
@@ -164,8 +167,17 @@ async fn churn_pass(
                             Err(_) => return,
                         }
                     }
-                    _ => {
+                    other => {
                         errors.fetch_add(1, Ordering::Relaxed);
+                        let kind = match other {
+                            Ok(r) => format!("status {}", r.status),
+                            Err(e) => format!("{e:#}").chars().take(120).collect(),
+                        };
+                        *kinds
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .entry(kind)
+                            .or_insert(0) += 1;
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
@@ -246,6 +258,9 @@ async fn churn_pass(
     let deliveries = lat.len();
     let cpu_per_1k = delta(cpu0, cpu1).map(|c| c / (deliveries.max(1) as f64) * 1000.0);
     b.wait_released(held_before, Duration::from_secs(30)).await;
+    for (kind, n) in error_kinds.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        eprintln!("churn: {n} live polls failed: {kind}");
+    }
     let l = |figure: &str| label(figure, sse, several);
     Ok(vec![
         (l("all feeds held"), json!(all_held)),

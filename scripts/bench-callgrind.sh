@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Instructions per ended live poll, counted by valgrind's callgrind: repeatable where CPU seconds on a
+# shared machine are not. Runs `runfeed serve` (release) under callgrind with a 1 s hold, parks
+# HELD tag feeds with `runfeed-bench idle`, zeroes the counters once they are held, dumps them after
+# WINDOW_S seconds, and divides the instructions by the polls the server answered in between.
+#   bash scripts/bench-callgrind.sh                       # target/release/runfeed
+#   BIN=/path/to/other/runfeed bash scripts/bench-callgrind.sh
+# Env: BIN, HELD (100), WINDOW_S (20), PG_ADMIN, REDIS_URL, OUT (target/bench-callgrind).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$(pwd)
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+BIN="${BIN:-$TARGET_DIR/release/runfeed}"
+BENCH="$TARGET_DIR/release/runfeed-bench"
+HELD="${HELD:-100}"
+WINDOW_S="${WINDOW_S:-20}"
+PG_ADMIN="${PG_ADMIN:-postgres://postgres@127.0.0.1:5432}"
+REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
+OUT="${OUT:-$TARGET_DIR/bench-callgrind}"
+DB="runfeed_cg_$(tr -dc 'a-z0-9' </dev/urandom | head -c 10)"
+DB_URL="$PG_ADMIN/$DB"
+mkdir -p "$OUT"
+log() { printf '[bench-callgrind] %s\n' "$*" >&2; }
+command -v valgrind >/dev/null || { log "valgrind is not installed (apt-get install valgrind)"; exit 1; }
+[ -x "$BENCH" ] || cargo build --locked --release --bin runfeed-bench || exit 1
+[ -x "$BIN" ] || cargo build --locked --release --bin runfeed || exit 1
+"$BIN" migrate --database-url "$DB_URL" >/dev/null || { log "migrate failed"; exit 1; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+ADMIN_PORT=$(free_port)
+LOG="$OUT/server.log"
+: >"$LOG"
+RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=1000 \
+RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG=warn \
+  valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out.%p" \
+  "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
+PID=$!
+cleanup() {
+  kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null
+  psql "$PG_ADMIN/postgres" -qc "DROP DATABASE IF EXISTS \"$DB\" WITH (FORCE)" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+BASE=""
+for _ in $(seq 1 600); do
+  BASE=$(sed -n 's/^runfeed listening on //p' "$LOG" | head -n1)
+  [ -n "$BASE" ] && break
+  sleep 0.1
+done
+[ -n "$BASE" ] || { log "server never listened"; cat "$LOG" >&2; exit 1; }
+ADMIN="http://127.0.0.1:$ADMIN_PORT"
+requests() { curl -s "$ADMIN/metrics" | awk '/^runfeed_http_requests_total/ { s += $NF } END { print s + 0 }'; }
+# The feeds re-poll for the whole window plus their set-up.
+"$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
+  --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
+BENCH_PID=$!
+for _ in $(seq 1 600); do
+  held=$(curl -s "$ADMIN/metrics" | awk '/^runfeed_router_held_feeds/ { s += $NF } END { print s + 0 }')
+  [ "${held%.*}" -ge "$HELD" ] && break
+  sleep 0.2
+done
+sleep 3
+callgrind_control -z "$PID" >/dev/null
+r0=$(requests)
+sleep "$WINDOW_S"
+r1=$(requests)
+callgrind_control -d "$PID" >/dev/null
+kill "$BENCH_PID" 2>/dev/null
+sleep 1
+# The last dump file holds the window's counts (the counters were zeroed at its start).
+dump=$(ls -t "$OUT"/callgrind.out."$PID"* | head -n1)
+ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1; exit }')
+polls=$((r1 - r0))
+log "binary $BIN: $ir instructions over $polls ended polls"
+awk -v ir="$ir" -v n="$polls" 'BEGIN { if (n > 0) printf "instructions per ended poll: %.0f\n", ir / n }'

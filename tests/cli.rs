@@ -107,6 +107,24 @@ async fn next_message(
     Ok(msg.value.convert::<String>()?)
 }
 
+/// `runfeed --version` (and `-V`) prints the crate version, the one the chart's `appVersion`
+/// and the image tags pin (tests/helm_chart.rs, tests/deploy.rs).
+#[tokio::test]
+async fn version_prints_the_release_version() -> anyhow::Result<()> {
+    for flag in ["--version", "-V"] {
+        let out = run_ok(runfeed().arg(flag)).await?;
+        let printed = String::from_utf8(out.stdout)?;
+        assert_eq!(printed, format!("runfeed {}\n", env!("CARGO_PKG_VERSION")));
+        let version = printed.trim_start_matches("runfeed ").trim_end();
+        let parts: Vec<&str> = version.split('.').collect();
+        assert!(
+            parts.len() == 3 && parts.iter().all(|p| p.parse::<u32>().is_ok()),
+            "{flag} prints a semantic version, not {printed:?}"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn migrate_creates_the_database_and_is_idempotent() -> anyhow::Result<()> {
     let name = unique("runfeed_t_");

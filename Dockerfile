@@ -12,7 +12,7 @@
 # The builder runs on the build machine's platform (BUILDPLATFORM) and cross-compiles for each
 # target platform (TARGETARCH), and the runtime stages run no command of their own, so an arm64
 # image builds on an amd64 machine (and the reverse) without emulating the other CPU. Image tags
-# and how to pin a release: docs/releases.md. tests/deploy.rs checks this file statically
+# and how to pin a release: docs/releases.md. tests/deploy/deploy.rs checks this file statically
 # (cargo test --test deploy).
 
 FROM --platform=$BUILDPLATFORM rust:1.95-bookworm AS builder

@@ -2,7 +2,7 @@
 # Regenerates the configuration reference in README.md ("Deploy", between
 # `<!-- config-reference:start -->` and `<!-- config-reference:end -->`) from the config struct
 # (src/config.rs doc comments and defaults), i.e. the output of `runfeed config-reference`.
-# tests/deploy.rs (readme_config_reference_is_current) fails while the README block is stale.
+# tests/deploy/deploy.rs (readme_config_reference_is_current) fails while the README block is stale.
 #
 #   bash scripts/config-reference.sh           # rewrite README.md in place
 #   bash scripts/config-reference.sh --check   # exit 1 when README.md is stale, change nothing

@@ -7,7 +7,7 @@
 //! (a second URL for the same database counts as a distinct replica), so the replica-lag
 //! instruments exist too.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

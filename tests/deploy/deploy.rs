@@ -7,7 +7,7 @@
 //! Every checker returns the problems it found; each has a test on the real file and one on a
 //! small bad input, so a checker that cannot fail is caught too.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -5,7 +5,7 @@
 //! own `runfeed_t_<random>` database and drops it. Redis: `RUNFEED_TEST_REDIS` (default
 //! `redis://127.0.0.1:6379`).
 
-mod common;
+use crate::common;
 
 use std::process::Output;
 use std::time::Duration;
@@ -108,7 +108,7 @@ async fn next_message(
 }
 
 /// `runfeed --version` (and `-V`) prints the crate version, the one the chart's `appVersion`
-/// and the image tags pin (tests/helm_chart.rs, tests/deploy.rs).
+/// and the image tags pin (tests/deploy/helm_chart.rs, tests/deploy/deploy.rs).
 #[tokio::test]
 async fn version_prints_the_release_version() -> anyhow::Result<()> {
     for flag in ["--version", "-V"] {

@@ -1,32 +1,77 @@
 # syntax=docker/dockerfile:1
-# runfeed: multi-stage build. The builder compiles the release binaries with the locked
-# dependency set; the runtime image (the last stage, the default target) is Debian slim with the
-# server binary, CA certificates and a non-root user. The `demo` stage carries only the
-# development workload `runfeed-demo` (crates/runfeed-dev), for docker-compose.yml's demo.
-#   docker build -t runfeed .
+# runfeed: multi-stage, multi-platform build (linux/amd64 and linux/arm64). The builder compiles
+# the release binaries with the locked dependency set; the runtime image (the last stage, the
+# default target) is Debian slim with the server binary, CA certificates and a non-root user. The
+# `demo` stage carries only the development workload `runfeed-demo` (crates/runfeed-dev), for
+# docker-compose.yml's demo.
+#   docker build -t runfeed .                      # the image for this machine's platform
+#   docker buildx build --platform linux/amd64,linux/arm64 \
+#     --build-arg RUNFEED_BUILD_COMMIT="$(git rev-parse HEAD)" -t <registry>/runfeed:<version> --push .
 #   docker build --target demo -t runfeed-demo .
 #   docker run --rm -p 3030:3030 -e DATABASE_URL=… -e REDIS_URL=… runfeed
-# tests/deploy.rs checks this file statically (cargo test --test deploy).
+# The builder runs on the build machine's platform (BUILDPLATFORM) and cross-compiles for each
+# target platform (TARGETARCH), and the runtime stages run no command of their own, so an arm64
+# image builds on an amd64 machine (and the reverse) without emulating the other CPU. Image tags
+# and how to pin a release: docs/releases.md. tests/deploy/deploy.rs checks this file statically
+# (cargo test --test deploy).
 
-FROM rust:1.95-bookworm AS builder
+FROM --platform=$BUILDPLATFORM rust:1.95-bookworm AS builder
+# Set by BuildKit (docker buildx, or docker build with BuildKit): the platform the image is for
+# and the one building it.
+ARG TARGETARCH
+ARG BUILDARCH
 WORKDIR /src
+# The Rust target, its C cross toolchain (jemalloc is C) and jemalloc's page size for TARGETARCH,
+# written to /cross.env for the build step. arm64 kernels run with 4, 16 or 64 KiB pages, and a
+# jemalloc built for smaller pages than the kernel's aborts at start ("Unsupported system page
+# size"), so arm64 gets jemalloc's 64 KiB page (lg 16), which runs on all three.
+RUN set -eu; \
+    case "$TARGETARCH" in \
+      amd64) triple=x86_64-unknown-linux-gnu; gnu=x86_64-linux-gnu; gcc=gcc-x86-64-linux-gnu; lg_page=12 ;; \
+      arm64) triple=aarch64-unknown-linux-gnu; gnu=aarch64-linux-gnu; gcc=gcc-aarch64-linux-gnu; lg_page=16 ;; \
+      *) echo "unsupported TARGETARCH '$TARGETARCH': build linux/amd64 or linux/arm64 with BuildKit (docker buildx build)" >&2; exit 1 ;; \
+    esac; \
+    if [ "$TARGETARCH" != "$BUILDARCH" ]; then \
+      apt-get update; \
+      apt-get install -y --no-install-recommends "$gcc" "libc6-dev-$TARGETARCH-cross"; \
+      rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    rustup target add "$triple"; \
+    upper=$(echo "$triple" | tr 'a-z-' 'A-Z_'); lower=$(echo "$triple" | tr '-' '_'); \
+    { echo "export CARGO_BUILD_TARGET=$triple"; \
+      echo "export CARGO_TARGET_${upper}_LINKER=$gnu-gcc"; \
+      echo "export CC_${lower}=$gnu-gcc AR_${lower}=$gnu-ar"; \
+      echo "export JEMALLOC_SYS_WITH_LG_PAGE=$lg_page"; \
+      echo "export RUNFEED_TARGET_DIR=target/$triple/release"; } > /cross.env
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY crates ./crates
 COPY migrations ./migrations
 COPY config ./config
-# Cache the registry and the target dir between builds (BuildKit); copy the binary out of the
-# cache mount so the next stage can see it.
+# The commit the image is built from, for `runfeed_build_info{commit}` (optional; "unknown"
+# when not given). Declared after the dependency-free steps above so it does not void their cache.
+ARG RUNFEED_BUILD_COMMIT=""
+# Cache the registry and the target dir between builds (BuildKit; each target platform builds
+# under target/<triple>/, so both platforms share one cache); copy the binaries out of the cache
+# mount so the next stages can see them.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
+    . /cross.env \
+ && RUNFEED_BUILD_COMMIT="$RUNFEED_BUILD_COMMIT" \
     cargo build --release --locked --bin runfeed --bin runfeed-demo \
- && install -m 0755 target/release/runfeed target/release/runfeed-demo /usr/local/bin/
+ && install -m 0755 "$RUNFEED_TARGET_DIR/runfeed" "$RUNFEED_TARGET_DIR/runfeed-demo" /usr/local/bin/
 
-FROM debian:bookworm-slim AS base
+# The runtime files, prepared on the build platform (the CA bundle and the account database are
+# the same on every architecture): the runtime stages below only copy them.
+FROM --platform=$BUILDPLATFORM debian:bookworm-slim AS rootfs
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin runfeed
+
+FROM debian:bookworm-slim AS base
+COPY --from=rootfs /etc/passwd /etc/group /etc/
+COPY --from=rootfs /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 
 # The demo workload (development only): seeds a demo environment and keeps runs changing.
 FROM base AS demo

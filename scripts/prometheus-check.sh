@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A throwaway Prometheus (Debian's `prometheus` package) on loopback that scrapes one runfeed
-# admin listener every second, for the dashboard-query test (tests/telemetry.rs,
+# admin listener every second, for the dashboard-query test (tests/it/telemetry.rs,
 # `dashboard_panels_return_series`).
 #
 #   bash scripts/prometheus-check.sh install

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A throwaway local Redis Cluster (3 masters, no replicas) for the cluster tests
-# (tests/changes_cluster.rs) and for trying runfeed's sharded pub/sub by hand.
+# (tests/it/changes_cluster.rs) and for trying runfeed's sharded pub/sub by hand.
 #
 #   bash scripts/redis-cluster.sh start  [--base-port P]   # prints REDIS_CLUSTER_URL=redis-cluster://127.0.0.1:P?node=…
 #   bash scripts/redis-cluster.sh status [--base-port P]   # exit 0 when cluster_state:ok, 3 otherwise

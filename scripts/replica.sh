@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real streaming read replica of the local PostgreSQL (127.0.0.1:5432), for the replica tests
-# (tests/replica.rs) and for trying runfeed against a lagging replica by hand.
+# (tests/it/replica.rs) and for trying runfeed against a lagging replica by hand.
 #
 #   bash scripts/replica.sh start  [--delay-ms N] [--port P]   # prints REPLICA_URL=postgres://postgres@127.0.0.1:P/postgres
 #   bash scripts/replica.sh status [--port P]                  # exit 0 running, 3 not running

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317  # the step functions are invoked through run_step
-# THE test command: services, e2e deps, build, Rust tests, end-to-end tests with the real npm clients.
+# THE test command: services, e2e deps, lints (rustfmt, clippy), build, Rust tests, end-to-end
+# tests with the real npm clients, proxies, browser, fuzzing.
 #   bash scripts/test.sh
-# Exits non-zero if any step fails; prints a summary at the end.
+# Exits non-zero if any step fails; prints a summary at the end. The lints run first and stop the
+# run when they fail (seconds for rustfmt; clippy's check build is a few minutes cold).
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
-# name pattern, e.g. "scenario 05"), SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_PROXIES=1 / SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
+# name pattern, e.g. "scenario 05"), SKIP_LINT=1 / SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_PROXIES=1 /
+# SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -83,7 +86,7 @@ e2e_tests() {
   return "$rc"
 }
 
-# A streaming replica of the local Postgres for tests/replica.rs (read-your-writes on a lagging
+# A streaming replica of the local Postgres for tests/it/replica.rs (read-your-writes on a lagging
 # replica); without RUNFEED_TEST_REPLICA_URL those tests skip. Stopped on exit.
 REPLICA_PORT="${REPLICA_PORT:-5433}"
 start_replica() {
@@ -95,7 +98,7 @@ start_replica() {
   trap 'bash scripts/replica.sh stop --port "$REPLICA_PORT" >/dev/null 2>&1 || true' EXIT
 }
 
-# A local 3-master Redis Cluster for tests/changes_cluster.rs (sharded pub/sub); without
+# A local 3-master Redis Cluster for tests/it/changes_cluster.rs (sharded pub/sub); without
 # RUNFEED_TEST_REDIS_CLUSTER_URL those tests skip. Stopped after the Rust tests and on exit.
 REDIS_CLUSTER_BASE_PORT="${REDIS_CLUSTER_BASE_PORT:-7100}"
 stop_redis_cluster() {
@@ -116,11 +119,16 @@ start_redis_cluster() {
 
 if ! run_step "services (postgres, redis)" bash scripts/services.sh; then summary; exit 1; fi
 if ! run_step "npm ci (tests/e2e)" npm ci --prefix tests/e2e --no-audit --no-fund --loglevel=error; then summary; exit 1; fi
+if [ "${SKIP_LINT:-0}" != 1 ]; then
+  if ! run_step "cargo fmt --check" cargo fmt --all --check; then summary; exit 1; fi
+  if ! run_step "cargo clippy --all-targets --locked -- -D warnings" \
+      cargo clippy --all-targets --locked -- -D warnings; then summary; exit 1; fi
+fi
 if ! run_step "cargo build --locked --all-targets" cargo build --locked --all-targets; then summary; exit 1; fi
 if [ "${SKIP_CARGO_TEST:-0}" != 1 ]; then
   run_step "replica (streaming, 300 ms apply delay, port ${REPLICA_PORT})" start_replica
-  # Debian's prometheus for tests/telemetry.rs (dashboard queries against a real Prometheus).
-  run_step "prometheus (Debian package, for tests/telemetry.rs)" bash scripts/prometheus-check.sh install
+  # Debian's prometheus for tests/it/telemetry.rs (dashboard queries against a real Prometheus).
+  run_step "prometheus (Debian package, for tests/it/telemetry.rs)" bash scripts/prometheus-check.sh install
   run_step "redis cluster (3 masters, ports ${REDIS_CLUSTER_BASE_PORT}..$((REDIS_CLUSTER_BASE_PORT + 2)))" start_redis_cluster
   run_step "cargo test --locked" cargo_tests
   stop_redis_cluster

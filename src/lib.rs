@@ -6,6 +6,11 @@
 //! what the client echoed) → [`http`] (axum routes, auth, Electric headers, CORS).
 //! [`store`] is the Postgres side, [`auth`] turns a bearer into an environment and ability,
 //! [`protocol`] is the pure Electric wire format.
+//!
+//! No `unsafe` code, except the page release of idle connections' read buffers in `http::serve`
+//! (the page size and `madvise`), allowed there alone.
+
+#![deny(unsafe_code)]
 
 pub mod app;
 pub mod auth;

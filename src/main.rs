@@ -1,5 +1,7 @@
 //! The `runfeed` binary: parses the command line and runs one command ([`runfeed::cli::run`]).
 
+#![deny(unsafe_code)]
+
 use clap::Parser;
 use runfeed::cli::Cli;
 

@@ -1,7 +1,7 @@
 -- runfeed's database role: SELECT on exactly the tables and columns `runfeed serve` reads from
 -- trigger.dev's database, and nothing else. runfeed never writes to Postgres.
 --
--- The list is src/store/grants.rs (`required()`); tests/grants.rs fails when this file and that
+-- The list is src/store/grants.rs (`required()`); tests/it/grants.rs fails when this file and that
 -- list disagree, and runs runfeed as this role. runfeed checks the grants itself at start and on
 -- /readyz (check "grants"), naming any privilege that is missing.
 --

@@ -13,7 +13,9 @@ use crate::http::admit::Limiter;
 use crate::redis::RedisChangeSource;
 use crate::router::Router;
 use crate::store::PgStore;
-use crate::telemetry::metrics::{observed, resident_memory_bytes, Metrics, Observed};
+use crate::telemetry::metrics::{
+    observed, resident_memory_bytes, Metrics, Observed, BUILD_COMMIT, VERSION,
+};
 
 fn kv(key: &'static str, value: &'static str) -> KeyValue {
     KeyValue::new(key, value)
@@ -232,6 +234,10 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         if let Some(src) = src.upgrade() {
             o.observe(u64::from(src.is_connected()), &[]);
         }
+    });
+
+    metrics.observe(&observed::BUILD_INFO, |o| {
+        o.observe(1, &[kv("version", VERSION), kv("commit", BUILD_COMMIT)]);
     });
 
     metrics.observe(&observed::PROCESS_RESIDENT_MEMORY, |o| {

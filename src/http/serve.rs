@@ -202,35 +202,79 @@ impl IdleRelease {
         polled
     }
 
-    /// Page size assumed for the release; pages are only released when whole (4 KiB).
-    const PAGE: usize = 4096;
-
+    /// Gives back the whole pages inside `buf`'s unfilled part (see [`pages`]).
     fn release(buf: &mut ReadBuf<'_>) {
-        // SAFETY: only the address and length of the unfilled part are read here; the pages
-        // released in it read as zeros afterwards, so nothing initialized is de-initialized.
-        let unfilled = unsafe { buf.unfilled_mut() };
-        let start = unfilled.as_mut_ptr() as usize;
-        let end = start + unfilled.len();
-        let first = start.next_multiple_of(Self::PAGE);
-        let last = end - end % Self::PAGE;
-        if last > first {
-            release_pages(first, last - first);
+        // The unfilled part starts where the filled part ends; only its address and length are
+        // taken, no byte is read or written here.
+        let start = buf.filled().as_ptr() as usize + buf.filled().len();
+        let Some(page) = pages::size() else {
+            return;
+        };
+        if let Some((addr, len)) = whole_pages(start, buf.remaining(), page) {
+            pages::release(addr, len);
         }
     }
 }
 
-#[cfg(target_os = "linux")]
-fn release_pages(addr: usize, len: usize) {
-    // SAFETY: [addr, addr + len) is whole pages inside the unfilled part of the caller's
-    // `ReadBuf`, memory this reader may overwrite and nobody else uses; MADV_DONTNEED on
-    // private anonymous memory only replaces its content with zeros.
-    unsafe {
-        libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED);
+/// The whole pages inside `[start, start + len)` for a page size of `page` bytes, as
+/// `(address, length)`: the range shrunk inward to page boundaries, `None` when it holds no
+/// whole page. Nothing outside the range is ever included, whatever the page size (4 KiB on
+/// x86-64, 4, 16 or 64 KiB on arm64 kernels).
+fn whole_pages(start: usize, len: usize, page: usize) -> Option<(usize, usize)> {
+    if page == 0 {
+        return None;
     }
+    let end = start.checked_add(len)?;
+    let first = start.checked_next_multiple_of(page)?;
+    let last = end - end % page;
+    (last > first).then(|| (first, last - first))
 }
 
-#[cfg(not(target_os = "linux"))]
-fn release_pages(_addr: usize, _len: usize) {}
+/// The only `unsafe` code in runfeed: the page size and `madvise(MADV_DONTNEED)`.
+#[allow(unsafe_code)]
+mod pages {
+    /// The kernel's page size in bytes (`sysconf(_SC_PAGESIZE)`, read once), `None` if it
+    /// cannot be read, in which case nothing is released.
+    #[cfg(target_os = "linux")]
+    pub(super) fn size() -> Option<usize> {
+        static PAGE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        *PAGE.get_or_init(|| {
+            // SAFETY: sysconf only reads a system constant; it has no memory preconditions.
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+            usize::try_from(page).ok().filter(|p| p.is_power_of_two())
+        })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn size() -> Option<usize> {
+        None
+    }
+
+    /// Replaces the content of the whole pages `[addr, addr + len)` with zeros, handing their
+    /// memory back to the kernel. A failure is logged (the first one as a warning) and
+    /// otherwise ignored: the pages simply stay resident.
+    #[cfg(target_os = "linux")]
+    pub(super) fn release(addr: usize, len: usize) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        // SAFETY: [addr, addr + len) is whole pages (`whole_pages` with the real page size)
+        // inside the unfilled part of a `ReadBuf` the caller holds mutably: memory this reader
+        // may overwrite and nobody reads before it is filled again. MADV_DONTNEED on private
+        // anonymous memory only replaces its content with zeros, a valid content for it.
+        let rc = unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if WARNED.swap(true, Ordering::Relaxed) {
+                tracing::debug!(%err, addr, len, "madvise(MADV_DONTNEED) of a read buffer failed");
+            } else {
+                tracing::warn!(%err, addr, len, "madvise(MADV_DONTNEED) of a read buffer failed; idle connections keep their read buffer pages");
+            }
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn release(_addr: usize, _len: usize) {}
+}
 
 impl AsyncRead for IdleRelease {
     fn poll_read(
@@ -324,6 +368,63 @@ mod tests {
         };
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(io.stall.is_none(), "the timer is dropped once it fired");
+    }
+
+    /// The released range never leaves the buffer and covers only whole pages, for the page
+    /// sizes of x86-64 (4 KiB) and arm64 kernels (4, 16 and 64 KiB).
+    #[test]
+    fn whole_pages_stay_inside_the_range_for_4_16_and_64_kib_pages() {
+        for page in [4096usize, 16 << 10, 64 << 10] {
+            // An 8 KiB buffer (hyper's) that does not start on a page boundary.
+            let start = 5 * page + 100;
+            let got = whole_pages(start, 8192, page);
+            if page == 4096 {
+                // 8 KiB from an unaligned start holds exactly one whole 4 KiB page.
+                assert_eq!(got, Some((6 * page, page)));
+            } else {
+                assert_eq!(got, None, "no whole {page}-byte page inside 8 KiB");
+            }
+            // A range of three pages from an unaligned start: the two inside it.
+            assert_eq!(
+                whole_pages(start, 3 * page, page),
+                Some((6 * page, 2 * page))
+            );
+            // Aligned on both ends: all of it.
+            assert_eq!(
+                whole_pages(2 * page, 2 * page, page),
+                Some((2 * page, 2 * page))
+            );
+            // One byte short of a page on either side: nothing.
+            assert_eq!(whole_pages(2 * page + 1, page, page), None);
+            assert_eq!(whole_pages(2 * page, page - 1, page), None);
+            // Whatever the start and length, the result is whole pages inside the range.
+            for (s, l) in [
+                (1, 10 * page),
+                (page - 1, 2 * page + 1),
+                (7 * page + 3, 4 * page),
+            ] {
+                if let Some((a, n)) = whole_pages(s, l, page) {
+                    assert!(a >= s && a + n <= s + l, "{a}+{n} outside {s}+{l}");
+                    assert_eq!(a % page, 0);
+                    assert_eq!(n % page, 0);
+                    assert!(n > 0);
+                }
+            }
+        }
+        assert_eq!(
+            whole_pages(usize::MAX - 10, 20, 4096),
+            None,
+            "overflow is no range"
+        );
+        assert_eq!(whole_pages(0, 8192, 0), None);
+    }
+
+    /// The page size comes from the kernel, and is one of the sizes the release handles.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_page_size_is_read_from_the_kernel() {
+        let page = pages::size().expect("sysconf(_SC_PAGESIZE)");
+        assert!(page.is_power_of_two() && page >= 4096, "{page}");
     }
 
     /// Reads still see every byte after the idle release, and a write that progresses leaves

@@ -5,7 +5,7 @@
 //! ([`Column::ALL`], the wire columns) plus the `"TaskRun"` columns the router and the filters
 //! use, and what authentication and the URL lookups read (`pg.rs`). A unit test below checks
 //! every statement `pg.rs`, `sql.rs` and `lag.rs` issue against this list, and
-//! `deploy/trigger.dev/runfeed-role.sql` grants exactly this list (`tests/grants.rs`).
+//! `deploy/trigger.dev/runfeed-role.sql` grants exactly this list (`tests/it/grants.rs`).
 //!
 //! [`check`] asks Postgres (`has_column_privilege`, `has_schema_privilege`,
 //! `has_function_privilege`) whether the connected role may read all of it, on the primary and,

@@ -26,6 +26,18 @@ use opentelemetry::KeyValue;
 /// Meter (instrumentation scope) name: the `otel_scope_name` label of every series.
 pub const METER_NAME: &str = "runfeed";
 
+/// runfeed's version (Cargo.toml's `version`): `runfeed --version` and the `version` label of
+/// `runfeed_build_info`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit the binary was built from, when the build set the `RUNFEED_BUILD_COMMIT`
+/// environment variable (the Dockerfile's build argument of that name); `"unknown"` otherwise.
+/// The `commit` label of `runfeed_build_info`.
+pub const BUILD_COMMIT: &str = match option_env!("RUNFEED_BUILD_COMMIT") {
+    Some(commit) if !commit.is_empty() => commit,
+    _ => "unknown",
+};
+
 /// Bucket bounds for latencies of writes reaching clients, ms (the hold is ~20 s).
 const LAG_BOUNDS_MS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0,
@@ -677,6 +689,7 @@ pub struct Observed {
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
 /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
 /// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
+/// | `runfeed.build_info`, `version`, `commit` | `runfeed_build_info` (always 1) | [`VERSION`], [`BUILD_COMMIT`] |
 pub mod observed {
     use super::{Observed, ObservedKind};
 
@@ -822,6 +835,16 @@ pub mod observed {
         unit: "By",
         labels: &[],
         description: "Resident set size of this process (VmRSS)",
+    };
+
+    /// `runfeed.build_info` (gauge, always 1): which build is running, as labels `version`
+    /// ([`super::VERSION`]) and `commit` ([`super::BUILD_COMMIT`]), for joining onto other series
+    /// and spotting a fleet running mixed versions.
+    pub const BUILD_INFO: Observed = Observed {
+        name: "runfeed.build_info",
+        kind: ObservedKind::Gauge,
+        unit: "",
+        description: "Always 1; the labels say which runfeed build is running (version, commit)",
     };
 
     /// `runfeed.router.hydrates` (counter).

@@ -1,5 +1,5 @@
-//! Helpers of the static deployment checks (tests/deploy.rs, tests/deploy_trigger.rs,
-//! tests/helm_chart.rs): every checker returns the problems it found as text.
+//! Helpers of the static deployment checks (tests/deploy/deploy.rs, tests/deploy/deploy_trigger.rs,
+//! tests/deploy/helm_chart.rs): every checker returns the problems it found as text.
 
 use serde_yaml::Value;
 

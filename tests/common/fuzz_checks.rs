@@ -1,5 +1,5 @@
 //! The properties checked on every input by both the cargo-fuzz targets (`tests/fuzz/`) and the
-//! bounded proptest loop (`tests/fuzz_props.rs`): request params, change records, handles and
+//! bounded proptest loop (`tests/it/fuzz_props.rs`): request params, change records, handles and
 //! bearer tokens must never panic, and what they accept must round-trip.
 
 #![allow(dead_code)] // each fuzz target uses one of these

@@ -1061,3 +1061,9 @@ impl Follower {
         Ok(status)
     }
 }
+
+/// The streaming replica of the test run (`RUNFEED_TEST_REPLICA_URL`) serves one test at a time:
+/// some tests pause its replay, which would stall any other test reading from it. Every test that
+/// reads from the replica holds this lock (`REPLICA.lock().await`, or `REPLICA.blocking_lock()`
+/// outside a runtime); a test that panics releases it.
+pub static REPLICA: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -3,7 +3,7 @@
 //! workspace's own binary, its own Redis and a fresh database, with small fault rates, one
 //! SIGTERM restart and one Redis restart.
 //!
-//! Properties with violations that a known, ignored regression test in `tests/correctness.rs`
+//! Properties with violations that a known, ignored regression test in `tests/it/correctness.rs`
 //! pins are listed in [`KNOWN`]: they are reported (`KNOWN: … violated N×`) but do not fail the
 //! test. Remove an entry once its regression test passes; `CHECK_STRICT=1` ignores the list.
 //!
@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use runfeed_dev::check::{self, CheckArgs};
 
 /// Properties violated today, each with the ignored regression test that pins the bug, as
-/// `property=tests/correctness.rs::test_name`. Empty: every bug the checker found is fixed and its
+/// `property=tests/it/correctness.rs::test_name`. Empty: every bug the checker found is fixed and its
 /// regression test runs (CORRECTNESS.md). A new finding goes here only with its ignored test.
 const KNOWN: &[&str] = &[];
 

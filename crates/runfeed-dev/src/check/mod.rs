@@ -157,7 +157,7 @@ pub struct CheckArgs {
     #[arg(long, default_value_t = 0.99)]
     pub timely_quantile: f64,
     /// A property whose violations are known and pinned by an ignored regression test:
-    /// `PROPERTY=TEST` (e.g. `fresh-start=tests/correctness.rs::a_snapshot_…`); reported as
+    /// `PROPERTY=TEST` (e.g. `fresh-start=tests/it/correctness.rs::a_snapshot_…`); reported as
     /// KNOWN, not failed. Repeatable.
     #[arg(long = "known", value_name = "PROPERTY=TEST")]
     pub known: Vec<String>,

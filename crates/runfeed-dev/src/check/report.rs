@@ -15,7 +15,7 @@ use super::props::{quantile, Outcome, Property, Violation};
 #[derive(Clone, Debug, Serialize)]
 pub struct Known {
     pub property: Property,
-    /// The test that pins it, e.g. `tests/correctness.rs::a_snapshot_…`.
+    /// The test that pins it, e.g. `tests/it/correctness.rs::a_snapshot_…`.
     pub test: String,
 }
 

@@ -3,7 +3,7 @@
 //! environments, a master killed and restarted, a slot migrated away, classic pub/sub through
 //! the cluster, and a whole runfeed server in cluster mode whose held live poll is woken through
 //! sharded pub/sub across a restart of the env's shard (needs the local Postgres, like
-//! tests/feeds_http.rs).
+//! tests/it/feeds_http.rs).
 //!
 //! Skipped (passing, with a note on stderr) unless `RUNFEED_TEST_REDIS_CLUSTER_URL` is set, e.g.
 //! `redis-cluster://127.0.0.1:7100?node=127.0.0.1:7101&node=127.0.0.1:7102` as the script prints
@@ -13,7 +13,7 @@
 //! The tests run one at a time (they restart nodes and move slots) and use fresh random env ids,
 //! picked so that they hash to the shard a test wants. Every wait is bounded.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;

@@ -10,7 +10,7 @@
 //! `runfeed_t_<random>` database per test. Redis: `RUNFEED_TEST_REDIS` (default
 //! `redis://127.0.0.1:6379`).
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -174,6 +174,8 @@ async fn sigterm(child: &Child) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_answers_1000_held_polls_with_up_to_date_and_exits() -> anyhow::Result<()> {
     // 1 000 client sockets here and 1 000 in the child (which inherits the limit).
+    // Process-wide, but it only ever raises the soft limit (to the hard one): the tests running
+    // beside this one in the same binary can only gain from it.
     rlimit::increase_nofile_limit(u64::MAX).context("raising RLIMIT_NOFILE")?;
     with_test_db(async |db| {
         let (mut child, addr, admin, env, _, target) = serve_one_run(db, &[]).await?;

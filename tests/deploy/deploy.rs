@@ -6,7 +6,7 @@
 //! Every checker returns the problems it found; each has a test on the real file and one on a
 //! small bad input, so a checker that cannot fail is caught too.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -973,6 +973,204 @@ fn check_dockerfile_env(instrs: &[Instr]) -> Vec<String> {
     check_config_env("Dockerfile ENV", &dockerfile_env(instrs))
 }
 
+/// The platforms the image is built for: `TARGETARCH`, the Rust target it compiles to, and the
+/// smallest jemalloc page (log2) that runs on every kernel of that architecture (arm64 kernels
+/// use 4, 16 or 64 KiB pages; jemalloc aborts on a kernel page larger than its own).
+const PLATFORMS: &[(&str, &str, u32)] = &[
+    ("amd64", "x86_64-unknown-linux-gnu", 12),
+    ("arm64", "aarch64-unknown-linux-gnu", 16),
+];
+
+/// Each stage's `FROM` words, and whether the stage runs on the build platform
+/// (`--platform=$BUILDPLATFORM`, or `FROM` a stage that does) rather than the target one.
+fn stage_platforms(instrs: &[Instr]) -> Vec<(Vec<String>, bool)> {
+    let mut stages: Vec<(Vec<String>, bool)> = Vec::new();
+    let mut names: Vec<(String, bool)> = Vec::new();
+    for from in instrs.iter().filter(|i| i.keyword == "FROM") {
+        let w = shell_words(&from.args);
+        let on_build = w
+            .iter()
+            .any(|x| x == "--platform=$BUILDPLATFORM" || x == "--platform=${BUILDPLATFORM}")
+            || w.iter()
+                .find(|x| !x.starts_with("--"))
+                .is_some_and(|base| names.iter().any(|(n, b)| n == base && *b));
+        if w.len() >= 3 && w[w.len() - 2].eq_ignore_ascii_case("as") {
+            names.push((w[w.len() - 1].clone(), on_build));
+        }
+        stages.push((w, on_build));
+    }
+    stages
+}
+
+/// The image builds for every platform of [`PLATFORMS`] by cross-compiling: the stage running
+/// `cargo build` runs on the build platform, maps each `TARGETARCH` to its Rust target and C
+/// linker, gives arm64's jemalloc a page size every arm64 kernel accepts, and no `RUN` executes
+/// on the target platform (so no CPU emulation is needed).
+fn check_multi_platform(instrs: &[Instr]) -> Vec<String> {
+    let stages = stage_platforms(instrs);
+    let mut problems = Vec::new();
+    let builds: Vec<&Instr> = instrs
+        .iter()
+        .filter(|i| i.keyword == "RUN" && i.args.contains("cargo build"))
+        .collect();
+    for build in &builds {
+        let stage = build.stage;
+        if !stages.get(stage).is_some_and(|(_, on_build)| *on_build) {
+            problems.push(format!(
+                "line {}: cargo build runs in a stage without --platform=$BUILDPLATFORM: each target platform would be compiled under emulation",
+                build.line
+            ));
+        }
+        let in_stage: Vec<&Instr> = instrs.iter().filter(|i| i.stage == stage).collect();
+        if !in_stage
+            .iter()
+            .any(|i| i.keyword == "ARG" && i.args.trim() == "TARGETARCH")
+        {
+            problems.push(format!(
+                "stage {stage}: no `ARG TARGETARCH`: the build cannot tell which platform it is for"
+            ));
+        }
+        let runs: String = in_stage
+            .iter()
+            .filter(|i| i.keyword == "RUN")
+            .map(|i| i.args.as_str())
+            .collect::<Vec<_>>()
+            .join(" ; ");
+        for (arch, triple, min_lg_page) in PLATFORMS {
+            let Some(start) = runs.find(&format!("{arch})")) else {
+                problems.push(format!("stage {stage}: TARGETARCH {arch} is not handled"));
+                continue;
+            };
+            let arm = &runs[start..];
+            let arm = &arm[..arm.find(";;").unwrap_or(arm.len())];
+            if !arm.contains(triple) {
+                problems.push(format!("stage {stage}: {arch} does not build for {triple}"));
+            }
+            let lg_page = arm
+                .split_once("lg_page=")
+                .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|d| d.parse::<u32>().ok());
+            match lg_page {
+                Some(lg) if lg >= *min_lg_page => {}
+                other => problems.push(format!(
+                    "stage {stage}: {arch} builds jemalloc with lg_page={other:?}, needs at least {min_lg_page} to start on every {arch} kernel"
+                )),
+            }
+        }
+        for needed in [
+            "JEMALLOC_SYS_WITH_LG_PAGE=$lg_page",
+            "CARGO_BUILD_TARGET=$triple",
+            "_LINKER=$gnu-gcc",
+        ] {
+            if !runs.contains(needed) {
+                problems.push(format!("stage {stage}: the build does not set {needed}"));
+            }
+        }
+    }
+    if builds.is_empty() {
+        problems.push("no RUN cargo build".into());
+    }
+    for run in instrs.iter().filter(|i| i.keyword == "RUN") {
+        if !stages.get(run.stage).is_some_and(|(_, on_build)| *on_build) {
+            problems.push(format!(
+                "line {}: RUN in a stage of the target platform needs CPU emulation to build the other architecture; prepare files on the build platform and COPY them",
+                run.line
+            ));
+        }
+    }
+    problems
+}
+
+// ---------------------------------------------------------------------------------------------
+// The release version
+
+/// The `version = "…"` of a Cargo manifest's `[package]`.
+fn manifest_version(manifest: &str) -> Option<String> {
+    let package = manifest.split("[package]").nth(1)?;
+    let package = package.split("\n[").next()?;
+    package.lines().find_map(|l| {
+        let v = l.trim().strip_prefix("version")?.trim().strip_prefix('=')?;
+        Some(v.trim().trim_matches('"').to_string())
+    })
+}
+
+/// The version a Cargo.lock records for package `name`.
+fn locked_version(lock: &str, name: &str) -> Option<String> {
+    lock.split("[[package]]").find_map(|p| {
+        p.lines()
+            .any(|l| l.trim() == format!("name = \"{name}\""))
+            .then(|| {
+                p.lines()
+                    .find_map(|l| l.trim().strip_prefix("version = "))
+                    .map(|v| v.trim_matches('"').to_string())
+            })
+            .flatten()
+    })
+}
+
+/// Every place that states runfeed's version states `version`: the development crate, the fuzz
+/// crate's lockfile, the chart's `version` and `appVersion`, the image tag the chart pulls
+/// (`image.tag` empty = `appVersion`), any runfeed image a compose file pins by version, and a
+/// CHANGELOG section.
+fn check_release_version(version: &str, root: &Path) -> Vec<String> {
+    let read = |rel: &str| std::fs::read_to_string(root.join(rel)).unwrap_or_default();
+    let mut problems = Vec::new();
+    let mut expect = |what: &str, got: Option<String>| {
+        if got.as_deref() != Some(version) {
+            problems.push(format!("{what} is {got:?}, not {version}"));
+        }
+    };
+    expect(
+        "crates/runfeed-dev/Cargo.toml version",
+        manifest_version(&read("crates/runfeed-dev/Cargo.toml")),
+    );
+    expect(
+        "tests/fuzz/Cargo.lock's runfeed",
+        locked_version(&read("tests/fuzz/Cargo.lock"), "runfeed"),
+    );
+    let chart: Value =
+        serde_yaml::from_str(&read("deploy/helm/runfeed/Chart.yaml")).unwrap_or(Value::Null);
+    expect("Chart.yaml version", scalar(&chart["version"]));
+    expect("Chart.yaml appVersion", scalar(&chart["appVersion"]));
+    let values: Value =
+        serde_yaml::from_str(&read("deploy/helm/runfeed/values.yaml")).unwrap_or(Value::Null);
+    match scalar(&values["image"]["tag"]) {
+        Some(tag) if tag.is_empty() || tag == version => {}
+        other => problems.push(format!(
+            "values.yaml image.tag is {other:?}: leave it empty (the chart's appVersion) or {version}"
+        )),
+    }
+    for compose in [
+        "docker-compose.yml",
+        "deploy/trigger.dev/compose/docker-compose.runfeed.yml",
+        "deploy/trigger.dev/compose/docker-compose.runfeed.traefik.yml",
+    ] {
+        for (i, line) in read(compose).lines().enumerate() {
+            let Some((_, image)) = line.split_once("image:") else {
+                continue;
+            };
+            for (at, _) in image.match_indices("runfeed:") {
+                let tag: String = image[at + "runfeed:".len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || ".-_".contains(*c))
+                    .collect();
+                if tag.starts_with(|c: char| c.is_ascii_digit()) && tag != version {
+                    problems.push(format!(
+                        "{compose}:{}: pins runfeed:{tag}, not {version}",
+                        i + 1
+                    ));
+                }
+            }
+        }
+    }
+    if !read("CHANGELOG.md").contains(&format!("\n## [{version}] - ")) {
+        problems.push(format!(
+            "CHANGELOG.md has no `## [{version}] - <date>` section"
+        ));
+    }
+    problems
+}
+
 // =============================================================================================
 // Tests: docker-compose.yml
 
@@ -1271,7 +1469,7 @@ fn dockerfile_parser_joins_continuations_and_tracks_stages() {
         .all(|i| !i.args.contains('\\') || i.keyword == "HEALTHCHECK"));
     let run = instrs
         .iter()
-        .find(|i| i.keyword == "RUN" && i.stage == 0)
+        .find(|i| i.keyword == "RUN" && i.stage == 0 && i.args.contains("cargo build"))
         .unwrap();
     assert!(run.args.contains("--mount=type=cache") && run.args.contains("cargo build"));
     let bad = parse_dockerfile(BAD_DOCKERFILE);
@@ -1301,6 +1499,97 @@ dockerfile_ok_tests! {
     dockerfile_entrypoint_and_cmd_parse_with_the_cli: "ENTRYPOINT/CMD" => check_entrypoint_cmd;
     dockerfile_copy_sources_exist: "COPY" => |d| check_copy_sources(d, &repo());
     dockerfile_builder_uses_locked: "cargo build" => check_locked;
+    dockerfile_builds_for_amd64_and_arm64_without_emulation: "platforms" => check_multi_platform;
+}
+
+#[test]
+fn multi_platform_check_catches_a_single_platform_dockerfile() {
+    let native = parse_dockerfile(
+        "FROM rust:1 AS builder\nRUN cargo build --locked\n\
+         FROM debian AS base\nRUN apt-get update\nFROM base\nRUN useradd app\n",
+    );
+    let problems = check_multi_platform(&native);
+    assert_found_all(
+        &problems,
+        &[
+            "line 2: cargo build runs in a stage without --platform=$BUILDPLATFORM",
+            "no `ARG TARGETARCH`",
+            "TARGETARCH amd64 is not handled",
+            "TARGETARCH arm64 is not handled",
+            "does not set JEMALLOC_SYS_WITH_LG_PAGE",
+            "line 4: RUN in a stage of the target platform",
+            "line 6: RUN in a stage of the target platform",
+        ],
+    );
+    // arm64's jemalloc built for 4 KiB pages aborts on a 16 or 64 KiB-page kernel.
+    let real = read("Dockerfile");
+    let small_pages = real.replacen("lg_page=16", "lg_page=12", 1);
+    assert_ne!(real, small_pages, "the Dockerfile sets arm64's lg_page=16");
+    assert_exactly(
+        &check_multi_platform(&parse_dockerfile(&small_pages)),
+        &["arm64 builds jemalloc with lg_page=Some(12), needs at least 16"],
+    );
+    // A build stage FROM a build-platform stage is on the build platform too.
+    let derived = parse_dockerfile(
+        "FROM --platform=$BUILDPLATFORM debian AS a\nFROM a AS b\nRUN true\nFROM scratch\n",
+    );
+    assert_eq!(
+        stage_platforms(&derived)
+            .iter()
+            .map(|(_, b)| *b)
+            .collect::<Vec<_>>(),
+        [true, true, false]
+    );
+}
+
+// =============================================================================================
+// Tests: the release version
+
+#[test]
+fn the_release_version_is_the_same_everywhere() {
+    assert_none(
+        "release version",
+        check_release_version(env!("CARGO_PKG_VERSION"), &repo()),
+    );
+}
+
+#[test]
+fn release_version_check_catches_a_stale_version() {
+    assert_exactly(
+        &check_release_version("9.9.9", &repo()),
+        &[
+            "crates/runfeed-dev/Cargo.toml version is Some(",
+            "tests/fuzz/Cargo.lock's runfeed is Some(",
+            "Chart.yaml version is Some(",
+            "Chart.yaml appVersion is Some(",
+            "CHANGELOG.md has no `## [9.9.9] - <date>` section",
+        ],
+    );
+    let dir = std::env::temp_dir().join(format!("runfeed-release-check-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("deploy/helm/runfeed")).expect("temp dir");
+    std::fs::write(
+        dir.join("deploy/helm/runfeed/values.yaml"),
+        "image:\n  tag: \"0.1.0\"\n",
+    )
+    .expect("values");
+    std::fs::write(
+        dir.join("docker-compose.yml"),
+        "services:\n  runfeed:\n    image: ghcr.io/x/runfeed:0.1.0\n  local:\n    image: runfeed:local\n",
+    )
+    .expect("compose");
+    let problems = check_release_version("0.2.0", &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_found_all(
+        &problems,
+        &[
+            "values.yaml image.tag is Some(\"0.1.0\")",
+            "docker-compose.yml:3: pins runfeed:0.1.0, not 0.2.0",
+        ],
+    );
+    assert!(
+        !problems.iter().any(|p| p.contains("runfeed:local")),
+        "{problems:?}"
+    );
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! Every test uses fresh random env ids, so tests (and other suites on the same Redis) never
 //! see each other's records. Every receive is bounded by a timeout.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

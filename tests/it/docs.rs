@@ -355,6 +355,7 @@ fn check_commands(
                 "--test" if i > 0 && words[..i].contains(&"cargo") => {
                     let t = next;
                     let found = exists(&format!("tests/{t}.rs"))
+                        || exists(&format!("tests/{t}/main.rs"))
                         || exists(&format!("crates/runfeed-dev/tests/{t}.rs"));
                     if !found && !t.is_empty() && !t.starts_with('-') {
                         p.push(format!(
@@ -433,7 +434,7 @@ fn code_corpus() -> String {
             || f.ends_with("Dockerfile")
             || f.ends_with("Caddyfile")
             || f.starts_with(".ci/");
-        if code && f != "tests/docs.rs" {
+        if code && f != "tests/it/docs.rs" {
             out.push_str(&std::fs::read_to_string(repo().join(&f)).unwrap_or_default());
             out.push('\n');
         }
@@ -584,7 +585,7 @@ fn check_citations(file: &str, text: &str) -> Vec<String> {
 fn commented_files() -> Vec<String> {
     repo_files()
         .into_iter()
-        .filter(|f| f != "tests/docs.rs")
+        .filter(|f| f != "tests/it/docs.rs")
         .filter(|f| {
             let code_dir = [
                 "src/", "crates/", "tests/", "scripts/", "deploy/", "grafana/", ".ci/", "config/",
@@ -942,9 +943,10 @@ fn link_check_catches_missing_files_and_anchors() {
 
 #[test]
 fn name_checks_catch_what_does_not_exist() {
-    let exists = |p: &str| ["scripts/dev.sh", "tests/docs.rs", "src/http"].contains(&p);
+    let exists =
+        |p: &str| ["scripts/dev.sh", "tests/it/main.rs", "tests/it/docs.rs", "src/http"].contains(&p);
     let md = parse_md(
-        "Run `bash scripts/dev.sh` and `bash scripts/gone.sh`, `cargo test --test docs`, \
+        "Run `bash scripts/dev.sh` and `bash scripts/gone.sh`, `cargo test --test it docs::`, \
          `cargo test --test nope`, `runfeed serve`, `runfeed serv`; see `src/http/` and `src/nope.rs:12`.",
     );
     let subs: BTreeSet<String> = ["serve".to_string()].into();

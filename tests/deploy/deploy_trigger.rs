@@ -6,7 +6,7 @@
 //! file each comes from, as of trigger.dev v4.5.12 (tag `v4.5.12`). Every checker returns the
 //! problems it found and has a test on a broken input too.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

@@ -8,7 +8,7 @@
 //! Every test owns its server and database; environment ids are random, so Redis channels never
 //! collide and tests run in parallel. Every await that could hang is bounded.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -766,7 +766,7 @@ async fn scenario_17_malformed_offset_and_offset_without_handle() {
                 url.clone().q("offset", "abc").q("handle", &snap.handle()),
                 "offset=abc",
             ),
-            // (`offset=now` is valid since the 1.5 client: tests/electric_current.rs.)
+            // (`offset=now` is valid since the 1.5 client: tests/it/electric_current.rs.)
             (
                 url.clone().q("offset", "later").q("handle", &snap.handle()),
                 "offset=later",

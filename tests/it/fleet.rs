@@ -4,14 +4,14 @@
 //! stampede.
 //!
 //! The cluster-node restart case is covered by
-//! `tests/changes_cluster.rs::live_poll_woken_over_sharded_pubsub_across_a_node_restart`
+//! `tests/it/changes_cluster.rs::live_poll_woken_over_sharded_pubsub_across_a_node_restart`
 //! (whole server in cluster + sharded mode, a held live poll woken after the env's master was
 //! restarted); it is not duplicated here.
 //!
 //! Every await is bounded; the Redis-restart test runs its OWN `redis-server` on a free port
 //! (never the shared one at 127.0.0.1:6379), killed when the test ends, also on failure.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::Child;

@@ -3,7 +3,7 @@
 //! so every `cargo test` exercises them; crashes found by `scripts/fuzz.sh` are pinned here as
 //! regression cases.
 
-#[path = "common/fuzz_checks.rs"]
+#[path = "../common/fuzz_checks.rs"]
 mod fuzz_checks;
 
 use fuzz_checks::{check_handle, check_params, check_record, check_token};

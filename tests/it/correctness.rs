@@ -8,7 +8,7 @@
 //! Every test owns its server and database (harness `tests/common/mod.rs`); every await that
 //! could hang is bounded.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::time::Duration;
@@ -473,7 +473,7 @@ async fn a_partial_record_after_a_full_one_never_hides_a_run_that_joined_a_tag_f
 }
 
 /// The replica's base URL (`scripts/replica.sh start` → `RUNFEED_TEST_REPLICA_URL`, as
-/// `tests/replica.rs` uses it); tests that need it print a notice and pass without it.
+/// `tests/it/replica.rs` uses it); tests that need it print a notice and pass without it.
 /// The replica base URL (`RUNFEED_TEST_REPLICA_URL`), or `None` after saying the test is
 /// skipped.
 fn replica_base() -> Option<String> {
@@ -535,7 +535,7 @@ async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
     let Some(base) = replica_base() else {
         return;
     };
-    let _serial = REPLICA_SERIAL.lock().await;
+    let _serial = common::REPLICA.lock().await;
     let replica_base_url = base.clone();
     let srv = TestServer::start_with(5_000, move |c| {
         let name = runfeed::store::setup::database_name(&c.database.url).expect("db name");
@@ -647,9 +647,6 @@ async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
         "a recovery conflict on the replica surfaced as {status}: {body}"
     );
 }
-
-/// Replica tests of this file run one at a time (one pauses the replica's replay).
-static REPLICA_SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A server whose reads go to the replica copy of its database, and a pool on that copy.
 async fn replica_server(base: &str, hold_ms: u64) -> (TestServer, sqlx::PgPool) {
@@ -785,7 +782,7 @@ async fn snapshot_from_a_lagging_replica(kind: Kind) {
     let Some(base) = replica_base() else {
         return;
     };
-    let _serial = REPLICA_SERIAL.lock().await;
+    let _serial = common::REPLICA.lock().await;
     let hold = Duration::from_secs(10);
     let (srv, replica) = replica_server(&base, hold.as_millis() as u64).await;
     let env = srv.env().await;
@@ -889,7 +886,7 @@ async fn a_snapshot_after_a_redis_reconnect_is_never_older_than_a_version_the_re
     let Some(base) = replica_base() else {
         return;
     };
-    let _serial = REPLICA_SERIAL.lock().await;
+    let _serial = common::REPLICA.lock().await;
     let port = free_port();
     let redis_url = format!("redis://127.0.0.1:{port}");
     let start_redis = || OwnRedis(redis_server(port).spawn().expect("spawn redis-server"));

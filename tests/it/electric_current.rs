@@ -7,7 +7,7 @@
 //! The SSE reader here parses the byte stream as the client does (`data:` events, comments
 //! ignored) and, like the 1.5 client, resumes at `<global_last_seen_lsn>_0`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

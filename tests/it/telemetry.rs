@@ -7,7 +7,7 @@
 //! (a second URL for the same database counts as a distinct replica), so the replica-lag
 //! instruments exist too.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -65,6 +65,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_redis_errors_total",
     "runfeed_redis_connected",
     "runfeed_process_resident_memory_bytes",
+    "runfeed_build_info",
 ];
 
 const RUN_ROUTE: &str = "/realtime/v1/runs/{run_id}";
@@ -604,6 +605,14 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     assert!(s9.get("runfeed_replica_lag_estimate_milliseconds", &[]) >= 0.0);
     assert_eq!(s9.get("runfeed_redis_connected", &[]), 1.0);
     assert!(s9.get("runfeed_process_resident_memory_bytes", &[]) > 1_000_000.0);
+    assert_eq!(
+        s9.get(
+            "runfeed_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        1.0,
+        "the build-info gauge names this build's version"
+    );
     assert_eq!(
         s9.try_get(
             "runfeed_feeds_wakeups_total",

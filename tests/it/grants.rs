@@ -8,7 +8,7 @@
 //! with its own role name and database. `tests/e2e/80-db-role.test.mjs` follows every feed with the
 //! real SDK through a server connected as the role.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;

@@ -13,7 +13,7 @@
 //!
 //! Every checker returns the problems it found and has a test on a broken input too.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

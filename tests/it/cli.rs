@@ -5,7 +5,7 @@
 //! own `runfeed_t_<random>` database and drops it. Redis: `RUNFEED_TEST_REDIS` (default
 //! `redis://127.0.0.1:6379`).
 
-mod common;
+use crate::common;
 
 use std::process::Output;
 use std::time::Duration;
@@ -105,6 +105,24 @@ async fn next_message(
         .await
         .context("no message within 5 s")??;
     Ok(msg.value.convert::<String>()?)
+}
+
+/// `runfeed --version` (and `-V`) prints the crate version, the one the chart's `appVersion`
+/// and the image tags pin (tests/deploy/helm_chart.rs, tests/deploy/deploy.rs).
+#[tokio::test]
+async fn version_prints_the_release_version() -> anyhow::Result<()> {
+    for flag in ["--version", "-V"] {
+        let out = run_ok(runfeed().arg(flag)).await?;
+        let printed = String::from_utf8(out.stdout)?;
+        assert_eq!(printed, format!("runfeed {}\n", env!("CARGO_PKG_VERSION")));
+        let version = printed.trim_start_matches("runfeed ").trim_end();
+        let parts: Vec<&str> = version.split('.').collect();
+        assert!(
+            parts.len() == 3 && parts.iter().all(|p| p.parse::<u32>().is_ok()),
+            "{flag} prints a semantic version, not {printed:?}"
+        );
+    }
+    Ok(())
 }
 
 #[tokio::test]

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! eval "$(bash scripts/replica.sh start --delay-ms 300 --port 5433 | sed -n 's/^REPLICA_URL=/export RUNFEED_TEST_REPLICA_URL=/p')"
-//! cargo test --test replica -- --nocapture
+//! cargo test --test it replica:: -- --nocapture
 //! bash scripts/replica.sh stop --port 5433
 //! ```
 //!
@@ -19,10 +19,11 @@
 //! applied it (the apply delay guarantees that window). Real HTTP clients ([`Sub`], an Electric-like
 //! follower) hold live polls on run, tag and batch feeds and record every row they are served.
 //!
-//! The tests run one at a time (one replica serves them all, and one of them pauses its replay).
+//! The tests run one at a time, and one at a time with the other tests using the replica
+//! ([`common::REPLICA`]: one replica serves them all, and one of them pauses its replay).
 //! Measured figures are printed and appended to `target/tmp/replica-figures.txt`.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -64,15 +65,17 @@ const ABORT_AFTER_PROBLEMS: usize = 3;
 const TAG: &str = "rw";
 const RUNS: usize = 3;
 
-/// One replica test at a time (in this binary; other test binaries run after this one).
-static SERIAL: Mutex<()> = Mutex::new(());
+/// The name of the threads of a replica test's runtime, where its in-process server runs.
+const RUNTIME_THREADS: &str = "replica-test-rt";
 
-/// Runs `test` on its own multi-threaded runtime while holding [`SERIAL`], and shuts that runtime
-/// down (closing the in-process server's listeners and pools) before the next test starts.
+/// Runs `test` on its own multi-threaded runtime while holding the replica
+/// ([`common::REPLICA`]), and shuts that runtime down (closing the in-process server's
+/// listeners and pools) before the next test starts.
 fn serial(test: impl std::future::Future<Output = ()>) {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = common::REPLICA.blocking_lock();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
+        .thread_name(RUNTIME_THREADS)
         .enable_all()
         .build()
         .expect("tokio runtime");
@@ -110,7 +113,9 @@ macro_rules! replica_test {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Panic counting (the server runs in-process: a panicking task would not fail the test by itself)
+// Panic counting (the server runs in-process: a panicking task would not fail the test by itself).
+// Only panics on a replica test's runtime threads count: the other tests of this binary run in the
+// same process, and their failures are theirs.
 // ---------------------------------------------------------------------------------------------
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
@@ -120,7 +125,9 @@ fn count_panics() {
     PANIC_HOOK.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
+            if std::thread::current().name() == Some(RUNTIME_THREADS) {
+                PANICS.fetch_add(1, Ordering::SeqCst);
+            }
             previous(info);
         }));
     });

@@ -844,6 +844,7 @@ pub mod observed {
         name: "runfeed.build_info",
         kind: ObservedKind::Gauge,
         unit: "",
+        labels: &["version", "commit"],
         description: "Always 1; the labels say which runfeed build is running (version, commit)",
     };
 
@@ -929,7 +930,7 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 25] = [
+    pub const ALL: [&Observed; 26] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -946,6 +947,7 @@ pub mod observed {
         &REDIS_ERRORS,
         &REDIS_CONNECTED,
         &PROCESS_RESIDENT_MEMORY,
+        &BUILD_INFO,
         &ROUTER_HYDRATES,
         &ROUTER_HYDRATED_RUNS,
         &ROUTER_DELIVERIES,

@@ -943,8 +943,15 @@ fn link_check_catches_missing_files_and_anchors() {
 
 #[test]
 fn name_checks_catch_what_does_not_exist() {
-    let exists =
-        |p: &str| ["scripts/dev.sh", "tests/it/main.rs", "tests/it/docs.rs", "src/http"].contains(&p);
+    let exists = |p: &str| {
+        [
+            "scripts/dev.sh",
+            "tests/it/main.rs",
+            "tests/it/docs.rs",
+            "src/http",
+        ]
+        .contains(&p)
+    };
     let md = parse_md(
         "Run `bash scripts/dev.sh` and `bash scripts/gone.sh`, `cargo test --test it docs::`, \
          `cargo test --test nope`, `runfeed serve`, `runfeed serv`; see `src/http/` and `src/nope.rs:12`.",

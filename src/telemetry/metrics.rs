@@ -527,6 +527,9 @@ pub struct Observed {
 /// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `http::admit::LimiterStats` (429s) |
 /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
 /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
+/// | `runfeed.feeds.stalled_streams` | `runfeed_feeds_stalled_streams_total` | `http::sse::stalled_streams` (process-wide) |
+/// | `runfeed.http.refused_connections` | `runfeed_http_refused_connections_total` | `http::serve::refused_connections` (process-wide) |
+/// | `runfeed.http.accept_errors` | `runfeed_http_accept_errors_total` | `http::serve::accept_errors` (process-wide) |
 /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |
 /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
@@ -597,6 +600,30 @@ pub mod observed {
         kind: ObservedKind::Gauge,
         unit: "{permit}",
         description: "Resolve admission permits held now",
+    };
+
+    /// `runfeed.feeds.stalled_streams` (counter).
+    pub const FEEDS_STALLED_STREAMS: Observed = Observed {
+        name: "runfeed.feeds.stalled_streams",
+        kind: ObservedKind::Counter,
+        unit: "{stream}",
+        description: "SSE streams ended because their client stopped reading: the queue stayed full (feeds.sse_max_queued_bytes / _events) with nothing taken for feeds.sse_stall_timeout_ms; process-wide",
+    };
+
+    /// `runfeed.http.refused_connections` (counter).
+    pub const HTTP_REFUSED_CONNECTIONS: Observed = Observed {
+        name: "runfeed.http.refused_connections",
+        kind: ObservedKind::Counter,
+        unit: "{connection}",
+        description: "Connections accepted only to be closed unserved because the process was out of file descriptors (EMFILE/ENFILE); process-wide",
+    };
+
+    /// `runfeed.http.accept_errors` (counter).
+    pub const HTTP_ACCEPT_ERRORS: Observed = Observed {
+        name: "runfeed.http.accept_errors",
+        kind: ObservedKind::Counter,
+        unit: "{error}",
+        description: "Failed accepts (out of descriptors, aborted connections); with descriptors exhausted one per backoff step (5 ms doubling to 1 s); process-wide",
     };
 
     /// `runfeed.pg.queries` (counter).

@@ -1,0 +1,120 @@
+//! Postgres faults under load: the server's database is an own instance (scripts/pg-instance.sh
+//! on `--pg-port`, never the shared one) that is stopped for `--fault-ms` and started again
+//! (`restart`), or whose `max_connections` another client takes while runfeed's own connections
+//! are cut (`exhaust`), while `--feeds` followers hold live polls and `--rate` changes/s are
+//! written (the writer's own commits fail during the fault: they are not counted). Figures:
+//! 5xx seen (all must be JSON 503 with `Retry-After`), the slowest 503, followers behind after
+//! the fault (lost updates), and the time until every follower converged.
+
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::load::Load;
+use super::{report, Target};
+
+/// Which Postgres fault.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PgFault {
+    /// `pg_ctl stop -m fast`, then start again after `--fault-ms`.
+    Restart,
+    /// Another client takes every connection slot for `--fault-ms` and runfeed's connections are
+    /// terminated.
+    Exhaust,
+}
+
+/// `runfeed-faults postgres`.
+#[derive(Args, Clone, Debug)]
+pub struct PostgresArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The fault.
+    #[arg(long, value_enum)]
+    pub fault: PgFault,
+    /// Port of the server's own Postgres (scripts/pg-instance.sh); never 5432.
+    #[arg(long)]
+    pub pg_port: u16,
+    /// How long the fault lasts, ms.
+    #[arg(long, default_value_t = 5_000)]
+    pub fault_ms: u64,
+    /// Live feeds.
+    #[arg(long, default_value_t = 1_000)]
+    pub feeds: usize,
+    /// Runs they follow.
+    #[arg(long, default_value_t = 100)]
+    pub runs: usize,
+    /// Changes per second.
+    #[arg(long, default_value_t = 200)]
+    pub rate: u32,
+}
+
+fn pg_instance(args: &[&str]) -> anyhow::Result<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/pg-instance.sh");
+    let status = Command::new("bash").arg(script).args(args).status()?;
+    anyhow::ensure!(status.success(), "pg-instance.sh {args:?}");
+    Ok(())
+}
+
+/// Runs the scenario and prints its figures.
+pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.pg_port != 5432, "never the shared Postgres");
+    let load = Load::start(&a.target, a.feeds, a.runs).await?;
+    let writer = load.start_writer(a.rate);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let port = a.pg_port.to_string();
+    let fault_at = Instant::now();
+    match a.fault {
+        PgFault::Restart => {
+            pg_instance(&["stop", "--port", &port])?;
+            tokio::time::sleep(Duration::from_millis(a.fault_ms)).await;
+            pg_instance(&["resume", "--port", &port])?;
+        }
+        PgFault::Exhaust => {
+            use sqlx::Connection;
+            let url = a.target.database_url.clone();
+            let mut hog = Vec::new();
+            while let Ok(c) = sqlx::PgConnection::connect(&url).await {
+                hog.push(c);
+                if hog.len() > 10_000 {
+                    break;
+                }
+            }
+            if let Some(first) = hog.first_mut() {
+                sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'runfeed'")
+                    .execute(&mut *first)
+                    .await?;
+            }
+            while let Ok(c) = sqlx::PgConnection::connect(&url).await {
+                hog.push(c);
+            }
+            tokio::time::sleep(Duration::from_millis(a.fault_ms)).await;
+            drop(hog);
+        }
+    }
+    let fault_took = fault_at.elapsed();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    load.stop_writer();
+    let written = writer.await?;
+    let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
+    load.stop();
+    let o = &load.outcomes;
+    report(
+        "postgres",
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.feeds, "runs": a.runs, "rate": a.rate}),
+        vec![
+            ("fault window, s", json!(fault_took.as_secs_f64())),
+            ("changes committed", json!(written)),
+            ("5xx seen by clients", json!(o.server_errors.load(Ordering::Relaxed))),
+            ("5xx without JSON error or Retry-After", json!(o.bare_5xx.load(Ordering::Relaxed))),
+            ("slowest 5xx, ms", json!(o.slowest_5xx_ms.load(Ordering::Relaxed))),
+            ("transport errors", json!(o.transport_errors.load(Ordering::Relaxed))),
+            ("followers behind after 60 s (lost updates)", json!(behind)),
+            ("time until all converged, s", json!(converged_in.as_secs_f64())),
+        ],
+    );
+    Ok(())
+}

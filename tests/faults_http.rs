@@ -368,6 +368,18 @@ async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_a
 // ---------------------------------------------------------------------------------------------
 // A stalled SSE reader
 
+/// Whether the server's socket of the connection `server_port` ← `client_port` (loopback) is
+/// closed by its process: absent from /proc/net/tcp, or orphaned (inode 0).
+fn server_socket_closed(server_port: u16, client_port: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let local = format!(":{server_port:04X}");
+    let remote = format!(":{client_port:04X}");
+    !table.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() > 9 && f[1].ends_with(&local) && f[2].ends_with(&remote) && f[9] != "0"
+    })
+}
+
 /// An SSE request for `target` on a socket with a small receive buffer that is never read.
 async fn stalled_sse(addr: &str, target: &str, token: &str) -> tokio::net::TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
@@ -452,5 +464,14 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
     })
     .await;
     wait_until(WAIT, "its hold was released", || srv.running().router.held_feeds().0 <= 1).await;
+    // The server closed its end of the connection (long before its 120 s write-stall timeout),
+    // though the client still reads nothing: the kernel lists the server's socket as orphaned
+    // (inode 0) or not at all.
+    let client_port = stalled.local_addr().expect("local addr").port();
+    let server_port: u16 = addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    wait_until(WAIT, "the server closed the stalled connection", || {
+        server_socket_closed(server_port, client_port)
+    })
+    .await;
     drop(stalled);
 }

@@ -21,6 +21,11 @@
 //!   exponential backoff (5 ms doubling to 1 s, reset by the next accepted connection) so a
 //!   full descriptor table never becomes a busy loop. Service resumes by itself once
 //!   descriptors free up.
+//! - **Closing a connection from its response:** every connection carries a [`ConnAbort`]
+//!   (reachable from the handlers running on it through [`current_connection`]); a response
+//!   that gives up on its client (an SSE stream whose client stopped reading, `http::sse`)
+//!   aborts it, and the connection's next or pending write fails at once, so hyper drops the
+//!   connection and every buffer it pinned instead of waiting for the write-stall timeout.
 //! - **Graceful shutdown:** when the shutdown token is cancelled the listener is closed at once,
 //!   every connection is told to finish its in-flight response and close (no reset), and the
 //!   returned future completes when all connections are gone, or after the grace period, when
@@ -61,6 +66,37 @@ pub fn refused_connections() -> u64 {
 /// wiring); with descriptors exhausted, one per backoff step, not per retry of a busy loop.
 pub fn accept_errors() -> u64 {
     ACCEPT_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Lets what runs on a connection close it (see the module docs): once [`ConnAbort::abort`]ed,
+/// the connection's writes fail with `ConnectionAborted` and a pending write is woken to fail.
+#[derive(Debug, Default)]
+pub struct ConnAbort {
+    aborted: std::sync::atomic::AtomicBool,
+    waker: futures::task::AtomicWaker,
+}
+
+impl ConnAbort {
+    /// Closes the connection: its pending or next write fails.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+}
+
+tokio::task_local! {
+    /// The connection whose task is running (set around each connection's future).
+    static CONNECTION: std::sync::Arc<ConnAbort>;
+}
+
+/// The [`ConnAbort`] of the connection the caller runs on (`None` outside [`serve`], e.g. in
+/// tests that call the router directly).
+pub fn current_connection() -> Option<std::sync::Arc<ConnAbort>> {
+    CONNECTION.try_with(std::sync::Arc::clone).ok()
 }
 
 /// First pause after a failed accept.
@@ -193,19 +229,21 @@ pub async fn serve(
             spare = spare_descriptor();
         }
         let _ = stream.set_nodelay(true);
+        let abort = std::sync::Arc::new(ConnAbort::default());
         let io = IdleRelease {
             inner: stream,
             touched: false,
             write_stall,
             stall: None,
+            abort: abort.clone(),
         };
         let conn = builder.serve_connection(TokioIo::new(io), service.clone());
         let conn = graceful.watch(conn);
-        tokio::spawn(async move {
+        tokio::spawn(CONNECTION.scope(abort, async move {
             if let Err(err) = conn.await {
                 tracing::trace!(error = %err, "connection ended with an error");
             }
-        });
+        }));
     }
     drop(listener);
     let grace = Duration::from_millis(limits.shutdown_grace_ms);
@@ -256,6 +294,8 @@ struct IdleRelease {
     write_stall: Option<Duration>,
     /// Armed while a write is pending.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set by a response that gives up on this connection.
+    abort: std::sync::Arc<ConnAbort>,
 }
 
 impl IdleRelease {
@@ -282,6 +322,10 @@ impl IdleRelease {
         polled: Poll<std::io::Result<T>>,
     ) -> Poll<std::io::Result<T>> {
         if polled.is_pending() {
+            self.abort.waker.register(cx.waker());
+            if self.abort.is_aborted() {
+                return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+            }
             if let Err(err) = self.check_stall(cx) {
                 return Poll::Ready(Err(err));
             }
@@ -347,6 +391,9 @@ impl AsyncWrite for IdleRelease {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.abort.is_aborted() {
+            return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
         self.stalled(cx, polled)
     }
@@ -356,6 +403,9 @@ impl AsyncWrite for IdleRelease {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.abort.is_aborted() {
+            return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         self.stalled(cx, polled)
     }
@@ -391,6 +441,7 @@ mod tests {
             touched: false,
             write_stall,
             stall: None,
+            abort: std::sync::Arc::default(),
         };
         (io, client)
     }
@@ -413,6 +464,27 @@ mod tests {
         };
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(io.stall.is_none(), "the timer is dropped once it fired");
+    }
+
+    /// A pending write of a connection whose response gave up on it fails at once (woken),
+    /// long before the stall limit.
+    #[tokio::test]
+    async fn an_aborted_connection_fails_its_pending_write_at_once() {
+        let (mut io, _client) = pair(Some(Duration::from_secs(60))).await;
+        let abort = io.abort.clone();
+        let chunk = vec![7u8; 1 << 20];
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            abort.abort();
+        });
+        let started = std::time::Instant::now();
+        let err = loop {
+            if let Err(err) = io.write_all(&chunk).await {
+                break err;
+            }
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionAborted);
+        assert!(started.elapsed() < Duration::from_secs(10));
     }
 
     /// Reads still see every byte after the idle release, and a write that progresses leaves

@@ -17,11 +17,12 @@
 //! bounded queue ([`QueueBound`]: `feeds.sse_max_queued_bytes`, `feeds.sse_max_queued_events`).
 //! When the queue is full the task stops reading changes (no hold is registered while it
 //! waits); when the client then takes nothing for `feeds.sse_stall_timeout_ms` the stream is
-//! ended: the queue is emptied (its events freed at once), the hold dropped, the body answers
-//! an error (hyper closes the connection) and [`stalled_streams`] counts it
+//! ended: the queue is emptied (its events freed at once), the hold dropped, the connection
+//! aborted (`http::serve::ConnAbort`: its pending write fails, hyper drops the connection and the
+//! events in its write buffer) and [`stalled_streams`] counts it
 //! (`runfeed_feeds_stalled_streams_total`). What a stalled stream can pin is the queue bound
-//! plus hyper's write buffer (`server` buffer cap, `http::serve`); the connection itself is
-//! closed by the write-stall timeout at the latest. A client that reads again before that
+//! plus hyper's write buffer (`server` buffer cap, `http::serve`), for at most the stall
+//! timeout. A client that reads again before that
 //! never notices: the queue only applies back-pressure.
 
 use std::collections::VecDeque;
@@ -70,7 +71,7 @@ pub fn response(
     let timing = StreamTiming::of(feeds.config());
     let bound = QueueBound::of(feeds.config());
     let frames = sse_frames(feeds, req, timing);
-    let body = bounded(frames, bound, slot);
+    let body = bounded(frames, bound, slot, super::serve::current_connection());
     let mut response = Response::new(axum::body::Body::from_stream(body));
     let h = response.headers_mut();
     h.insert("content-type", HeaderValue::from_static(CONTENT_TYPE));
@@ -178,6 +179,7 @@ fn bounded<S>(
     frames: S,
     bound: QueueBound,
     slot: Option<Slot>,
+    conn: Option<Arc<super::serve::ConnAbort>>,
 ) -> BoundedBody
 where
     S: Stream<Item = Bytes> + Send + 'static,
@@ -188,7 +190,7 @@ where
         ready: AtomicWaker::new(),
     });
     let gone = CancellationToken::new();
-    tokio::spawn(produce(frames, pipe.clone(), bound, gone.clone()));
+    tokio::spawn(produce(frames, pipe.clone(), bound, gone.clone(), conn));
     BoundedBody {
         pipe,
         _gone: gone.drop_guard(),
@@ -199,8 +201,13 @@ where
 
 /// The producer task: moves events from `frames` into `pipe` while they fit, ending the stream
 /// when the client takes nothing for `bound.stall` while the queue is full.
-async fn produce<S>(frames: S, pipe: Arc<Pipe>, bound: QueueBound, gone: CancellationToken)
-where
+async fn produce<S>(
+    frames: S,
+    pipe: Arc<Pipe>,
+    bound: QueueBound,
+    gone: CancellationToken,
+    conn: Option<Arc<super::serve::ConnAbort>>,
+) where
     S: Stream<Item = Bytes> + Send + 'static,
 {
     let mut frames = std::pin::pin!(frames);
@@ -227,6 +234,9 @@ where
                     STALLED_STREAMS.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!("SSE client took nothing for the stall timeout with a full queue; ending the stream");
                     pipe.end(End::Stalled);
+                    if let Some(conn) = &conn {
+                        conn.abort();
+                    }
                     return;
                 }
                 () = gone.cancelled() => return,
@@ -299,7 +309,7 @@ mod tests {
             Bytes::from(vec![b'x'; 10])
         });
         let before = stalled_streams();
-        let body = bounded(frames, bound(), None);
+        let body = bounded(frames, bound(), None, None);
         let mut body = std::pin::pin!(body);
         tokio::time::sleep(Duration::from_millis(100)).await;
         {
@@ -322,7 +332,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_reading_client_gets_every_event_past_the_bound() {
         let frames = futures::stream::iter(0..500u32).map(|i| Bytes::from(i.to_string()));
-        let body = bounded(frames, bound(), None);
+        let body = bounded(frames, bound(), None, None);
         let got: Vec<_> = body.map(|f| f.expect("no error")).collect().await;
         assert_eq!(got.len(), 500);
         assert!(got.iter().enumerate().all(|(i, f)| *f == i.to_string()));
@@ -332,7 +342,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_event_larger_than_the_bound_is_sent_alone() {
         let frames = futures::stream::iter([Bytes::from(vec![1u8; 1_000]), Bytes::from_static(b"a")]);
-        let body = bounded(frames, bound(), None);
+        let body = bounded(frames, bound(), None, None);
         let got: Vec<_> = body.map(|f| f.expect("no error").len()).collect().await;
         assert_eq!(got, vec![1_000, 1]);
     }
@@ -352,7 +362,7 @@ mod tests {
             let _ = &guard;
             f
         });
-        let body = bounded(frames, bound(), None);
+        let body = bounded(frames, bound(), None, None);
         tokio::time::sleep(Duration::from_millis(10)).await;
         drop(body);
         tokio::time::sleep(Duration::from_millis(10)).await;

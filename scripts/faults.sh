@@ -22,9 +22,9 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 [ -x "$BIN/runfeed" ] && [ -x "$BIN/runfeed-faults" ] || {
   log "build first: cargo build --release -p runfeed -p runfeed-dev"; exit 1; }
 
-SERVER_PID=""
+PIDS=()
 cleanup() {
-  [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null || true
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
   redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
   bash scripts/pg-instance.sh destroy --port "$PG_PORT" || true
 }
@@ -37,28 +37,42 @@ for _ in $(seq 1 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && bre
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 "$BIN/runfeed" migrate --database-url "$DB_URL" >/dev/null
 
-ADMIN_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-LOG="${TMPDIR:-/tmp}/runfeed-faults-server.log"
-: >"$LOG"
-env RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" \
-    RUNFEED_SERVER__HANDLE_SECRET="faults-secret" \
-    RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 \
-    RUST_LOG="${RUST_LOG:-warn}" ${FAULTS_SERVER_ENV:-} \
-  "$BIN/runfeed" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
-SERVER_PID=$!
-BASE=""
-for _ in $(seq 1 200); do
-  BASE=$(sed -n 's/^runfeed listening on //p' "$LOG" | head -n1)
-  [ -n "$BASE" ] && break
-  sleep 0.05
-done
-[ -n "$BASE" ] || { log "server never listened"; cat "$LOG" >&2; exit 1; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+PIDS=()
+# start_server LOGFILE ADMIN_PORT → sets BASE, SERVER_PID
+start_server() {
+  : >"$1"
+  env RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$2" \
+      RUNFEED_SERVER__HANDLE_SECRET="faults-secret" \
+      RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 \
+      RUST_LOG="${RUST_LOG:-warn}" ${FAULTS_SERVER_ENV:-} \
+    "$BIN/runfeed" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$1" 2>&1 &
+  SERVER_PID=$!
+  PIDS+=("$SERVER_PID")
+  BASE=""
+  for _ in $(seq 1 200); do
+    BASE=$(sed -n 's/^runfeed listening on //p' "$1" | head -n1)
+    [ -n "$BASE" ] && break
+    sleep 0.05
+  done
+  [ -n "$BASE" ] || { log "server never listened"; cat "$1" >&2; exit 1; }
+}
+ADMIN_PORT=$(free_port)
+start_server "${TMPDIR:-/tmp}/runfeed-faults-server.log" "$ADMIN_PORT"
 log "server $BASE (pid $SERVER_PID), postgres :$PG_PORT, redis :$REDIS_PORT"
 common=(--base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL"
   --admin-url "http://127.0.0.1:$ADMIN_PORT" --server-pid "$SERVER_PID")
 case "$SCENARIO" in
   redis) extra=(--redis-port "$REDIS_PORT") ;;
   postgres) extra=(--pg-port "$PG_PORT") ;;
+  storm)
+    # The clients reconnect to a second instance (as after a deploy).
+    FIRST_BASE=$BASE; FIRST_PID=$SERVER_PID
+    ADMIN2=$(free_port)
+    start_server "${TMPDIR:-/tmp}/runfeed-faults-server2.log" "$ADMIN2"
+    log "second instance $BASE (pid $SERVER_PID)"
+    extra=(--storm-base-url "$BASE" --storm-admin-url "http://127.0.0.1:$ADMIN2")
+    BASE=$FIRST_BASE; SERVER_PID=$FIRST_PID ;;
   *) extra=() ;;
 esac
 "$BIN/runfeed-faults" "$SCENARIO" "${common[@]}" "${extra[@]}" "$@"

@@ -319,13 +319,16 @@ impl Load {
                     batch_id: None,
                     updated_at_ms: Some(ms),
                 };
-                // A bounded publish: a paused or restarting Redis must not stall the writer.
-                let published =
-                    tokio::time::timeout(Duration::from_millis(500), load.publisher.publish(&record))
-                        .await;
-                if !matches!(published, Ok(Ok(_))) {
-                    load.publish_errors.fetch_add(1, Ordering::Relaxed);
-                }
+                // Published from a task of its own: a paused or restarting Redis must not slow
+                // the writer (its commits go on at `rate`).
+                let l = load.clone();
+                tokio::spawn(async move {
+                    let published =
+                        tokio::time::timeout(Duration::from_secs(2), l.publisher.publish(&record)).await;
+                    if !matches!(published, Ok(Ok(_))) {
+                        l.publish_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
             }
             written
         })
@@ -396,6 +399,13 @@ impl Load {
         };
         let _ = tokio::time::timeout(Duration::from_millis(500), self.publisher.publish(&record)).await;
         Ok(n)
+    }
+
+    /// One snapshot of run `i % runs` (a probe; its 5xx are counted); its status.
+    pub async fn snapshot_probe(&self, i: usize) -> Option<u16> {
+        let run = i % self.runs.len();
+        let token = self.token(run);
+        self.get(i, &token, run, None).await.map(|(status, _, _)| status)
     }
 
     /// Whether every follower of `run` has seen `n`.

@@ -119,6 +119,7 @@ pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
         after_fan.push(rss());
     }
+    let states = metric_sum(&scrape(&http, &a.target).await?, "runfeed_feeds_working_set_size").unwrap_or(0.0);
     let last = |v: &[f64]| v.last().copied().unwrap_or(f64::NAN);
     let within = |v: &[f64], base: f64| v.iter().position(|&r| r <= base * 1.25).map(|i| i as f64 + 1.0);
     report(
@@ -135,6 +136,7 @@ pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
             ("fan-out: change to last response, ms", json!(fan_took.as_secs_f64() * 1000.0)),
             ("RSS settle_s after the fan-out, MiB", json!(last(&after_fan))),
             ("after fan-out: within 25 % of before after, s", json!(within(&after_fan, fan_before))),
+            ("per-connection states kept then (300 s TTL)", json!(states)),
         ],
     );
     Ok(())

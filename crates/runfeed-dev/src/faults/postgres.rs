@@ -66,6 +66,29 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let writer = load.start_writer(a.rate);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let port = a.pg_port.to_string();
+    // Snapshot probes every 50 ms through the fault: each must be a 200 or a JSON 503 with
+    // Retry-After, never a hang (counted in the load's outcomes).
+    let probing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let probes = {
+        let (load, probing) = (load.clone(), probing.clone());
+        tokio::spawn(async move {
+            let (mut n, mut ok) = (0u64, 0u64);
+            let mut tasks = Vec::new();
+            while probing.load(Ordering::Relaxed) {
+                let load = load.clone();
+                let i = n as usize;
+                tasks.push(tokio::spawn(async move { load.snapshot_probe(i).await }));
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            for t in tasks {
+                if t.await.ok().flatten() == Some(200) {
+                    ok += 1;
+                }
+            }
+            (n, ok)
+        })
+    };
     let fault_at = Instant::now();
     match a.fault {
         PgFault::Restart => {
@@ -96,6 +119,9 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
         }
     }
     let fault_took = fault_at.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    probing.store(false, Ordering::Relaxed);
+    let (probed, probed_ok) = probes.await?;
     tokio::time::sleep(Duration::from_secs(10)).await;
     load.stop_writer();
     let written = writer.await?;
@@ -108,6 +134,8 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
         vec![
             ("fault window, s", json!(fault_took.as_secs_f64())),
             ("changes committed", json!(written)),
+            ("snapshot probes (every 50 ms)", json!(probed)),
+            ("snapshot probes answered 200", json!(probed_ok)),
             ("5xx seen by clients", json!(o.server_errors.load(Ordering::Relaxed))),
             ("5xx without JSON error or Retry-After", json!(o.bare_5xx.load(Ordering::Relaxed))),
             ("slowest 5xx, ms", json!(o.slowest_5xx_ms.load(Ordering::Relaxed))),

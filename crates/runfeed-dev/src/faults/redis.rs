@@ -1,7 +1,8 @@
 //! Redis faults under load: the server's Redis (standalone, on `--redis-port`, started by the
 //! caller without persistence) is restarted, paused with `CLIENT PAUSE <ms> ALL`, or frozen with
 //! SIGSTOP for `--fault-ms`, while `--feeds` followers hold live polls and `--rate` changes/s
-//! are written. Figures: followers that never converged to the last committed version (lost
+//! are written until the fault ends (so the versions committed during the fault are the last
+//! ones each run has). Figures: followers that never converged to the last committed version (lost
 //! updates), time from the fault's end until a new change reaches every follower of a run via a
 //! wake, backstop deliveries the fault cost, 5xx seen by clients.
 
@@ -100,6 +101,10 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
         }
     }
     let fault_over = Instant::now();
+    // The writer stops with the fault: the versions committed during it are the last ones, so
+    // they must reach every follower (by a wake after the reconnect, or a backstop).
+    load.stop_writer();
+    let written = writer.await?;
     // Recovered: a new change of run 0 reaches every follower of run 0 within 1 s.
     let mut recovered = None;
     while fault_over.elapsed() < Duration::from_secs(90) {
@@ -116,9 +121,6 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
             break;
         }
     }
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    load.stop_writer();
-    let written = writer.await?;
     // Every follower must reach the last committed version: by a wake, or by the backstop at
     // the end of its hold (20 s + jitter).
     let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;

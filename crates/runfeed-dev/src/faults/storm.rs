@@ -33,6 +33,14 @@ pub struct StormArgs {
     /// The reconnects are spread uniformly over this window, ms.
     #[arg(long, default_value_t = 1_000)]
     pub spread_ms: u64,
+    /// Another instance (same database, Redis and handle secret) the clients reconnect to, as
+    /// after a deploy: it has none of their per-connection state, so each live poll is a cold
+    /// resolve. Default: the snapshot instance.
+    #[arg(long)]
+    pub storm_base_url: Option<String>,
+    /// That instance's admin listener.
+    #[arg(long)]
+    pub storm_admin_url: Option<String>,
 }
 
 /// One client's feed and where its snapshot left it.
@@ -103,6 +111,14 @@ pub async fn live(client: &reqwest::Client, base: &str, p: &Parked) -> Option<u1
 pub async fn run(a: StormArgs) -> anyhow::Result<()> {
     let (_env, _ids, parked) = snapshots(&a.target, a.clients, a.runs).await.context("snapshots")?;
     let http = reqwest::Client::builder().no_proxy().build()?;
+    let mut storm = a.target.clone();
+    if let Some(base) = &a.storm_base_url {
+        storm.base_url = base.clone();
+    }
+    if let Some(admin) = &a.storm_admin_url {
+        storm.admin_url = admin.clone();
+    }
+    let a = StormArgs { target: storm, ..a };
     let before = scrape(&http, &a.target).await?;
     let held_before = metric_sum(&before, "runfeed_router_held_feeds").unwrap_or(0.0);
     let q0 = metric_sum(&before, "runfeed_pg_queries_total").unwrap_or(0.0);
@@ -149,7 +165,7 @@ pub async fn run(a: StormArgs) -> anyhow::Result<()> {
     }
     report(
         "storm",
-        json!({"clients": a.clients, "runs": a.runs, "spread_ms": a.spread_ms}),
+        json!({"clients": a.clients, "runs": a.runs, "spread_ms": a.spread_ms, "other_instance": a.storm_base_url.is_some()}),
         vec![
             ("5xx", json!(fivexx.load(Ordering::Relaxed))),
             ("requests without a response", json!(failed.load(Ordering::Relaxed))),

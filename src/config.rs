@@ -460,7 +460,9 @@ impl Config {
                 "feeds.sse_keepalive_ms and feeds.sse_max_duration_ms must be > 0".into(),
             ));
         }
-        if f.sse_max_queued_bytes == 0 || f.sse_max_queued_events == 0 || f.sse_stall_timeout_ms == 0
+        if f.sse_max_queued_bytes == 0
+            || f.sse_max_queued_events == 0
+            || f.sse_stall_timeout_ms == 0
         {
             return Err(ConfigError::Invalid(
                 "feeds.sse_max_queued_bytes, feeds.sse_max_queued_events and feeds.sse_stall_timeout_ms must be > 0".into(),

@@ -41,10 +41,16 @@ async fn a_public_token_that_expires_during_a_hold_gets_a_json_401_on_its_next_p
     snap.assert_status(200);
     let held = srv.fetch(&url.live_after(&snap), &headers).await;
     held.assert_status(200);
-    assert!(held.elapsed >= Duration::from_millis(4_500), "the poll was held");
+    assert!(
+        held.elapsed >= Duration::from_millis(4_500),
+        "the poll was held"
+    );
     let next = srv.fetch(&url.live_after(&held), &headers).await;
     assert_eq!(next.status, 401, "{}", next.text);
-    assert_eq!(next.json, json!({"error": "Public Access Token is invalid"}));
+    assert_eq!(
+        next.json,
+        json!({"error": "Public Access Token is invalid"})
+    );
     assert!(next.elapsed < Duration::from_secs(2), "answered at once");
 }
 
@@ -64,8 +70,10 @@ async fn a_run_token_gets_a_json_401_naming_the_token_type() {
     let tokens = [
         sign(json!({"sub": run.id, "iat": now, "exp": now + 600})),
         // Even one that claims to be a public token.
-        sign(json!({"pub": true, "sub": env.env_id, "scopes": ["read:all"],
-            "iss": "https://id.trigger.dev", "aud": "https://api.trigger.dev", "iat": now, "exp": now + 600})),
+        sign(
+            json!({"pub": true, "sub": env.env_id, "scopes": ["read:all"],
+            "iss": "https://id.trigger.dev", "aud": "https://api.trigger.dev", "iat": now, "exp": now + 600}),
+        ),
     ];
     for token in tokens {
         for url in feed_urls(&run.friendly_id, "a", "batch_x") {
@@ -73,7 +81,10 @@ async fn a_run_token_gets_a_json_401_naming_the_token_type() {
             assert_eq!(r.status, 401, "{}: {}", url.path, r.text);
             assert_eq!(r.json["tokenType"], "run+jwt", "{}", r.text);
             let error = r.json["error"].as_str().expect("error text");
-            assert!(error.contains("Run tokens") && error.contains("TRIGGER_RUN_TOKEN"), "{error}");
+            assert!(
+                error.contains("Run tokens") && error.contains("TRIGGER_RUN_TOKEN"),
+                "{error}"
+            );
         }
     }
 }
@@ -104,7 +115,13 @@ impl OwnPostgres {
     fn start(max_connections: u32) -> OwnPostgres {
         let port = free_port();
         let p = port.to_string();
-        Self::script(&["start", "--port", &p, "--max-connections", &max_connections.to_string()]);
+        Self::script(&[
+            "start",
+            "--port",
+            &p,
+            "--max-connections",
+            &max_connections.to_string(),
+        ]);
         OwnPostgres { port }
     }
 
@@ -148,9 +165,12 @@ async fn serve_on(db: &TestDb, hold_ms: u64) -> (app::Running, reqwest::Client, 
 
 async fn get(http: &reqwest::Client, url: &str, headers: &[(String, String)]) -> Resp {
     // A client timeout well above the pool's 5 s acquire bound: a hang shows up as an error.
-    send(with_headers(http.get(url), headers), Duration::from_secs(12))
-        .await
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+    send(
+        with_headers(http.get(url), headers),
+        Duration::from_secs(12),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("GET {url}: {e}"))
 }
 
 /// The refusal every request gets while the database is unreachable.
@@ -181,7 +201,12 @@ async fn wait_served(http: &reqwest::Client, url: &str, headers: &[(String, Stri
         if r.status == 200 {
             return;
         }
-        assert!(r.status == 503, "only 503s while recovering: {} {}", r.status, r.text);
+        assert!(
+            r.status == 503,
+            "only 503s while recovering: {} {}",
+            r.status,
+            r.text
+        );
         assert!(Instant::now() < deadline, "service never resumed");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -194,23 +219,44 @@ async fn a_stopped_postgres_gets_a_json_503_with_retry_after_and_readyz_names_it
     let db = made("test db", TestDb::create(&pg.admin())).await;
     let (running, http, base) = serve_on(&db, 2_000).await;
     let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
-    let run = made("run", fixtures::create_run(&db.pool, &env, RunSpec::default())).await;
-    let fresh = made("run", fixtures::create_run(&db.pool, &env, RunSpec::default())).await;
+    let run = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
+    let fresh = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
     let headers = modern(&env.api_key);
-    let snap = get(&http, &format!("{base}{}", run_url(&run.friendly_id).snapshot().render()), &headers).await;
+    let snap = get(
+        &http,
+        &format!("{base}{}", run_url(&run.friendly_id).snapshot().render()),
+        &headers,
+    )
+    .await;
     snap.assert_status(200);
     // A live poll held while the database goes away answers within its hold bound.
     let live = tokio::spawn({
         let (http, url, headers) = (
             http.clone(),
-            format!("{base}{}", run_url(&run.friendly_id).live_after(&snap).render()),
+            format!(
+                "{base}{}",
+                run_url(&run.friendly_id).live_after(&snap).render()
+            ),
             headers.clone(),
         );
         async move { get(&http, &url, &headers).await }
     });
     pg.stop();
     let held = live.await.expect("live poll task");
-    assert!(held.status == 200 || held.status == 503, "{} {}", held.status, held.text);
+    assert!(
+        held.status == 200 || held.status == 503,
+        "{} {}",
+        held.status,
+        held.text
+    );
     if held.status == 503 {
         assert_json_503(&held, "the held poll");
     }
@@ -229,11 +275,19 @@ async fn max_connections_exhausted_by_another_client_gets_a_json_503_then_servic
     let db = made("test db", TestDb::create(&pg.admin())).await;
     let (running, http, base) = serve_on(&db, 2_000).await;
     let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
-    let fresh = made("run", fixtures::create_run(&db.pool, &env, RunSpec::default())).await;
+    let fresh = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
     let headers = modern(&env.api_key);
-    get(&http, &format!("{base}/realtime/v1/runs/run_none"), &headers)
-        .await
-        .assert_status(404);
+    get(
+        &http,
+        &format!("{base}/realtime/v1/runs/run_none"),
+        &headers,
+    )
+    .await
+    .assert_status(404);
     // Another client takes every slot, then runfeed's own connections are cut: it must
     // reconnect and cannot.
     let url = format!("{}/{}", pg.admin(), db.name);
@@ -247,10 +301,12 @@ async fn max_connections_exhausted_by_another_client_gets_a_json_503_then_servic
         assert!(hog.len() < 20, "max_connections is 12");
     }
     let first = hog.first_mut().expect("at least one hog connection");
-    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'runfeed'")
-        .execute(&mut *first)
-        .await
-        .expect("cut runfeed's connections");
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'runfeed'",
+    )
+    .execute(&mut *first)
+    .await
+    .expect("cut runfeed's connections");
     while let Ok(conn) = connect().await {
         hog.push(conn);
     }
@@ -271,13 +327,14 @@ fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
     let after = &stat[stat.rfind(')').expect("comm") + 2..];
     let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
+    let ticks: f64 =
+        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
     ticks / 100.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_and_service_resumes(
-) {
+async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_and_service_resumes()
+{
     let _ = rlimit::increase_nofile_limit(4096);
     let db = made("test db", TestDb::create(PG_ADMIN)).await;
     let admin = format!("127.0.0.1:{}", free_port());
@@ -301,7 +358,11 @@ async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_a
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let addr = within(WAIT, "runfeed listening", async {
         loop {
-            let line = lines.next_line().await.expect("stdout").expect("runfeed exited");
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("runfeed exited");
             if let Some(addr) = line.strip_prefix("runfeed listening on http://") {
                 return addr.trim().to_string();
             }
@@ -311,14 +372,18 @@ async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_a
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     let healthz = || async {
         let mut s = TcpStream::connect(&addr).await?;
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await?;
         let mut out = String::new();
         tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
             .await
             .map_err(|_| std::io::Error::other("no answer within 5 s"))??;
         Ok::<_, std::io::Error>(out)
     };
-    assert!(healthz().await.expect("healthz").starts_with("HTTP/1.1 200"));
+    assert!(healthz()
+        .await
+        .expect("healthz")
+        .starts_with("HTTP/1.1 200"));
     // Idle connections (no request head yet) each pin a descriptor of the server.
     let mut idle = Vec::new();
     for _ in 0..100 {
@@ -327,14 +392,19 @@ async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_a
     // Past the limit: the connection is closed unserved, quickly (not left in the backlog).
     let refused = healthz().await;
     assert!(
-        !refused.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        !refused
+            .as_ref()
+            .is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
         "served past the limit: {refused:?}"
     );
     // No busy loop while descriptors stay exhausted: well under a tenth of a core.
     let (cpu0, t0) = (cpu_seconds(pid), Instant::now());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
-    assert!(share < 0.10, "the accept loop used {share:.2} of a core while out of descriptors");
+    assert!(
+        share < 0.10,
+        "the accept loop used {share:.2} of a core while out of descriptors"
+    );
     drop(idle);
     // Service resumes by itself; the admin listener then reports the refusals.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -358,9 +428,15 @@ async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_a
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
-    assert!(counter("runfeed_http_refused_connections_total") >= 1.0, "{metrics}");
+    assert!(
+        counter("runfeed_http_refused_connections_total") >= 1.0,
+        "{metrics}"
+    );
     let errors = counter("runfeed_http_accept_errors_total");
-    assert!((1.0..200.0).contains(&errors), "accept errors back off: {errors}");
+    assert!(
+        (1.0..200.0).contains(&errors),
+        "accept errors back off: {errors}"
+    );
     let _ = child.kill().await;
     db.cleanup().await.expect("drop test db");
 }
@@ -426,7 +502,10 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
         .await
         .expect("healthy SSE");
     assert_eq!(healthy.status(), 200);
-    wait_until(WAIT, "both streams hold the run", || srv.running().router.held_feeds().0 == 2).await;
+    wait_until(WAIT, "both streams hold the run", || {
+        srv.running().router.held_feeds().0 == 2
+    })
+    .await;
     let stalled_before = runfeed::http::sse::stalled_streams();
     let big = "x".repeat(256 * 1024);
     let changes = 40;
@@ -439,7 +518,9 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
                 .await
                 .expect("the healthy stream got every change in time")
                 .expect("healthy stream read");
-            let Some(chunk) = chunk else { panic!("the healthy stream ended") };
+            let Some(chunk) = chunk else {
+                panic!("the healthy stream ended")
+            };
             seen.push_str(&String::from_utf8_lossy(&chunk));
             if seen.contains(&last) {
                 break;
@@ -453,9 +534,16 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
     for n in 0..changes {
         let output = format!("{{\"n\":{n},\"pad\":\"{big}\"}}");
         let ms = srv
-            .update(&run.id, RunUpdate { output: Some(output), ..RunUpdate::default() })
+            .update(
+                &run.id,
+                RunUpdate {
+                    output: Some(output),
+                    ..RunUpdate::default()
+                },
+            )
             .await;
-        srv.publish(&TestServer::record(&env, &run.id, &[], None, ms)).await;
+        srv.publish(&TestServer::record(&env, &run.id, &[], None, ms))
+            .await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     reader.await.expect("healthy reader");
@@ -463,12 +551,19 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
         runfeed::http::sse::stalled_streams() > stalled_before
     })
     .await;
-    wait_until(WAIT, "its hold was released", || srv.running().router.held_feeds().0 <= 1).await;
+    wait_until(WAIT, "its hold was released", || {
+        srv.running().router.held_feeds().0 <= 1
+    })
+    .await;
     // The server closed its end of the connection (long before its 120 s write-stall timeout),
     // though the client still reads nothing: the kernel lists the server's socket as orphaned
     // (inode 0) or not at all.
     let client_port = stalled.local_addr().expect("local addr").port();
-    let server_port: u16 = addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    let server_port: u16 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
     wait_until(WAIT, "the server closed the stalled connection", || {
         server_socket_closed(server_port, client_port)
     })

@@ -39,13 +39,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use futures::FutureExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 

@@ -140,7 +140,9 @@ struct Pipe {
 
 impl Pipe {
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Queues `frame` if it fits within `bound` (always when the queue is empty); gives it
@@ -322,7 +324,11 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(600)).await;
         assert!(body.pipe.lock().frames.is_empty(), "the queue was freed");
         assert!(stalled_streams() > before);
-        let err = body.next().await.expect("an item").expect_err("the stall error");
+        let err = body
+            .next()
+            .await
+            .expect("an item")
+            .expect_err("the stall error");
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(body.next().await.is_none());
     }
@@ -341,7 +347,8 @@ mod tests {
     /// One event larger than the bytes bound still goes out (alone).
     #[tokio::test(start_paused = true)]
     async fn an_event_larger_than_the_bound_is_sent_alone() {
-        let frames = futures::stream::iter([Bytes::from(vec![1u8; 1_000]), Bytes::from_static(b"a")]);
+        let frames =
+            futures::stream::iter([Bytes::from(vec![1u8; 1_000]), Bytes::from_static(b"a")]);
         let body = bounded(frames, bound(), None, None);
         let got: Vec<_> = body.map(|f| f.expect("no error").len()).collect().await;
         assert_eq!(got, vec![1_000, 1]);

@@ -607,8 +607,14 @@ fn fault_plan(
         FaultKind::RedisRestart,
         args.redis_restarts,
     ));
-    kinds.extend(std::iter::repeat_n(FaultKind::RedisPause, args.redis_pauses));
-    kinds.extend(std::iter::repeat_n(FaultKind::RedisFreeze, args.redis_freezes));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RedisPause,
+        args.redis_pauses,
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RedisFreeze,
+        args.redis_freezes,
+    ));
     kinds.extend(std::iter::repeat_n(
         FaultKind::ClusterNodeRestart,
         args.cluster_node_restarts,
@@ -691,7 +697,11 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
                     };
                     let ready = wait_all_ready(ctx.instances).await;
                     res.and(ready).map(|()| {
-                        format!("the check's redis-server {} for {} ms", kind.name(), ctx.redis_fault_ms)
+                        format!(
+                            "the check's redis-server {} for {} ms",
+                            kind.name(),
+                            ctx.redis_fault_ms
+                        )
                     })
                 }
                 None => Ok("skipped (no own Redis)".to_string()),

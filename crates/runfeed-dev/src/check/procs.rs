@@ -283,11 +283,18 @@ impl RedisServer {
     pub async fn pause(&self, pause: Duration) -> anyhow::Result<()> {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
         let ms = pause.as_millis().to_string();
-        let cmd = format!("*4\r\n$6\r\nCLIENT\r\n$5\r\nPAUSE\r\n${}\r\n{ms}\r\n$3\r\nALL\r\n", ms.len());
+        let cmd = format!(
+            "*4\r\n$6\r\nCLIENT\r\n$5\r\nPAUSE\r\n${}\r\n{ms}\r\n$3\r\nALL\r\n",
+            ms.len()
+        );
         s.write_all(cmd.as_bytes()).await?;
         let mut ok = [0u8; 5];
         s.read_exact(&mut ok).await?;
-        anyhow::ensure!(&ok == b"+OK\r\n", "CLIENT PAUSE: {:?}", String::from_utf8_lossy(&ok));
+        anyhow::ensure!(
+            &ok == b"+OK\r\n",
+            "CLIENT PAUSE: {:?}",
+            String::from_utf8_lossy(&ok)
+        );
         tokio::time::sleep(pause).await;
         Ok(())
     }

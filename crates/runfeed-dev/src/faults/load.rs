@@ -21,6 +21,20 @@ use tokio::time::Instant;
 use super::Target;
 use crate::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
 
+/// The workload's size (flattened into each scenario's arguments).
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoadArgs {
+    /// Live feeds (long-poll followers).
+    #[arg(long, default_value_t = 1_000)]
+    pub feeds: usize,
+    /// Runs they follow.
+    #[arg(long, default_value_t = 100)]
+    pub runs: usize,
+    /// Changes per second.
+    #[arg(long, default_value_t = 200)]
+    pub rate: u32,
+}
+
 /// `x-trigger-electric-version` the followers send.
 const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
 
@@ -167,7 +181,10 @@ impl Load {
         }
         let started = Instant::now();
         let sent = client
-            .get(format!("{}/realtime/v1/runs/{}", self.base, self.runs[run].1))
+            .get(format!(
+                "{}/realtime/v1/runs/{}",
+                self.base, self.runs[run].1
+            ))
             .query(&params)
             .header("authorization", format!("Bearer {token}"))
             .header("x-trigger-electric-version", ELECTRIC_VERSION)
@@ -176,7 +193,9 @@ impl Load {
         let resp = match sent {
             Ok(resp) => resp,
             Err(_) => {
-                self.outcomes.transport_errors.fetch_add(1, Ordering::Relaxed);
+                self.outcomes
+                    .transport_errors
+                    .fetch_add(1, Ordering::Relaxed);
                 return None;
             }
         };
@@ -197,14 +216,18 @@ impl Load {
         let body = match resp.text().await {
             Ok(text) => serde_json::from_str(&text).unwrap_or(Value::Null),
             Err(_) => {
-                self.outcomes.transport_errors.fetch_add(1, Ordering::Relaxed);
+                self.outcomes
+                    .transport_errors
+                    .fetch_add(1, Ordering::Relaxed);
                 return None;
             }
         };
         if status >= 500 {
             self.outcomes.server_errors.fetch_add(1, Ordering::Relaxed);
             let took = started.elapsed().as_millis() as u64;
-            self.outcomes.slowest_5xx_ms.fetch_max(took, Ordering::Relaxed);
+            self.outcomes
+                .slowest_5xx_ms
+                .fetch_max(took, Ordering::Relaxed);
             if !retry_after || !body["error"].is_string() {
                 self.outcomes.bare_5xx.fetch_add(1, Ordering::Relaxed);
             }
@@ -292,7 +315,8 @@ impl Load {
     pub fn start_writer(self: &Arc<Self>, rate: u32) -> tokio::task::JoinHandle<u64> {
         let load = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate.max(1))));
+            let mut tick =
+                tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate.max(1))));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut written = 0u64;
             let mut r = 0usize;
@@ -300,35 +324,9 @@ impl Load {
                 tick.tick().await;
                 let run = r % load.runs.len();
                 r += 1;
-                let n = load.latest[run].load(Ordering::Relaxed) + 1;
-                let set = RunUpdate {
-                    metadata: Some(format!("{{\"n\":{n}}}")),
-                    ..RunUpdate::default()
-                };
-                let Ok(ms) = fixtures::update_run(&load.pool, &load.runs[run].0, set).await else {
-                    continue;
-                };
-                load.latest[run].store(n, Ordering::Relaxed);
-                load.lock_published().insert((run, n), Instant::now());
-                written += 1;
-                let record = ChangeRecord {
-                    v: 1,
-                    run_id: load.runs[run].0.as_str().into(),
-                    env_id: load.env.env_id.as_str().into(),
-                    tags: Some(Vec::new()),
-                    batch_id: None,
-                    updated_at_ms: Some(ms),
-                };
-                // Published from a task of its own: a paused or restarting Redis must not slow
-                // the writer (its commits go on at `rate`).
-                let l = load.clone();
-                tokio::spawn(async move {
-                    let published =
-                        tokio::time::timeout(Duration::from_secs(2), l.publisher.publish(&record)).await;
-                    if !matches!(published, Ok(Ok(_))) {
-                        l.publish_errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
+                if load.commit(run).await.is_ok() {
+                    written += 1;
+                }
             }
             written
         })
@@ -379,8 +377,10 @@ impl Load {
         v
     }
 
-    /// Commits and publishes one change of run `run` now; returns its publish instant.
-    pub async fn probe_change(&self, run: usize) -> anyhow::Result<u64> {
+    /// Commits one change of run `run` now and publishes its change record from a task of its
+    /// own (a paused or restarting Redis must not slow the writer; failed publishes are
+    /// counted); returns its `n`.
+    pub async fn commit(self: &Arc<Self>, run: usize) -> anyhow::Result<u64> {
         let n = self.latest[run].load(Ordering::Relaxed) + 1;
         let set = RunUpdate {
             metadata: Some(format!("{{\"n\":{n}}}")),
@@ -397,7 +397,14 @@ impl Load {
             batch_id: None,
             updated_at_ms: Some(ms),
         };
-        let _ = tokio::time::timeout(Duration::from_millis(500), self.publisher.publish(&record)).await;
+        let load = self.clone();
+        tokio::spawn(async move {
+            let published =
+                tokio::time::timeout(Duration::from_secs(2), load.publisher.publish(&record)).await;
+            if !matches!(published, Ok(Ok(_))) {
+                load.publish_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        });
         Ok(n)
     }
 
@@ -405,7 +412,9 @@ impl Load {
     pub async fn snapshot_probe(&self, i: usize) -> Option<u16> {
         let run = i % self.runs.len();
         let token = self.token(run);
-        self.get(i, &token, run, None).await.map(|(status, _, _)| status)
+        self.get(i, &token, run, None)
+            .await
+            .map(|(status, _, _)| status)
     }
 
     /// Whether every follower of `run` has seen `n`.

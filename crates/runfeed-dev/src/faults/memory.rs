@@ -46,7 +46,10 @@ async fn wait_held(http: &reqwest::Client, t: &Target, n: f64) {
 
 /// Runs the scenario and prints its figures.
 pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
-    let pid = a.target.server_pid.context("--server-pid is needed for RSS")?;
+    let pid = a
+        .target
+        .server_pid
+        .context("--server-pid is needed for RSS")?;
     let rss = || proc_rss(pid).unwrap_or(f64::NAN) / 1048576.0;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let base = a.target.base_url.trim_end_matches('/').to_string();
@@ -56,11 +59,16 @@ pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
     let before = rss();
     let mut peak = before;
     for _ in 0..a.bursts {
-        let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(0).build()?;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .build()?;
         let mut tasks = Vec::new();
         for i in 0..parked.len() {
             let (client, base, parked) = (client.clone(), base.clone(), parked.clone());
-            tasks.push(tokio::spawn(async move { live(&client, &base, &parked[i]).await }));
+            tasks.push(tokio::spawn(async move {
+                live(&client, &base, &parked[i]).await
+            }));
         }
         wait_held(&http, &a.target, parked.len() as f64).await;
         peak = peak.max(rss());
@@ -79,19 +87,31 @@ pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
     // Fan-out: every feed on one run, one change.
     let (env, ids, fan) = snapshots(&a.target, a.fanout, 1).await?;
     let fan_before = rss();
-    let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(0).timeout(Duration::from_secs(60)).build()?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(60))
+        .build()?;
     let mut tasks = Vec::new();
     for p in fan {
         let (client, base) = (client.clone(), base.clone());
         tasks.push(tokio::spawn(async move { live(&client, &base, &p).await }));
     }
     wait_held(&http, &a.target, a.fanout as f64).await;
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&a.target.database_url).await?;
-    let set = RunUpdate { status: Some("EXECUTING".into()), ..RunUpdate::default() };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&a.target.database_url)
+        .await?;
+    let set = RunUpdate {
+        status: Some("EXECUTING".into()),
+        ..RunUpdate::default()
+    };
     let ms = fixtures::update_run(&pool, &ids[0], set).await?;
-    let publisher = runfeed::redis::Publisher::connect(&runfeed::redis::RedisOptions::standalone(&a.target.redis_url))
-        .await
-        .map_err(|e| anyhow::anyhow!("publisher: {e}"))?;
+    let publisher = runfeed::redis::Publisher::connect(&runfeed::redis::RedisOptions::standalone(
+        &a.target.redis_url,
+    ))
+    .await
+    .map_err(|e| anyhow::anyhow!("publisher: {e}"))?;
     publisher
         .publish(&runfeed::changes::ChangeRecord {
             v: 1,
@@ -119,23 +139,46 @@ pub async fn run(a: MemoryArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
         after_fan.push(rss());
     }
-    let states = metric_sum(&scrape(&http, &a.target).await?, "runfeed_feeds_working_set_size").unwrap_or(0.0);
+    let states = metric_sum(
+        &scrape(&http, &a.target).await?,
+        "runfeed_feeds_working_set_size",
+    )
+    .unwrap_or(0.0);
     let last = |v: &[f64]| v.last().copied().unwrap_or(f64::NAN);
-    let within = |v: &[f64], base: f64| v.iter().position(|&r| r <= base * 1.25).map(|i| i as f64 + 1.0);
+    let within = |v: &[f64], base: f64| {
+        v.iter()
+            .position(|&r| r <= base * 1.25)
+            .map(|i| i as f64 + 1.0)
+    };
     report(
         "memory",
         json!({"bursts": a.bursts, "polls": a.polls, "fanout": a.fanout, "settle_s": a.settle_s}),
         vec![
             ("RSS before the bursts, MiB", json!(before)),
             ("RSS peak during the bursts, MiB", json!(peak)),
-            ("RSS settle_s after the bursts, MiB", json!(last(&after_bursts))),
-            ("after bursts: within 25 % of before after, s", json!(within(&after_bursts, before))),
+            (
+                "RSS settle_s after the bursts, MiB",
+                json!(last(&after_bursts)),
+            ),
+            (
+                "after bursts: within 25 % of before after, s",
+                json!(within(&after_bursts, before)),
+            ),
             ("RSS before the fan-out, MiB", json!(fan_before)),
             ("RSS peak of the fan-out, MiB", json!(fan_peak)),
             ("fan-out answered 200", json!(ok)),
-            ("fan-out: change to last response, ms", json!(fan_took.as_secs_f64() * 1000.0)),
-            ("RSS settle_s after the fan-out, MiB", json!(last(&after_fan))),
-            ("after fan-out: within 25 % of before after, s", json!(within(&after_fan, fan_before))),
+            (
+                "fan-out: change to last response, ms",
+                json!(fan_took.as_secs_f64() * 1000.0),
+            ),
+            (
+                "RSS settle_s after the fan-out, MiB",
+                json!(last(&after_fan)),
+            ),
+            (
+                "after fan-out: within 25 % of before after, s",
+                json!(within(&after_fan, fan_before)),
+            ),
             ("per-connection states kept then (300 s TTL)", json!(states)),
         ],
     );

@@ -14,7 +14,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::load::Load;
+use super::load::{Load, LoadArgs};
 use super::{report, Target};
 
 /// Which Postgres fault.
@@ -41,15 +41,8 @@ pub struct PostgresArgs {
     /// How long the fault lasts, ms.
     #[arg(long, default_value_t = 5_000)]
     pub fault_ms: u64,
-    /// Live feeds.
-    #[arg(long, default_value_t = 1_000)]
-    pub feeds: usize,
-    /// Runs they follow.
-    #[arg(long, default_value_t = 100)]
-    pub runs: usize,
-    /// Changes per second.
-    #[arg(long, default_value_t = 200)]
-    pub rate: u32,
+    #[command(flatten)]
+    pub load: LoadArgs,
 }
 
 fn pg_instance(args: &[&str]) -> anyhow::Result<()> {
@@ -62,8 +55,8 @@ fn pg_instance(args: &[&str]) -> anyhow::Result<()> {
 /// Runs the scenario and prints its figures.
 pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.pg_port != 5432, "never the shared Postgres");
-    let load = Load::start(&a.target, a.feeds, a.runs).await?;
-    let writer = load.start_writer(a.rate);
+    let load = Load::start(&a.target, a.load.feeds, a.load.runs).await?;
+    let writer = load.start_writer(a.load.rate);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let port = a.pg_port.to_string();
     // Snapshot probes every 50 ms through the fault: each must be a 200 or a JSON 503 with
@@ -130,18 +123,33 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let o = &load.outcomes;
     report(
         "postgres",
-        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.feeds, "runs": a.runs, "rate": a.rate}),
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
         vec![
             ("fault window, s", json!(fault_took.as_secs_f64())),
             ("changes committed", json!(written)),
             ("snapshot probes (every 50 ms)", json!(probed)),
             ("snapshot probes answered 200", json!(probed_ok)),
-            ("5xx seen by clients", json!(o.server_errors.load(Ordering::Relaxed))),
-            ("5xx without JSON error or Retry-After", json!(o.bare_5xx.load(Ordering::Relaxed))),
-            ("slowest 5xx, ms", json!(o.slowest_5xx_ms.load(Ordering::Relaxed))),
-            ("transport errors", json!(o.transport_errors.load(Ordering::Relaxed))),
+            (
+                "5xx seen by clients",
+                json!(o.server_errors.load(Ordering::Relaxed)),
+            ),
+            (
+                "5xx without JSON error or Retry-After",
+                json!(o.bare_5xx.load(Ordering::Relaxed)),
+            ),
+            (
+                "slowest 5xx, ms",
+                json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
+            ),
+            (
+                "transport errors",
+                json!(o.transport_errors.load(Ordering::Relaxed)),
+            ),
             ("followers behind after 60 s (lost updates)", json!(behind)),
-            ("time until all converged, s", json!(converged_in.as_secs_f64())),
+            (
+                "time until all converged, s",
+                json!(converged_in.as_secs_f64()),
+            ),
         ],
     );
     Ok(())

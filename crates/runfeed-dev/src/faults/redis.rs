@@ -14,7 +14,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::load::Load;
+use super::load::{Load, LoadArgs};
 use super::{metric_with, pct, report, scrape, Target};
 
 /// Which Redis fault.
@@ -43,15 +43,8 @@ pub struct RedisArgs {
     /// How long the fault lasts, ms.
     #[arg(long, default_value_t = 5_000)]
     pub fault_ms: u64,
-    /// Live feeds.
-    #[arg(long, default_value_t = 1_000)]
-    pub feeds: usize,
-    /// Runs they follow.
-    #[arg(long, default_value_t = 100)]
-    pub runs: usize,
-    /// Changes per second.
-    #[arg(long, default_value_t = 200)]
-    pub rate: u32,
+    #[command(flatten)]
+    pub load: LoadArgs,
 }
 
 fn redis_cli(port: u16, args: &[&str]) -> anyhow::Result<String> {
@@ -75,8 +68,8 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.redis_port != 6379, "never the shared Redis");
     let pid = redis_pid(a.redis_port)?;
     let http = reqwest::Client::builder().no_proxy().build()?;
-    let load = Load::start(&a.target, a.feeds, a.runs).await?;
-    let writer = load.start_writer(a.rate);
+    let load = Load::start(&a.target, a.load.feeds, a.load.runs).await?;
+    let writer = load.start_writer(a.load.rate);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let before = scrape(&http, &a.target).await?;
     let _ = load.take_latencies();
@@ -86,18 +79,34 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
             let _ = redis_cli(a.redis_port, &["shutdown", "nosave"]);
             tokio::time::sleep(Duration::from_millis(a.fault_ms)).await;
             Command::new("redis-server")
-                .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args([
+                    "--port",
+                    &port,
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
                 .args(["--daemonize", "yes"])
                 .status()?;
         }
         RedisFault::Pause => {
-            redis_cli(a.redis_port, &["client", "pause", &a.fault_ms.to_string(), "ALL"])?;
+            redis_cli(
+                a.redis_port,
+                &["client", "pause", &a.fault_ms.to_string(), "ALL"],
+            )?;
             tokio::time::sleep(Duration::from_millis(a.fault_ms)).await;
         }
         RedisFault::Freeze => {
-            Command::new("kill").args(["-STOP", &pid.to_string()]).status()?;
+            Command::new("kill")
+                .args(["-STOP", &pid.to_string()])
+                .status()?;
             tokio::time::sleep(Duration::from_millis(a.fault_ms)).await;
-            Command::new("kill").args(["-CONT", &pid.to_string()]).status()?;
+            Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status()?;
         }
     }
     let fault_over = Instant::now();
@@ -108,7 +117,7 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     // Recovered: a new change of run 0 reaches every follower of run 0 within 1 s.
     let mut recovered = None;
     while fault_over.elapsed() < Duration::from_secs(90) {
-        let n = load.probe_change(0).await?;
+        let n = load.commit(0).await?;
         let sent = Instant::now();
         while sent.elapsed() < Duration::from_secs(1) {
             if load.all_saw(0, n) {
@@ -126,21 +135,43 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
     let lat = load.take_latencies();
     let after = scrape(&http, &a.target).await?;
-    let backstops = metric_with(&after, "runfeed_feeds_backstops_total", "result=\"delivered\"")
-        - metric_with(&before, "runfeed_feeds_backstops_total", "result=\"delivered\"");
+    let backstops = metric_with(
+        &after,
+        "runfeed_feeds_backstops_total",
+        "result=\"delivered\"",
+    ) - metric_with(
+        &before,
+        "runfeed_feeds_backstops_total",
+        "result=\"delivered\"",
+    );
     load.stop();
     report(
         "redis",
-        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.feeds, "runs": a.runs, "rate": a.rate}),
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
         vec![
             ("changes written", json!(written)),
-            ("publishes failed", json!(load.publish_errors.load(Ordering::Relaxed))),
+            (
+                "publishes failed",
+                json!(load.publish_errors.load(Ordering::Relaxed)),
+            ),
             ("followers behind after 60 s (lost updates)", json!(behind)),
-            ("time until all converged, s", json!(converged_in.as_secs_f64())),
-            ("recovered (wake path) after fault end, s", json!(recovered.map(|d| d.as_secs_f64()))),
+            (
+                "time until all converged, s",
+                json!(converged_in.as_secs_f64()),
+            ),
+            (
+                "recovered (wake path) after fault end, s",
+                json!(recovered.map(|d| d.as_secs_f64())),
+            ),
             ("backstop deliveries", json!(backstops)),
-            ("5xx seen by clients", json!(load.outcomes.server_errors.load(Ordering::Relaxed))),
-            ("transport errors", json!(load.outcomes.transport_errors.load(Ordering::Relaxed))),
+            (
+                "5xx seen by clients",
+                json!(load.outcomes.server_errors.load(Ordering::Relaxed)),
+            ),
+            (
+                "transport errors",
+                json!(load.outcomes.transport_errors.load(Ordering::Relaxed)),
+            ),
             ("delivery p50 after fault, ms", json!(pct(&lat, 50.0))),
             ("delivery p99 after fault, ms", json!(pct(&lat, 99.0))),
         ],

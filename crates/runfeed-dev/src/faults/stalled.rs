@@ -13,7 +13,7 @@ use clap::Args;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
-use super::load::Load;
+use super::load::{Load, LoadArgs};
 use super::{metric_sum, pct, proc_rss, report, scrape, Target};
 use crate::fixtures::{self, RunSpec, RunUpdate};
 
@@ -31,15 +31,9 @@ pub struct StalledArgs {
     /// Output size of each of those changes, KiB.
     #[arg(long, default_value_t = 512)]
     pub output_kb: usize,
-    /// Healthy long-poll followers.
-    #[arg(long, default_value_t = 1_000)]
-    pub feeds: usize,
-    /// Runs they follow.
-    #[arg(long, default_value_t = 100)]
-    pub runs: usize,
-    /// Changes per second of the healthy followers' runs.
-    #[arg(long, default_value_t = 200)]
-    pub rate: u32,
+    /// The healthy followers (long polls) and their changes.
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// Seconds to wait after the big changes for the stall timeout to end the streams.
     #[arg(long, default_value_t = 20)]
     pub settle_s: u64,
@@ -47,10 +41,13 @@ pub struct StalledArgs {
 
 /// Runs the scenario and prints its figures.
 pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
-    let pid = a.target.server_pid.context("--server-pid is needed for RSS")?;
+    let pid = a
+        .target
+        .server_pid
+        .context("--server-pid is needed for RSS")?;
     let http = reqwest::Client::builder().no_proxy().build()?;
-    let load = Load::start(&a.target, a.feeds, a.runs).await?;
-    let writer = load.start_writer(a.rate);
+    let load = Load::start(&a.target, a.load.feeds, a.load.runs).await?;
+    let writer = load.start_writer(a.load.rate);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let _ = load.take_latencies();
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -66,12 +63,21 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     )?;
     let base = a.target.base_url.trim_end_matches('/');
     let snap = http
-        .get(format!("{base}/realtime/v1/runs/{}?offset=-1&log=full", big.friendly_id))
+        .get(format!(
+            "{base}/realtime/v1/runs/{}?offset=-1&log=full",
+            big.friendly_id
+        ))
         .bearer_auth(&token)
         .header("x-trigger-electric-version", "1.0.0-beta.1")
         .send()
         .await?;
-    let h = |n: &str| snap.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let h = |n: &str| {
+        snap.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
     let target = format!(
         "/realtime/v1/runs/{}?handle={}&offset={}&live=true&live_sse=true&log=full",
         big.friendly_id,
@@ -99,7 +105,10 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     let pad = "x".repeat(a.output_kb * 1024);
     for n in 0..a.changes {
         let output = format!("{{\"n\":{n},\"pad\":\"{pad}\"}}");
-        let set = RunUpdate { output: Some(output), ..RunUpdate::default() };
+        let set = RunUpdate {
+            output: Some(output),
+            ..RunUpdate::default()
+        };
         let ms = fixtures::update_run(&load.pool, &big.id, set).await?;
         let record = runfeed::changes::ChangeRecord {
             v: 1,
@@ -109,12 +118,14 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
             batch_id: None,
             updated_at_ms: Some(ms),
         };
-        runfeed::redis::Publisher::connect(&runfeed::redis::RedisOptions::standalone(&a.target.redis_url))
-            .await
-            .map_err(|e| anyhow::anyhow!("publisher: {e}"))?
-            .publish(&record)
-            .await
-            .map_err(|e| anyhow::anyhow!("publish: {e}"))?;
+        runfeed::redis::Publisher::connect(&runfeed::redis::RedisOptions::standalone(
+            &a.target.redis_url,
+        ))
+        .await
+        .map_err(|e| anyhow::anyhow!("publisher: {e}"))?
+        .publish(&record)
+        .await
+        .map_err(|e| anyhow::anyhow!("publish: {e}"))?;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -133,19 +144,43 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     let per = |rss: f64| (rss - rss_before) / a.stalled.max(1) as f64 / 1024.0;
     report(
         "stalled",
-        json!({"stalled": a.stalled, "changes": a.changes, "output_kb": a.output_kb, "feeds": a.feeds, "rate": a.rate}),
+        json!({"stalled": a.stalled, "changes": a.changes, "output_kb": a.output_kb, "feeds": a.load.feeds, "rate": a.load.rate}),
         vec![
             ("server RSS before, MiB", json!(rss_before / 1048576.0)),
-            ("RSS per stalled client, streams open, KiB", json!(per(rss_open))),
-            ("RSS per stalled client, after the changes, KiB", json!(per(rss_changed))),
-            ("RSS per stalled client, after the bound, KiB", json!(per(rss_settled))),
+            (
+                "RSS per stalled client, streams open, KiB",
+                json!(per(rss_open)),
+            ),
+            (
+                "RSS per stalled client, after the changes, KiB",
+                json!(per(rss_changed)),
+            ),
+            (
+                "RSS per stalled client, after the bound, KiB",
+                json!(per(rss_settled)),
+            ),
             ("streams ended by the queue bound", json!(ended)),
-            ("healthy delivery p50 without, ms", json!(pct(&baseline, 50.0))),
-            ("healthy delivery p99 without, ms", json!(pct(&baseline, 99.0))),
-            ("healthy delivery p50 with stalled, ms", json!(pct(&during, 50.0))),
-            ("healthy delivery p99 with stalled, ms", json!(pct(&during, 99.0))),
+            (
+                "healthy delivery p50 without, ms",
+                json!(pct(&baseline, 50.0)),
+            ),
+            (
+                "healthy delivery p99 without, ms",
+                json!(pct(&baseline, 99.0)),
+            ),
+            (
+                "healthy delivery p50 with stalled, ms",
+                json!(pct(&during, 50.0)),
+            ),
+            (
+                "healthy delivery p99 with stalled, ms",
+                json!(pct(&during, 99.0)),
+            ),
             ("healthy followers behind after 60 s", json!(behind)),
-            ("5xx seen by healthy clients", json!(load.outcomes.server_errors.load(Ordering::Relaxed))),
+            (
+                "5xx seen by healthy clients",
+                json!(load.outcomes.server_errors.load(Ordering::Relaxed)),
+            ),
         ],
     );
     Ok(())

@@ -52,8 +52,15 @@ pub struct Parked {
 }
 
 /// An environment with `runs` runs and `clients` snapshots over them (200 at a time).
-pub async fn snapshots(t: &Target, clients: usize, runs: usize) -> anyhow::Result<(DemoEnv, Vec<String>, Vec<Parked>)> {
-    let pool = PgPoolOptions::new().max_connections(4).connect(&t.database_url).await?;
+pub async fn snapshots(
+    t: &Target,
+    clients: usize,
+    runs: usize,
+) -> anyhow::Result<(DemoEnv, Vec<String>, Vec<Parked>)> {
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&t.database_url)
+        .await?;
     let env = fixtures::create_env(&pool, "DEVELOPMENT").await?;
     let mut ids = Vec::new();
     for _ in 0..runs.max(1) {
@@ -66,7 +73,13 @@ pub async fn snapshots(t: &Target, clients: usize, runs: usize) -> anyhow::Resul
     let mut tasks = Vec::new();
     for i in 0..clients {
         let run = format!("run_{}", ids[i % ids.len()]);
-        let token = runfeed::auth::mint_public_token(&env.api_key, &env.env_id, &[format!("read:runs:{run}")], Duration::from_secs(3600), None)?;
+        let token = runfeed::auth::mint_public_token(
+            &env.api_key,
+            &env.env_id,
+            &[format!("read:runs:{run}")],
+            Duration::from_secs(3600),
+            None,
+        )?;
         let (http, base, sem) = (http.clone(), base.clone(), sem.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire().await.ok();
@@ -77,8 +90,19 @@ pub async fn snapshots(t: &Target, clients: usize, runs: usize) -> anyhow::Resul
                 .send()
                 .await?;
             anyhow::ensure!(r.status() == 200, "snapshot: {}", r.status());
-            let h = |n: &str| r.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
-            Ok(Parked { handle: h("electric-handle"), offset: h("electric-offset"), run, token })
+            let h = |n: &str| {
+                r.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            Ok(Parked {
+                handle: h("electric-handle"),
+                offset: h("electric-offset"),
+                run,
+                token,
+            })
         }));
     }
     let mut parked = Vec::with_capacity(clients);
@@ -109,7 +133,9 @@ pub async fn live(client: &reqwest::Client, base: &str, p: &Parked) -> Option<u1
 
 /// Runs the scenario and prints its figures.
 pub async fn run(a: StormArgs) -> anyhow::Result<()> {
-    let (_env, _ids, parked) = snapshots(&a.target, a.clients, a.runs).await.context("snapshots")?;
+    let (_env, _ids, parked) = snapshots(&a.target, a.clients, a.runs)
+        .await
+        .context("snapshots")?;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let mut storm = a.target.clone();
     if let Some(base) = &a.storm_base_url {
@@ -123,16 +149,31 @@ pub async fn run(a: StormArgs) -> anyhow::Result<()> {
     let held_before = metric_sum(&before, "runfeed_router_held_feeds").unwrap_or(0.0);
     let q0 = metric_sum(&before, "runfeed_pg_queries_total").unwrap_or(0.0);
     let clients: Vec<reqwest::Client> = (0..16)
-        .map(|_| reqwest::Client::builder().no_proxy().pool_max_idle_per_host(100_000).timeout(Duration::from_secs(60)).build())
+        .map(|_| {
+            reqwest::Client::builder()
+                .no_proxy()
+                .pool_max_idle_per_host(100_000)
+                .timeout(Duration::from_secs(60))
+                .build()
+        })
         .collect::<Result<_, _>>()?;
     let base = a.target.base_url.trim_end_matches('/').to_string();
-    let (fivexx, failed, answered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (fivexx, failed, answered) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (i, p) in parked.into_iter().enumerate() {
         let delay = Duration::from_millis(rand::rng().random_range(0..a.spread_ms.max(1)));
         let client = clients[i % clients.len()].clone();
-        let (base, fivexx, failed, answered) = (base.clone(), fivexx.clone(), failed.clone(), answered.clone());
+        let (base, fivexx, failed, answered) = (
+            base.clone(),
+            fivexx.clone(),
+            failed.clone(),
+            answered.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(delay).await;
             match live(&client, &base, &p).await {
@@ -151,9 +192,17 @@ pub async fn run(a: StormArgs) -> anyhow::Result<()> {
         let q = metric_sum(&m, "runfeed_pg_queries_total").unwrap_or(last_q);
         peak_qps = peak_qps.max((q - last_q) * 10.0);
         last_q = q;
-        peak_permits = peak_permits.max(metric_sum(&m, "runfeed_runset_admission_in_use").unwrap_or(0.0));
+        peak_permits =
+            peak_permits.max(metric_sum(&m, "runfeed_runset_admission_in_use").unwrap_or(0.0));
         let held = metric_sum(&m, "runfeed_router_held_feeds").unwrap_or(0.0) - held_before;
-        if all_held.is_none() && held >= (a.clients as f64) - fivexx.load(Ordering::Relaxed) as f64 - failed.load(Ordering::Relaxed) as f64 - answered.load(Ordering::Relaxed) as f64 && started.elapsed() > Duration::from_millis(a.spread_ms) {
+        if all_held.is_none()
+            && held
+                >= (a.clients as f64)
+                    - fivexx.load(Ordering::Relaxed) as f64
+                    - failed.load(Ordering::Relaxed) as f64
+                    - answered.load(Ordering::Relaxed) as f64
+            && started.elapsed() > Duration::from_millis(a.spread_ms)
+        {
             all_held = Some(started.elapsed());
             break;
         }
@@ -168,12 +217,24 @@ pub async fn run(a: StormArgs) -> anyhow::Result<()> {
         json!({"clients": a.clients, "runs": a.runs, "spread_ms": a.spread_ms, "other_instance": a.storm_base_url.is_some()}),
         vec![
             ("5xx", json!(fivexx.load(Ordering::Relaxed))),
-            ("requests without a response", json!(failed.load(Ordering::Relaxed))),
-            ("answered before held (changes, 409)", json!(answered.load(Ordering::Relaxed))),
+            (
+                "requests without a response",
+                json!(failed.load(Ordering::Relaxed)),
+            ),
+            (
+                "answered before held (changes, 409)",
+                json!(answered.load(Ordering::Relaxed)),
+            ),
             ("Postgres queries during the storm", json!(q1 - q0)),
-            ("Postgres queries, peak per s (100 ms samples)", json!(peak_qps)),
+            (
+                "Postgres queries, peak per s (100 ms samples)",
+                json!(peak_qps),
+            ),
             ("admission permits in use, peak", json!(peak_permits)),
-            ("every client on a live poll after, s", json!(all_held.map(|d| d.as_secs_f64()))),
+            (
+                "every client on a live poll after, s",
+                json!(all_held.map(|d| d.as_secs_f64())),
+            ),
         ],
     );
     Ok(())

@@ -44,6 +44,7 @@ RUN set -eu; \
       echo "export JEMALLOC_SYS_WITH_LG_PAGE=$lg_page"; \
       echo "export RUNFEED_TARGET_DIR=target/$triple/release"; } > /cross.env
 COPY Cargo.toml Cargo.lock ./
+COPY .cargo ./.cargo
 COPY src ./src
 COPY crates ./crates
 COPY migrations ./migrations

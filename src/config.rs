@@ -173,6 +173,17 @@ pub struct FeedsConfig {
     /// SSE live mode: the server ends a stream after this long, ms, so that proxies and CDNs
     /// recycle it; the client reconnects at its last offset (60 000, Electric's value).
     pub sse_max_duration_ms: u64,
+    /// SSE live mode: most event bytes one stream queues for a client that has not taken
+    /// them yet (one event larger than this is still queued alone), bytes (262 144). When the
+    /// queue is full, the stream stops reading changes until the client takes an event.
+    pub sse_max_queued_bytes: usize,
+    /// SSE live mode: most events one stream queues for a client that has not taken them yet
+    /// (64).
+    pub sse_max_queued_events: usize,
+    /// SSE live mode: a stream whose queue is full and whose client takes nothing for this
+    /// long is ended (the connection is closed; the client reconnects at its last offset) and
+    /// counted in `runfeed_feeds_stalled_streams_total`, ms (10 000).
+    pub sse_stall_timeout_ms: u64,
 }
 
 impl FeedsConfig {
@@ -202,6 +213,9 @@ impl Default for FeedsConfig {
             max_tag_bytes: 256,
             sse_keepalive_ms: 15_000,
             sse_max_duration_ms: 60_000,
+            sse_max_queued_bytes: 256 * 1024,
+            sse_max_queued_events: 64,
+            sse_stall_timeout_ms: 10_000,
         }
     }
 }
@@ -452,6 +466,14 @@ impl Config {
         if f.sse_keepalive_ms == 0 || f.sse_max_duration_ms == 0 {
             return Err(ConfigError::Invalid(
                 "feeds.sse_keepalive_ms and feeds.sse_max_duration_ms must be > 0".into(),
+            ));
+        }
+        if f.sse_max_queued_bytes == 0
+            || f.sse_max_queued_events == 0
+            || f.sse_stall_timeout_ms == 0
+        {
+            return Err(ConfigError::Invalid(
+                "feeds.sse_max_queued_bytes, feeds.sse_max_queued_events and feeds.sse_stall_timeout_ms must be > 0".into(),
             ));
         }
         // A stream holds its concurrency slot for its whole life; the limiter sweeps slots

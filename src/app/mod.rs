@@ -193,14 +193,21 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     })
 }
 
-/// `/readyz`: Postgres answers `SELECT 1` (both pools), the Redis subscriber is connected, and
-/// the database role may read what runfeed reads ([`crate::store::grants`]).
+/// `/readyz`: the Postgres primary (`postgres`) and, when distinct, the replica
+/// (`postgres_replica`) answer `SELECT 1`, the Redis subscriber is connected (`redis`), and the
+/// database role may read what runfeed reads (`grants`, [`crate::store::grants`]). Each failing
+/// check names its dependency in the body (docs/faults.md).
 fn readiness_checks(
     store: &Arc<PgStore>,
     source: &Arc<RedisChangeSource>,
 ) -> Vec<(&'static str, Check)> {
     let postgres = store_check(store, |store| async move {
-        store.ping().await.map_err(|e| e.to_string())
+        store.ping_primary().await.map_err(|e| e.to_string())
+    });
+    let replica = store.has_distinct_replica().then(|| {
+        store_check(store, |store| async move {
+            store.ping_replica().await.map_err(|e| e.to_string())
+        })
     });
     let grants = store_check(store, |store| async move {
         crate::store::grants::check(&store)
@@ -218,7 +225,10 @@ fn readiness_checks(
             }
         })
     });
-    vec![("postgres", postgres), ("redis", redis), ("grants", grants)]
+    let mut checks = vec![("postgres", postgres)];
+    checks.extend(replica.map(|check| ("postgres_replica", check)));
+    checks.extend([("redis", redis), ("grants", grants)]);
+    checks
 }
 
 /// A readiness check that runs `check` on the store while the server lives ("stopped" after).

@@ -188,6 +188,15 @@ pub fn register(metrics: &Metrics, sources: Sources) {
             o.observe(n, &[kv("kind", kind)]);
         }
     });
+    metrics.observe(&observed::FEEDS_STALLED_STREAMS, |o| {
+        o.observe(crate::http::sse::stalled_streams(), &[]);
+    });
+    metrics.observe(&observed::HTTP_REFUSED_CONNECTIONS, |o| {
+        o.observe(crate::http::serve::refused_connections(), &[]);
+    });
+    metrics.observe(&observed::HTTP_ACCEPT_ERRORS, |o| {
+        o.observe(crate::http::serve::accept_errors(), &[]);
+    });
 
     let src = source.clone();
     metrics.observe(&observed::NOTIFIER_MESSAGES_RECEIVED, move |o| {

@@ -51,6 +51,32 @@ pub fn unverified_payload(token: &str) -> Option<Map<String, Value>> {
     }
 }
 
+/// The `typ` of a compact JWS's protected header (`None` when the token is not three
+/// `.`-separated segments, the header is not a base64url JSON object, or it has no string
+/// `typ`). Unverified: only used to tell token kinds apart before verification.
+pub fn unverified_typ(token: &str) -> Option<String> {
+    let mut parts = token.split('.');
+    let (header, _, _) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let bytes = LENIENT_B64URL.decode(header.trim_end_matches('=')).ok()?;
+    match serde_json::from_slice::<Value>(&bytes).ok()? {
+        Value::Object(map) => map.get("typ")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// The header `typ` of the run tokens trigger.dev SDK 4.8 hands a task in `TRIGGER_RUN_TOKEN`
+/// (compared case-insensitively, as media types are). trigger.dev has not published how they
+/// are verified, so this server cannot accept them.
+pub const RUN_TOKEN_TYP: &str = "run+jwt";
+
+/// Whether `token` is a run token ([`RUN_TOKEN_TYP`] in its unverified header).
+pub fn is_run_token(token: &str) -> bool {
+    unverified_typ(token).is_some_and(|typ| typ.eq_ignore_ascii_case(RUN_TOKEN_TYP))
+}
+
 /// `isPublicJWT`: the unverified payload has the literal `pub: true`. A JWT without it is treated
 /// as an API key (and gets "Invalid API key").
 pub fn is_public_jwt(token: &str) -> bool {
@@ -363,6 +389,32 @@ mod tests {
         assert!(!is_public_jwt("tr_dev_abcdefghijklmnopqrstuvwx"));
         assert!(!is_public_jwt("a.b.c.d.e"));
         assert!(!is_public_jwt("a..c"));
+    }
+
+    #[test]
+    fn run_tokens_are_told_apart_by_their_header_typ() {
+        let now = 1_800_000_000;
+        let mut header = Header::new(Algorithm::HS256);
+        header.typ = Some("run+jwt".into());
+        let claims = json!({"sub": "run_1", "iat": now});
+        let run = jsonwebtoken::encode(
+            &header,
+            &claims,
+            &EncodingKey::from_secret(KEY.as_bytes()).unwrap(),
+        )
+        .unwrap();
+        assert!(is_run_token(&run));
+        header.typ = Some("RUN+JWT".into());
+        let upper = jsonwebtoken::encode(
+            &header,
+            &claims,
+            &EncodingKey::from_secret(KEY.as_bytes()).unwrap(),
+        )
+        .unwrap();
+        assert!(is_run_token(&upper));
+        assert!(!is_run_token(&sign(Algorithm::HS256, &base(now), KEY)));
+        assert!(!is_run_token("tr_dev_abcdefghijklmnopqrstuvwx"));
+        assert!(!is_run_token("a.b.c"));
     }
 
     #[test]

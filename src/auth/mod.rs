@@ -121,6 +121,11 @@ pub enum AuthError {
     /// that `branchName`.
     #[error("No matching branch env")]
     NoMatchingBranch,
+    /// A run token (header `typ: run+jwt`, what trigger.dev SDK 4.8 gives a task in
+    /// `TRIGGER_RUN_TOKEN`): trigger.dev has not published how it is verified, so this server
+    /// refuses it with a 401 that names the kind (docs/faults.md "401 for a run token").
+    #[error("Run tokens (typ run+jwt, TRIGGER_RUN_TOKEN) cannot be verified by this server: read realtime feeds with a Public Access Token or a secret API key")]
+    RunToken,
     /// The environment lookup itself failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -318,6 +323,9 @@ impl Authenticator {
     ///    branch; PREVIEW, or DEVELOPMENT with a branch other than `default`, pivots to the
     ///    non-archived child with that `branchName`). Ability = [`Ability::All`].
     ///
+    /// A run token (header `typ: run+jwt`) is refused with [`AuthError::RunToken`] before any
+    /// lookup, whatever its claims.
+    ///
     /// Additional API keys (`tr_*_sk_…`, the `api_keys` table) are rejected with
     /// [`AuthError::InvalidApiKey`], as trigger.dev does while its `additionalApiKeyLookupEnabled`
     /// flag is off (the default).
@@ -329,6 +337,9 @@ impl Authenticator {
         let token = bearer_token(authorization).ok_or(AuthError::Missing)?;
         if let Some(principal) = self.reverify_public_token(token).await? {
             return Ok(principal);
+        }
+        if jwt::is_run_token(token) {
+            return Err(AuthError::RunToken);
         }
         if let Some(payload) = jwt::unverified_payload(token) {
             if payload.get("pub") == Some(&serde_json::Value::Bool(true)) {

@@ -18,6 +18,11 @@ use crate::protocol::body::FragmentBody;
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::Handle;
 
+/// `Retry-After` of every 503, seconds: a store or Redis failure is usually a restart or a
+/// failover that lasts seconds (docs/faults.md). `@electric-sql/client` retries 5xx with its own
+/// backoff whatever this says; other clients and proxies can honour it.
+pub const RETRY_AFTER_S: &str = "1";
+
 /// Which header names and error statuses a client understands: clients that send no
 /// `x-trigger-electric-version` (`@electric-sql/client` 0.6.3, trigger SDK 3.1.x) read the
 /// legacy Electric header names and loop on a 400, so they get 422 instead
@@ -145,6 +150,11 @@ impl IntoResponse for ApiError {
                 "type": "authorization",
             }))
             .into_response(),
+            ApiError::Auth(AuthError::RunToken) => Json(json!({
+                "error": self.to_string(),
+                "tokenType": crate::auth::jwt::RUN_TOKEN_TYP,
+            }))
+            .into_response(),
             ApiError::Auth(AuthError::Store(err)) => {
                 tracing::error!(error = %err, "authentication lookup failed");
                 Json(json!({ "error": "Service Unavailable" })).into_response()
@@ -158,6 +168,9 @@ impl IntoResponse for ApiError {
         *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert("cache-control", HeaderValue::from_static("no-store"));
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert("retry-after", HeaderValue::from_static(RETRY_AFTER_S));
+        }
         if let ApiError::NotFound { should_retry } = self {
             headers.insert(
                 "x-should-retry",
@@ -182,6 +195,22 @@ mod tests {
             ApiError::Auth(AuthError::Missing).status(),
             StatusCode::UNAUTHORIZED
         );
+    }
+
+    #[test]
+    fn a_store_failure_is_a_json_503_with_retry_after() {
+        let response = ApiError::unavailable(&"pool timed out").into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["retry-after"], RETRY_AFTER_S);
+        assert_eq!(response.headers()["content-type"], "application/json");
+        let ok = ApiError::Forbidden.into_response();
+        assert!(ok.headers().get("retry-after").is_none());
+    }
+
+    #[test]
+    fn a_run_token_gets_a_401_naming_its_type() {
+        let response = ApiError::Auth(AuthError::RunToken).into_response();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
     }
 
     #[test]

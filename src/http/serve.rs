@@ -13,6 +13,19 @@
 //!   so a held poll keeps none of them resident for its ~20 s; HTTP/1 only (no HTTP/2 state per connection; runfeed sits
 //!   behind a load balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection
 //!   clone of the make-service machinery.
+//! - **Out of file descriptors (`EMFILE`/`ENFILE`):** the loop keeps one spare descriptor
+//!   (`/dev/null`); when accept fails for lack of descriptors it gives the spare back, accepts
+//!   the connections waiting in the backlog and closes them at once (the client sees a closed
+//!   connection instead of hanging in the backlog; counted by [`refused_connections`],
+//!   `runfeed_http_refused_connections_total`), takes the spare again and pauses with an
+//!   exponential backoff (5 ms doubling to 1 s, reset by the next accepted connection) so a
+//!   full descriptor table never becomes a busy loop. Service resumes by itself once
+//!   descriptors free up.
+//! - **Closing a connection from its response:** every connection carries a [`ConnAbort`]
+//!   (reachable from the handlers running on it through [`current_connection`]); a response
+//!   that gives up on its client (an SSE stream whose client stopped reading, `http::sse`)
+//!   aborts it, and the connection's next or pending write fails at once, so hyper drops the
+//!   connection and every buffer it pinned instead of waiting for the write-stall timeout.
 //! - **Graceful shutdown:** when the shutdown token is cancelled the listener is closed at once,
 //!   every connection is told to finish its in-flight response and close (no reset), and the
 //!   returned future completes when all connections are gone, or after the grace period, when
@@ -21,10 +34,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use futures::FutureExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -33,6 +48,94 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
+
+/// Connections accepted only to be closed unserved because the process was out of file
+/// descriptors, since the process started (all listeners of the process).
+static REFUSED_CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Failed accepts of any kind since the process started (all listeners of the process).
+static ACCEPT_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Connections closed unserved for lack of file descriptors since the process started
+/// (`runfeed.http.refused_connections`, read by the wiring).
+pub fn refused_connections() -> u64 {
+    REFUSED_CONNECTIONS.load(Ordering::Relaxed)
+}
+
+/// Failed accepts since the process started (`runfeed.http.accept_errors`, read by the
+/// wiring); with descriptors exhausted, one per backoff step, not per retry of a busy loop.
+pub fn accept_errors() -> u64 {
+    ACCEPT_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Lets what runs on a connection close it (see the module docs): once [`ConnAbort::abort`]ed,
+/// the connection's writes fail with `ConnectionAborted` and a pending write is woken to fail.
+#[derive(Debug, Default)]
+pub struct ConnAbort {
+    aborted: std::sync::atomic::AtomicBool,
+    waker: futures::task::AtomicWaker,
+}
+
+impl ConnAbort {
+    /// Closes the connection: its pending or next write fails.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+}
+
+tokio::task_local! {
+    /// The connection whose task is running (set around each connection's future).
+    static CONNECTION: std::sync::Arc<ConnAbort>;
+}
+
+/// The [`ConnAbort`] of the connection the caller runs on (`None` outside [`serve`], e.g. in
+/// tests that call the router directly).
+pub fn current_connection() -> Option<std::sync::Arc<ConnAbort>> {
+    CONNECTION.try_with(std::sync::Arc::clone).ok()
+}
+
+/// First pause after a failed accept.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// Longest pause between accepts while they keep failing.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Most backlog connections closed per failed accept (bounds the time the loop spends there).
+const SHED_MAX: usize = 4096;
+
+/// Whether `err` means the process or the system ran out of file descriptors.
+fn out_of_descriptors(err: &std::io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
+}
+
+/// The spare descriptor the accept loop gives back when descriptors run out.
+fn spare_descriptor() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
+/// Out of descriptors: frees `spare`, accepts and closes what waits in `listener`'s backlog
+/// (at most [`SHED_MAX`]), takes a spare again. Returns how many connections were closed.
+fn shed_backlog(listener: &TcpListener, spare: &mut Option<std::fs::File>) -> u64 {
+    if spare.take().is_none() {
+        *spare = spare_descriptor();
+        return 0;
+    }
+    let mut closed = 0;
+    while closed < SHED_MAX as u64 {
+        match listener.accept().now_or_never() {
+            Some(Ok((stream, _))) => {
+                drop(stream);
+                closed += 1;
+            }
+            _ => break,
+        }
+    }
+    *spare = spare_descriptor();
+    closed
+}
 
 /// Per-connection bounds of [`serve`] (`[server]` in the configuration).
 #[derive(Clone, Copy, Debug)]
@@ -88,35 +191,59 @@ pub async fn serve(
         app.map_request(|req: http::Request<Incoming>| req.map(Body::new)),
     );
     let graceful = GracefulShutdown::new();
+    let mut spare = spare_descriptor();
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = shutdown.cancelled() => break,
         };
         let stream = match accepted {
-            Ok((stream, _peer)) => stream,
+            Ok((stream, _peer)) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                stream
+            }
             Err(err) => {
                 // Per-connection errors (ECONNABORTED…) and resource exhaustion (EMFILE):
-                // pause briefly so a full fd table does not become a busy loop.
-                tracing::warn!(error = %err, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // shed the backlog when out of descriptors, then pause with a growing backoff
+                // so a full fd table does not become a busy loop.
+                ACCEPT_ERRORS.fetch_add(1, Ordering::Relaxed);
+                let refused = if out_of_descriptors(&err) {
+                    shed_backlog(&listener, &mut spare)
+                } else {
+                    0
+                };
+                REFUSED_CONNECTIONS.fetch_add(refused, Ordering::Relaxed);
+                if backoff == ACCEPT_BACKOFF_MIN || refused > 0 {
+                    tracing::warn!(error = %err, refused, backoff_ms = backoff.as_millis() as u64, "accept failed");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = shutdown.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                 continue;
             }
         };
+        if spare.is_none() {
+            spare = spare_descriptor();
+        }
         let _ = stream.set_nodelay(true);
+        let abort = std::sync::Arc::new(ConnAbort::default());
         let io = IdleRelease {
             inner: stream,
             touched: false,
             write_stall,
             stall: None,
+            abort: abort.clone(),
         };
         let conn = builder.serve_connection(TokioIo::new(io), service.clone());
         let conn = graceful.watch(conn);
-        tokio::spawn(async move {
+        tokio::spawn(CONNECTION.scope(abort, async move {
             if let Err(err) = conn.await {
                 tracing::trace!(error = %err, "connection ended with an error");
             }
-        });
+        }));
     }
     drop(listener);
     let grace = Duration::from_millis(limits.shutdown_grace_ms);
@@ -167,6 +294,8 @@ struct IdleRelease {
     write_stall: Option<Duration>,
     /// Armed while a write is pending.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set by a response that gives up on this connection.
+    abort: std::sync::Arc<ConnAbort>,
 }
 
 impl IdleRelease {
@@ -193,6 +322,10 @@ impl IdleRelease {
         polled: Poll<std::io::Result<T>>,
     ) -> Poll<std::io::Result<T>> {
         if polled.is_pending() {
+            self.abort.waker.register(cx.waker());
+            if self.abort.is_aborted() {
+                return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+            }
             if let Err(err) = self.check_stall(cx) {
                 return Poll::Ready(Err(err));
             }
@@ -302,6 +435,9 @@ impl AsyncWrite for IdleRelease {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.abort.is_aborted() {
+            return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
         self.stalled(cx, polled)
     }
@@ -311,6 +447,9 @@ impl AsyncWrite for IdleRelease {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.abort.is_aborted() {
+            return Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         self.stalled(cx, polled)
     }
@@ -346,6 +485,7 @@ mod tests {
             touched: false,
             write_stall,
             stall: None,
+            abort: std::sync::Arc::default(),
         };
         (io, client)
     }
@@ -425,6 +565,27 @@ mod tests {
     fn the_page_size_is_read_from_the_kernel() {
         let page = pages::size().expect("sysconf(_SC_PAGESIZE)");
         assert!(page.is_power_of_two() && page >= 4096, "{page}");
+    }
+
+    /// A pending write of a connection whose response gave up on it fails at once (woken),
+    /// long before the stall limit.
+    #[tokio::test]
+    async fn an_aborted_connection_fails_its_pending_write_at_once() {
+        let (mut io, _client) = pair(Some(Duration::from_secs(60))).await;
+        let abort = io.abort.clone();
+        let chunk = vec![7u8; 1 << 20];
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            abort.abort();
+        });
+        let started = std::time::Instant::now();
+        let err = loop {
+            if let Err(err) = io.write_all(&chunk).await {
+                break err;
+            }
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionAborted);
+        assert!(started.elapsed() < Duration::from_secs(10));
     }
 
     /// Reads still see every byte after the idle release, and a write that progresses leaves

@@ -186,11 +186,27 @@ impl PgStore {
     ///
     /// Errors: `StoreError { op: "ping" }` (connection refused, acquire timeout, …).
     pub async fn ping(&self) -> Result<(), StoreError> {
+        self.ping_primary().await?;
+        self.ping_replica().await
+    }
+
+    /// Runs `SELECT 1` on the primary pool (readiness check `postgres`).
+    ///
+    /// Errors: `StoreError { op: "ping" }`.
+    pub async fn ping_primary(&self) -> Result<(), StoreError> {
         self.count();
         sqlx::query("SELECT 1")
             .execute(&self.primary)
             .await
             .map_err(store_err("ping"))?;
+        Ok(())
+    }
+
+    /// Runs `SELECT 1` on the replica pool when it is a distinct server (readiness check
+    /// `postgres_replica`); `Ok` at once otherwise.
+    ///
+    /// Errors: `StoreError { op: "ping" }`.
+    pub async fn ping_replica(&self) -> Result<(), StoreError> {
         if self.distinct_replica {
             self.count();
             sqlx::query("SELECT 1")

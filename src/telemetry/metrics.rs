@@ -684,6 +684,9 @@ pub struct Observed {
 /// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `http::admit::LimiterStats` (429s) |
 /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
 /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
+/// | `runfeed.feeds.stalled_streams` | `runfeed_feeds_stalled_streams_total` | `http::sse::stalled_streams` (process-wide) |
+/// | `runfeed.http.refused_connections` | `runfeed_http_refused_connections_total` | `http::serve::refused_connections` (process-wide) |
+/// | `runfeed.http.accept_errors` | `runfeed_http_accept_errors_total` | `http::serve::accept_errors` (process-wide) |
 /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |
 /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
@@ -763,6 +766,33 @@ pub mod observed {
         unit: "{permit}",
         labels: &[],
         description: "Resolve admission permits held now",
+    };
+
+    /// `runfeed.feeds.stalled_streams` (counter).
+    pub const FEEDS_STALLED_STREAMS: Observed = Observed {
+        name: "runfeed.feeds.stalled_streams",
+        kind: ObservedKind::Counter,
+        unit: "{stream}",
+        labels: &[],
+        description: "SSE streams ended because their client stopped reading: the queue stayed full (feeds.sse_max_queued_bytes / _events) with nothing taken for feeds.sse_stall_timeout_ms; process-wide",
+    };
+
+    /// `runfeed.http.refused_connections` (counter).
+    pub const HTTP_REFUSED_CONNECTIONS: Observed = Observed {
+        name: "runfeed.http.refused_connections",
+        kind: ObservedKind::Counter,
+        unit: "{connection}",
+        labels: &[],
+        description: "Connections accepted only to be closed unserved because the process was out of file descriptors (EMFILE/ENFILE); process-wide",
+    };
+
+    /// `runfeed.http.accept_errors` (counter).
+    pub const HTTP_ACCEPT_ERRORS: Observed = Observed {
+        name: "runfeed.http.accept_errors",
+        kind: ObservedKind::Counter,
+        unit: "{error}",
+        labels: &[],
+        description: "Failed accepts (out of descriptors, aborted connections); with descriptors exhausted one per backoff step (5 ms doubling to 1 s); process-wide",
     };
 
     /// `runfeed.pg.queries` (counter).
@@ -930,7 +960,7 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 26] = [
+    pub const ALL: [&Observed; 29] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -948,6 +978,9 @@ pub mod observed {
         &REDIS_CONNECTED,
         &PROCESS_RESIDENT_MEMORY,
         &BUILD_INFO,
+        &FEEDS_STALLED_STREAMS,
+        &HTTP_REFUSED_CONNECTIONS,
+        &HTTP_ACCEPT_ERRORS,
         &ROUTER_HYDRATES,
         &ROUTER_HYDRATED_RUNS,
         &ROUTER_DELIVERIES,

@@ -30,6 +30,7 @@ mod cli;
 mod correctness;
 mod docs;
 mod electric_current;
+mod faults_http;
 mod feeds_http;
 mod fleet;
 mod fuzz_props;

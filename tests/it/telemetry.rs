@@ -30,6 +30,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_feeds_state_lookups_total",
     "runfeed_feeds_concurrency_rejections_total",
     "runfeed_feeds_working_set_size",
+    "runfeed_feeds_stalled_streams_total",
     // run sets
     "runfeed_runset_resolves_total",
     "runfeed_runset_query_duration_milliseconds",
@@ -60,6 +61,8 @@ const FAMILIES: &[&str] = &[
     "runfeed_http_requests_total",
     "runfeed_http_duration_milliseconds",
     "runfeed_http_sent_bytes_total",
+    "runfeed_http_refused_connections_total",
+    "runfeed_http_accept_errors_total",
     "runfeed_pg_queries_total",
     "runfeed_pg_errors_total",
     "runfeed_redis_errors_total",

@@ -9,10 +9,13 @@
 //! - [`check`]: the randomized, fault-injecting delivery checker (`runfeed-bench check`,
 //!   CORRECTNESS.md "The checker").
 //!
-//! Binaries: `runfeed-demo` (seed + live workload) and `runfeed-bench` (benchmarks, see
-//! BENCHMARKS.md, and the checker).
+//! - [`faults`]: fault scenarios under load (`runfeed-faults`, docs/faults.md).
+//!
+//! Binaries: `runfeed-demo` (seed + live workload), `runfeed-bench` (benchmarks, see
+//! BENCHMARKS.md, and the checker) and `runfeed-faults` (docs/faults.md).
 
 pub mod check;
 pub mod client;
 pub mod demo;
+pub mod faults;
 pub mod fixtures;

@@ -141,6 +141,17 @@ pub struct CheckArgs {
     /// Restarts of the check's own Redis (ignored with --redis-url / --redis-cluster).
     #[arg(long, default_value_t = 1)]
     pub redis_restarts: usize,
+    /// `CLIENT PAUSE` windows of the check's own Redis, each `--redis-fault-ms` (ignored with
+    /// --redis-url / --redis-cluster).
+    #[arg(long, default_value_t = 0)]
+    pub redis_pauses: usize,
+    /// SIGSTOP windows of the check's own redis-server, each `--redis-fault-ms` (ignored with
+    /// --redis-url / --redis-cluster).
+    #[arg(long, default_value_t = 0)]
+    pub redis_freezes: usize,
+    /// How long a Redis pause or freeze lasts, ms.
+    #[arg(long, default_value_t = 3_000)]
+    pub redis_fault_ms: u64,
     /// Restarts of a Redis Cluster node (with --redis-cluster).
     #[arg(long, default_value_t = 1)]
     pub cluster_node_restarts: usize,
@@ -203,6 +214,8 @@ impl CheckArgs {
         self.foreign_rate = 0.0;
         self.instance_restarts = 0;
         self.redis_restarts = 0;
+        self.redis_pauses = 0;
+        self.redis_freezes = 0;
         self.cluster_node_restarts = 0;
         self.replica_delay_changes = 0;
     }
@@ -277,6 +290,8 @@ pub async fn run(mut args: CheckArgs) -> anyhow::Result<Report> {
     };
     if own_redis.is_none() {
         args.redis_restarts = 0;
+        args.redis_pauses = 0;
+        args.redis_freezes = 0;
     }
     if !cluster {
         args.cluster_node_restarts = 0;
@@ -449,6 +464,7 @@ async fn check_with(
         delays: &args.replica_delays_ms,
         replica: replica_ctl,
         redis: own_redis,
+        redis_fault_ms: args.redis_fault_ms,
         seed,
     });
     // With a replica: sample its replay lag every 50 ms until the check ends.
@@ -569,6 +585,8 @@ struct FaultCtx<'a> {
     delays: &'a [u64],
     replica: Option<&'a ReplicaControl>,
     redis: Option<RedisServer>,
+    /// How long a Redis pause or freeze lasts, ms.
+    redis_fault_ms: u64,
     seed: u64,
 }
 
@@ -588,6 +606,14 @@ fn fault_plan(
     kinds.extend(std::iter::repeat_n(
         FaultKind::RedisRestart,
         args.redis_restarts,
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RedisPause,
+        args.redis_pauses,
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RedisFreeze,
+        args.redis_freezes,
     ));
     kinds.extend(std::iter::repeat_n(
         FaultKind::ClusterNodeRestart,
@@ -658,6 +684,25 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
                     let ready = wait_all_ready(ctx.instances).await;
                     res.and(ready)
                         .map(|()| "the check's redis-server killed, 500 ms down".to_string())
+                }
+                None => Ok("skipped (no own Redis)".to_string()),
+            },
+            FaultKind::RedisPause | FaultKind::RedisFreeze => match ctx.redis.as_ref() {
+                Some(r) => {
+                    let window = Duration::from_millis(ctx.redis_fault_ms);
+                    let res = if kind == FaultKind::RedisPause {
+                        r.pause(window).await
+                    } else {
+                        r.freeze(window).await
+                    };
+                    let ready = wait_all_ready(ctx.instances).await;
+                    res.and(ready).map(|()| {
+                        format!(
+                            "the check's redis-server {} for {} ms",
+                            kind.name(),
+                            ctx.redis_fault_ms
+                        )
+                    })
                 }
                 None => Ok("skipped (no own Redis)".to_string()),
             },

@@ -209,6 +209,10 @@ pub enum FaultKind {
     ClusterNodeRestart,
     ReplicaDelay,
     InstanceRestart,
+    /// `CLIENT PAUSE <ms> ALL` on the check's own Redis: every connection kept, nothing served.
+    RedisPause,
+    /// SIGSTOP of the check's own redis-server, then SIGCONT: a partition neither side sees.
+    RedisFreeze,
 }
 
 impl FaultKind {
@@ -219,6 +223,8 @@ impl FaultKind {
             FaultKind::ClusterNodeRestart => "cluster-node-restart",
             FaultKind::ReplicaDelay => "replica-delay",
             FaultKind::InstanceRestart => "instance-restart",
+            FaultKind::RedisPause => "redis-pause",
+            FaultKind::RedisFreeze => "redis-freeze",
         }
     }
 

@@ -275,6 +275,50 @@ impl RedisServer {
         Ok(())
     }
 
+    /// `CLIENT PAUSE <for_ms> ALL`: the server keeps every connection and answers nothing
+    /// (commands and published messages wait) for `for_ms`; returns once the pause is over.
+    ///
+    /// # Errors
+    /// When the server does not accept the command.
+    pub async fn pause(&self, pause: Duration) -> anyhow::Result<()> {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+        let ms = pause.as_millis().to_string();
+        let cmd = format!(
+            "*4\r\n$6\r\nCLIENT\r\n$5\r\nPAUSE\r\n${}\r\n{ms}\r\n$3\r\nALL\r\n",
+            ms.len()
+        );
+        s.write_all(cmd.as_bytes()).await?;
+        let mut ok = [0u8; 5];
+        s.read_exact(&mut ok).await?;
+        anyhow::ensure!(
+            &ok == b"+OK\r\n",
+            "CLIENT PAUSE: {:?}",
+            String::from_utf8_lossy(&ok)
+        );
+        tokio::time::sleep(pause).await;
+        Ok(())
+    }
+
+    /// SIGSTOP for `frozen`, then SIGCONT: connections stay open, the process answers nothing
+    /// and the kernel keeps accepting bytes until its buffers fill.
+    ///
+    /// # Errors
+    /// When the process cannot be signalled.
+    pub async fn freeze(&self, frozen: Duration) -> anyhow::Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .context("redis-server is not running")?
+            .to_string();
+        let status = Command::new("kill").args(["-STOP", &pid]).status().await?;
+        anyhow::ensure!(status.success(), "kill -STOP {pid}");
+        tokio::time::sleep(frozen).await;
+        let status = Command::new("kill").args(["-CONT", &pid]).status().await?;
+        anyhow::ensure!(status.success(), "kill -CONT {pid}");
+        Ok(())
+    }
+
     /// Kills the server (a crash: SIGKILL), waits `down`, starts it again on the same port.
     ///
     /// # Errors

@@ -530,9 +530,11 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
 }
 
 /// Fault kinds in report order.
-pub const FAULT_KINDS: [FaultKind; 4] = [
+pub const FAULT_KINDS: [FaultKind; 6] = [
     FaultKind::InstanceRestart,
     FaultKind::RedisRestart,
+    FaultKind::RedisPause,
+    FaultKind::RedisFreeze,
     FaultKind::ClusterNodeRestart,
     FaultKind::ReplicaDelay,
 ];

@@ -1,0 +1,187 @@
+//! Slow readers: `--stalled` SSE clients open a stream on one run and never read (4 KiB
+//! receive buffers) while that run changes `--changes` times with a `--output-kb` output, and
+//! `--feeds` healthy long-poll followers keep receiving `--rate` changes/s. Figures: server RSS
+//! growth per stalled client (after the big changes, and after the queue bound ended the
+//! streams), streams the bound ended (`runfeed_feeds_stalled_streams_total`), and the healthy
+//! followers' delivery p50/p99 without and with the stalled clients.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+use super::load::{Load, LoadArgs};
+use super::{metric_sum, pct, proc_rss, report, scrape, Target};
+use crate::fixtures::{self, RunSpec, RunUpdate};
+
+/// `runfeed-faults stalled`.
+#[derive(Args, Clone, Debug)]
+pub struct StalledArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// SSE clients that stop reading.
+    #[arg(long, default_value_t = 500)]
+    pub stalled: usize,
+    /// Changes of the stalled clients' run.
+    #[arg(long, default_value_t = 40)]
+    pub changes: u64,
+    /// Output size of each of those changes, KiB.
+    #[arg(long, default_value_t = 512)]
+    pub output_kb: usize,
+    /// The healthy followers (long polls) and their changes.
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Seconds to wait after the big changes for the stall timeout to end the streams.
+    #[arg(long, default_value_t = 20)]
+    pub settle_s: u64,
+}
+
+/// Runs the scenario and prints its figures.
+pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
+    let pid = a
+        .target
+        .server_pid
+        .context("--server-pid is needed for RSS")?;
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let load = Load::start(&a.target, a.load.feeds, a.load.runs).await?;
+    let writer = load.start_writer(a.load.rate);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = load.take_latencies();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let baseline = load.take_latencies();
+
+    let big = fixtures::create_run(&load.pool, &load.env, RunSpec::default()).await?;
+    let token = runfeed::auth::mint_public_token(
+        &load.env.api_key,
+        &load.env.env_id,
+        &[format!("read:runs:{}", big.friendly_id)],
+        Duration::from_secs(3600),
+        None,
+    )?;
+    let base = a.target.base_url.trim_end_matches('/');
+    let snap = http
+        .get(format!(
+            "{base}/realtime/v1/runs/{}?offset=-1&log=full",
+            big.friendly_id
+        ))
+        .bearer_auth(&token)
+        .header("x-trigger-electric-version", "1.0.0-beta.1")
+        .send()
+        .await?;
+    let h = |n: &str| {
+        snap.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let target = format!(
+        "/realtime/v1/runs/{}?handle={}&offset={}&live=true&live_sse=true&log=full",
+        big.friendly_id,
+        h("electric-handle"),
+        h("electric-offset")
+    );
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse()?;
+    let rss_before = proc_rss(pid).unwrap_or(f64::NAN);
+    let metrics_before = scrape(&http, &a.target).await?;
+    let mut stalled = Vec::with_capacity(a.stalled);
+    for _ in 0..a.stalled {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_recv_buffer_size(4096)?;
+        let mut s = socket.connect(addr).await?;
+        let head = format!(
+            "GET {target} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+             x-trigger-electric-version: 1.0.0-beta.1\r\nAccept: text/event-stream\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await?;
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_open = proc_rss(pid).unwrap_or(f64::NAN);
+    let _ = load.take_latencies();
+    let pad = "x".repeat(a.output_kb * 1024);
+    for n in 0..a.changes {
+        let output = format!("{{\"n\":{n},\"pad\":\"{pad}\"}}");
+        let set = RunUpdate {
+            output: Some(output),
+            ..RunUpdate::default()
+        };
+        let ms = fixtures::update_run(&load.pool, &big.id, set).await?;
+        let record = runfeed::changes::ChangeRecord {
+            v: 1,
+            run_id: big.id.as_str().into(),
+            env_id: load.env.env_id.as_str().into(),
+            tags: Some(Vec::new()),
+            batch_id: None,
+            updated_at_ms: Some(ms),
+        };
+        runfeed::redis::Publisher::connect(&runfeed::redis::RedisOptions::standalone(
+            &a.target.redis_url,
+        ))
+        .await
+        .map_err(|e| anyhow::anyhow!("publisher: {e}"))?
+        .publish(&record)
+        .await
+        .map_err(|e| anyhow::anyhow!("publish: {e}"))?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_changed = proc_rss(pid).unwrap_or(f64::NAN);
+    let during = load.take_latencies();
+    tokio::time::sleep(Duration::from_secs(a.settle_s)).await;
+    let rss_settled = proc_rss(pid).unwrap_or(f64::NAN);
+    let metrics_after = scrape(&http, &a.target).await?;
+    let ended = metric_sum(&metrics_after, "runfeed_feeds_stalled_streams_total").unwrap_or(0.0)
+        - metric_sum(&metrics_before, "runfeed_feeds_stalled_streams_total").unwrap_or(0.0);
+    drop(stalled);
+    load.stop_writer();
+    let _ = writer.await;
+    let (behind, _) = load.converge(Duration::from_secs(60)).await;
+    load.stop();
+    let per = |rss: f64| (rss - rss_before) / a.stalled.max(1) as f64 / 1024.0;
+    report(
+        "stalled",
+        json!({"stalled": a.stalled, "changes": a.changes, "output_kb": a.output_kb, "feeds": a.load.feeds, "rate": a.load.rate}),
+        vec![
+            ("server RSS before, MiB", json!(rss_before / 1048576.0)),
+            (
+                "RSS per stalled client, streams open, KiB",
+                json!(per(rss_open)),
+            ),
+            (
+                "RSS per stalled client, after the changes, KiB",
+                json!(per(rss_changed)),
+            ),
+            (
+                "RSS per stalled client, after the bound, KiB",
+                json!(per(rss_settled)),
+            ),
+            ("streams ended by the queue bound", json!(ended)),
+            (
+                "healthy delivery p50 without, ms",
+                json!(pct(&baseline, 50.0)),
+            ),
+            (
+                "healthy delivery p99 without, ms",
+                json!(pct(&baseline, 99.0)),
+            ),
+            (
+                "healthy delivery p50 with stalled, ms",
+                json!(pct(&during, 50.0)),
+            ),
+            (
+                "healthy delivery p99 with stalled, ms",
+                json!(pct(&during, 99.0)),
+            ),
+            ("healthy followers behind after 60 s", json!(behind)),
+            (
+                "5xx seen by healthy clients",
+                json!(load.outcomes.server_errors.load(Ordering::Relaxed)),
+            ),
+        ],
+    );
+    Ok(())
+}

@@ -1,0 +1,572 @@
+//! Faults at the HTTP edge, each against the real Postgres and Redis (docs/faults.md):
+//!
+//! - tokens during a hold: a public token that expires while its feed is held gets a JSON 401
+//!   on the next poll; a run token (`typ: run+jwt`) gets a JSON 401 naming its type;
+//! - Postgres faults: a stopped primary, and `max_connections` exhausted by another client,
+//!   give a JSON 503 with `Retry-After` within the pool's acquire bound (never a hang),
+//!   `/readyz` names `postgres`, and service resumes without restarting runfeed (an own
+//!   PostgreSQL instance from scripts/pg-instance.sh, never the shared one);
+//! - descriptors exhausted: the real binary under a low `RLIMIT_NOFILE` closes what it cannot
+//!   serve, does not spin, counts refused connections, and serves again once descriptors free;
+//! - a stalled SSE reader: its stream ends once its queue stays full, the metric counts it, its
+//!   hold is released, and a healthy reader of the same run gets every change.
+
+use crate::common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use runfeed::app;
+use runfeed_dev::fixtures::{self, RunSpec, RunUpdate, TestDb};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+// ---------------------------------------------------------------------------------------------
+// Tokens during a hold
+
+/// A public token valid for 2–3 s, held for 5 s: the poll held across its expiry answers normally, the next poll
+/// gets trigger.dev's JSON 401 at once (never a 5xx or a hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_public_token_that_expires_during_a_hold_gets_a_json_401_on_its_next_poll() {
+    let (srv, env) = TestServer::with_env(5_000).await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let scope = format!("read:runs:{}", run.friendly_id);
+    let token = mint(&env.api_key, &env.env_id, &[&scope], Duration::from_secs(3));
+    let headers = modern(&token);
+    let url = run_url(&run.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &headers).await;
+    snap.assert_status(200);
+    let held = srv.fetch(&url.live_after(&snap), &headers).await;
+    held.assert_status(200);
+    assert!(
+        held.elapsed >= Duration::from_millis(4_500),
+        "the poll was held"
+    );
+    let next = srv.fetch(&url.live_after(&held), &headers).await;
+    assert_eq!(next.status, 401, "{}", next.text);
+    assert_eq!(
+        next.json,
+        json!({"error": "Public Access Token is invalid"})
+    );
+    assert!(next.elapsed < Duration::from_secs(2), "answered at once");
+}
+
+/// An SDK 4.8 run token (`TRIGGER_RUN_TOKEN`, header `typ: run+jwt`) cannot be verified: a JSON
+/// 401 whose body names the token type, before any lookup — whatever its claims say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_token_gets_a_json_401_naming_the_token_type() {
+    let (srv, env) = TestServer::with_env(1_000).await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let now = runfeed::auth::jwt::now_s();
+    let sign = |claims: Value| {
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
+        header.typ = Some("run+jwt".into());
+        let key = jsonwebtoken::EncodingKey::from_secret(env.api_key.as_bytes()).expect("key");
+        jsonwebtoken::encode(&header, &claims, &key).expect("sign")
+    };
+    let tokens = [
+        sign(json!({"sub": run.id, "iat": now, "exp": now + 600})),
+        // Even one that claims to be a public token.
+        sign(
+            json!({"pub": true, "sub": env.env_id, "scopes": ["read:all"],
+            "iss": "https://id.trigger.dev", "aud": "https://api.trigger.dev", "iat": now, "exp": now + 600}),
+        ),
+    ];
+    for token in tokens {
+        for url in feed_urls(&run.friendly_id, "a", "batch_x") {
+            let r = srv.fetch(&url.snapshot(), &modern(&token)).await;
+            assert_eq!(r.status, 401, "{}: {}", url.path, r.text);
+            assert_eq!(r.json["tokenType"], "run+jwt", "{}", r.text);
+            let error = r.json["error"].as_str().expect("error text");
+            assert!(
+                error.contains("Run tokens") && error.contains("TRIGGER_RUN_TOKEN"),
+                "{error}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Postgres faults (an own instance)
+
+/// An own PostgreSQL primary on a free port (scripts/pg-instance.sh); destroyed on drop.
+struct OwnPostgres {
+    port: u16,
+}
+
+impl OwnPostgres {
+    fn script(args: &[&str]) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-instance.sh");
+        let out = std::process::Command::new("bash")
+            .arg(script)
+            .args(args)
+            .output()
+            .expect("run scripts/pg-instance.sh");
+        assert!(
+            out.status.success(),
+            "pg-instance.sh {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn start(max_connections: u32) -> OwnPostgres {
+        let port = free_port();
+        let p = port.to_string();
+        Self::script(&[
+            "start",
+            "--port",
+            &p,
+            "--max-connections",
+            &max_connections.to_string(),
+        ]);
+        OwnPostgres { port }
+    }
+
+    fn admin(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}", self.port)
+    }
+
+    fn stop(&self) {
+        Self::script(&["stop", "--port", &self.port.to_string()]);
+    }
+
+    fn resume(&self) {
+        Self::script(&["resume", "--port", &self.port.to_string()]);
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-instance.sh");
+        let _ = std::process::Command::new("bash")
+            .arg(script)
+            .args(["destroy", "--port", &self.port.to_string()])
+            .output();
+    }
+}
+
+/// An in-process runfeed on `db`, its HTTP client and base URL.
+async fn serve_on(db: &TestDb, hold_ms: u64) -> (app::Running, reqwest::Client, String) {
+    let mut config = test_config(&db.url, hold_ms);
+    config.database.max_connections = 4;
+    let running = within(WAIT, "start runfeed", app::start(config))
+        .await
+        .expect("start runfeed");
+    let base = format!("http://{}", running.addr);
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    (running, http, base)
+}
+
+async fn get(http: &reqwest::Client, url: &str, headers: &[(String, String)]) -> Resp {
+    // A client timeout well above the pool's 5 s acquire bound: a hang shows up as an error.
+    send(
+        with_headers(http.get(url), headers),
+        Duration::from_secs(12),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
+/// The refusal every request gets while the database is unreachable.
+fn assert_json_503(r: &Resp, what: &str) {
+    assert_eq!(r.status, 503, "{what}: {}", r.text);
+    assert_eq!(r.json, json!({"error": "Service Unavailable"}), "{what}");
+    assert_eq!(r.header("retry-after"), Some("1"), "{what}");
+    assert!(
+        r.elapsed < Duration::from_secs(8),
+        "{what}: answered within the acquire bound, took {:?}",
+        r.elapsed
+    );
+}
+
+/// `/readyz` is 503 and its failing check is `check`, the others (Redis) still `ok`.
+async fn assert_not_ready_for(http: &reqwest::Client, admin: std::net::SocketAddr, check: &str) {
+    let r = get(http, &format!("http://{admin}/readyz"), &[]).await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_ne!(r.json["checks"][check], "ok", "{}", r.text);
+    assert_eq!(r.json["checks"]["redis"], "ok", "{}", r.text);
+}
+
+/// Until a snapshot of `url` is a 200 again (bounded), without restarting runfeed.
+async fn wait_served(http: &reqwest::Client, url: &str, headers: &[(String, String)]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get(http, url, headers).await;
+        if r.status == 200 {
+            return;
+        }
+        assert!(
+            r.status == 503,
+            "only 503s while recovering: {} {}",
+            r.status,
+            r.text
+        );
+        assert!(Instant::now() < deadline, "service never resumed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_postgres_gets_a_json_503_with_retry_after_and_readyz_names_it_then_service_resumes(
+) {
+    let pg = OwnPostgres::start(50);
+    let db = made("test db", TestDb::create(&pg.admin())).await;
+    let (running, http, base) = serve_on(&db, 2_000).await;
+    let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
+    let run = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
+    let fresh = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
+    let headers = modern(&env.api_key);
+    let snap = get(
+        &http,
+        &format!("{base}{}", run_url(&run.friendly_id).snapshot().render()),
+        &headers,
+    )
+    .await;
+    snap.assert_status(200);
+    // A live poll held while the database goes away answers within its hold bound.
+    let live = tokio::spawn({
+        let (http, url, headers) = (
+            http.clone(),
+            format!(
+                "{base}{}",
+                run_url(&run.friendly_id).live_after(&snap).render()
+            ),
+            headers.clone(),
+        );
+        async move { get(&http, &url, &headers).await }
+    });
+    pg.stop();
+    let held = live.await.expect("live poll task");
+    assert!(
+        held.status == 200 || held.status == 503,
+        "{} {}",
+        held.status,
+        held.text
+    );
+    if held.status == 503 {
+        assert_json_503(&held, "the held poll");
+    }
+    let fresh_url = format!("{base}{}", run_url(&fresh.friendly_id).snapshot().render());
+    assert_json_503(&get(&http, &fresh_url, &headers).await, "a snapshot");
+    assert_not_ready_for(&http, running.admin_addr.expect("admin"), "postgres").await;
+    pg.resume();
+    wait_served(&http, &fresh_url, &headers).await;
+    running.stop().await;
+    db.pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connections_exhausted_by_another_client_gets_a_json_503_then_service_resumes() {
+    let pg = OwnPostgres::start(12);
+    let db = made("test db", TestDb::create(&pg.admin())).await;
+    let (running, http, base) = serve_on(&db, 2_000).await;
+    let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
+    let fresh = made(
+        "run",
+        fixtures::create_run(&db.pool, &env, RunSpec::default()),
+    )
+    .await;
+    let headers = modern(&env.api_key);
+    get(
+        &http,
+        &format!("{base}/realtime/v1/runs/run_none"),
+        &headers,
+    )
+    .await
+    .assert_status(404);
+    // Another client takes every slot, then runfeed's own connections are cut: it must
+    // reconnect and cannot.
+    let url = format!("{}/{}", pg.admin(), db.name);
+    let mut hog = Vec::new();
+    let connect = || async {
+        use sqlx::Connection;
+        sqlx::PgConnection::connect(&url).await
+    };
+    while let Ok(conn) = connect().await {
+        hog.push(conn);
+        assert!(hog.len() < 20, "max_connections is 12");
+    }
+    let first = hog.first_mut().expect("at least one hog connection");
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'runfeed'",
+    )
+    .execute(&mut *first)
+    .await
+    .expect("cut runfeed's connections");
+    while let Ok(conn) = connect().await {
+        hog.push(conn);
+    }
+    let fresh_url = format!("{base}{}", run_url(&fresh.friendly_id).snapshot().render());
+    assert_json_503(&get(&http, &fresh_url, &headers).await, "a snapshot");
+    assert_not_ready_for(&http, running.admin_addr.expect("admin"), "postgres").await;
+    drop(hog);
+    wait_served(&http, &fresh_url, &headers).await;
+    running.stop().await;
+    db.pool.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// File descriptors exhausted (the real binary)
+
+/// CPU seconds (user + system) `pid` has used, from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 =
+        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
+    ticks / 100.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_descriptor_limit_connections_are_refused_without_a_busy_loop_and_service_resumes()
+{
+    let _ = rlimit::increase_nofile_limit(4096);
+    let db = made("test db", TestDb::create(PG_ADMIN)).await;
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut child = tokio::process::Command::new("sh")
+        .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_runfeed"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["--database-url", &db.url, "--redis-url", &redis_url()])
+        .env_remove("DATABASE_URL")
+        .env_remove("DATABASE_READ_REPLICA_URL")
+        .env_remove("REDIS_URL")
+        .env("RUNFEED_TELEMETRY__ADMIN_LISTEN", &admin)
+        .env("RUNFEED_SERVER__HEADER_READ_TIMEOUT_MS", "60000")
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn runfeed serve");
+    let pid = child.id().expect("pid");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let addr = within(WAIT, "runfeed listening", async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("runfeed exited");
+            if let Some(addr) = line.strip_prefix("runfeed listening on http://") {
+                return addr.trim().to_string();
+            }
+        }
+    })
+    .await;
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let healthz = || async {
+        let mut s = TcpStream::connect(&addr).await?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
+            .await
+            .map_err(|_| std::io::Error::other("no answer within 5 s"))??;
+        Ok::<_, std::io::Error>(out)
+    };
+    assert!(healthz()
+        .await
+        .expect("healthz")
+        .starts_with("HTTP/1.1 200"));
+    // Idle connections (no request head yet) each pin a descriptor of the server.
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        idle.push(TcpStream::connect(&addr).await.expect("connect"));
+    }
+    // Past the limit: the connection is closed unserved, quickly (not left in the backlog).
+    let refused = healthz().await;
+    assert!(
+        !refused
+            .as_ref()
+            .is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "served past the limit: {refused:?}"
+    );
+    // No busy loop while descriptors stay exhausted: well under a tenth of a core.
+    let (cpu0, t0) = (cpu_seconds(pid), Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    assert!(
+        share < 0.10,
+        "the accept loop used {share:.2} of a core while out of descriptors"
+    );
+    drop(idle);
+    // Service resumes by itself; the admin listener then reports the refusals.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if healthz().await.is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "service never resumed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let counter = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert!(
+        counter("runfeed_http_refused_connections_total") >= 1.0,
+        "{metrics}"
+    );
+    let errors = counter("runfeed_http_accept_errors_total");
+    assert!(
+        (1.0..200.0).contains(&errors),
+        "accept errors back off: {errors}"
+    );
+    let _ = child.kill().await;
+    db.cleanup().await.expect("drop test db");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A stalled SSE reader
+
+/// Whether the server's socket of the connection `server_port` ← `client_port` (loopback) is
+/// closed by its process: absent from /proc/net/tcp, or orphaned (inode 0).
+fn server_socket_closed(server_port: u16, client_port: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let local = format!(":{server_port:04X}");
+    let remote = format!(":{client_port:04X}");
+    !table.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() > 9 && f[1].ends_with(&local) && f[2].ends_with(&remote) && f[9] != "0"
+    })
+}
+
+/// An SSE request for `target` on a socket with a small receive buffer that is never read.
+async fn stalled_sse(addr: &str, target: &str, token: &str) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = socket
+        .connect(addr.parse().expect("addr"))
+        .await
+        .expect("connect");
+    let head = format!(
+        "GET {target} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+         x-trigger-electric-version: {ELECTRIC_VERSION}\r\nAccept: text/event-stream\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.expect("send head");
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_gets_every_change() {
+    let (srv, env) = TestServer::start_with_env(20_000, |c| {
+        c.feeds.sse_max_queued_bytes = 64 * 1024;
+        c.feeds.sse_max_queued_events = 8;
+        c.feeds.sse_stall_timeout_ms = 1_000;
+        // The connection-level bound must not be what ends it.
+        c.server.write_stall_timeout_ms = 120_000;
+    })
+    .await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let token = srv.token(&env, &["read:runs"]);
+    let url = run_url(&run.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &modern(&token)).await;
+    snap.assert_status(200);
+    let sse = url
+        .live_at(&snap)
+        .q("experimental_live_sse", "true")
+        .q("live_sse", "true");
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let stalled = stalled_sse(&addr, &sse.render(), &token).await;
+    let mut healthy = srv
+        .http
+        .get(format!("{}{}", srv.base, sse.render()))
+        .header("authorization", format!("Bearer {token}"))
+        .header("x-trigger-electric-version", ELECTRIC_VERSION)
+        .send()
+        .await
+        .expect("healthy SSE");
+    assert_eq!(healthy.status(), 200);
+    wait_until(WAIT, "both streams hold the run", || {
+        srv.running().router.held_feeds().0 == 2
+    })
+    .await;
+    let stalled_before = runfeed::http::sse::stalled_streams();
+    let big = "x".repeat(256 * 1024);
+    let changes = 40;
+    let reader = tokio::spawn(async move {
+        let mut seen = String::new();
+        let deadline = Instant::now() + WAIT;
+        let last = format!("\\\"n\\\":{}", changes - 1);
+        while !seen.contains(&last) {
+            let chunk = tokio::time::timeout_at(deadline, healthy.chunk())
+                .await
+                .expect("the healthy stream got every change in time")
+                .expect("healthy stream read");
+            let Some(chunk) = chunk else {
+                panic!("the healthy stream ended")
+            };
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            if seen.contains(&last) {
+                break;
+            }
+            // Keep only the tail (a marker split across chunks is rejoined).
+            if seen.len() > 1 << 20 {
+                seen.drain(..seen.len() - 4096);
+            }
+        }
+    });
+    for n in 0..changes {
+        let output = format!("{{\"n\":{n},\"pad\":\"{big}\"}}");
+        let ms = srv
+            .update(
+                &run.id,
+                RunUpdate {
+                    output: Some(output),
+                    ..RunUpdate::default()
+                },
+            )
+            .await;
+        srv.publish(&TestServer::record(&env, &run.id, &[], None, ms))
+            .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    reader.await.expect("healthy reader");
+    wait_until(WAIT, "the stalled stream was ended", || {
+        runfeed::http::sse::stalled_streams() > stalled_before
+    })
+    .await;
+    wait_until(WAIT, "its hold was released", || {
+        srv.running().router.held_feeds().0 <= 1
+    })
+    .await;
+    // The server closed its end of the connection (long before its 120 s write-stall timeout),
+    // though the client still reads nothing: the kernel lists the server's socket as orphaned
+    // (inode 0) or not at all.
+    let client_port = stalled.local_addr().expect("local addr").port();
+    let server_port: u16 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    wait_until(WAIT, "the server closed the stalled connection", || {
+        server_socket_closed(server_port, client_port)
+    })
+    .await;
+    drop(stalled);
+}

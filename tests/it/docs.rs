@@ -25,9 +25,6 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
 }
 
-/// Files another branch adds, linked from the README's docs index already.
-const PENDING_FILES: &[&str] = &["CHANGELOG.md", "docs/releases.md"];
-
 /// The docs written for operators and contributors, whose every path, command, variable, key and
 /// metric is checked. (docs/protocol.md, docs/trigger-dev.md and docs/behaviours.md describe other
 /// projects' code and name their paths; their links and citations are still checked.)
@@ -221,9 +218,6 @@ fn check_links(
         } else {
             normalize(&dir.join(path))
         };
-        if PENDING_FILES.contains(&resolved.as_str()) {
-            continue;
-        }
         if !exists(&resolved) {
             p.push(format!(
                 "{file}:{n}: link to {target}: {resolved} does not exist"
@@ -927,7 +921,7 @@ fn link_check_catches_missing_files_and_anchors() {
     let text_of = |p: &str| files.get(p).map(|t| t.to_string());
     let text =
         "[ok](docs/a.md#here) [gone](docs/b.md) [anchor](docs/a.md#there) [web](https://x.y/z) \
-                [pending](CHANGELOG.md) `[in code](docs/c.md)`";
+                `[in code](docs/c.md)`";
     let p = check_links("README.md", text, &exists, &text_of);
     assert_eq!(p.len(), 2, "{p:#?}");
     assert!(p[0].contains("docs/b.md does not exist") && p[1].contains("no heading #there"));

@@ -225,6 +225,17 @@ enum Leased {
     Unavailable,
 }
 
+/// Redis failed (`err`) or timed out: the poll is counted locally (logged).
+fn unavailable(env_id: &str, err: Option<&crate::redis::RedisError>) -> Leased {
+    match err {
+        Some(err) => {
+            tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally")
+        }
+        None => tracing::warn!(env_id, "concurrency limiter timed out; counting locally"),
+    }
+    Leased::Unavailable
+}
+
 impl Limiter {
     /// A limiter applying `cfg`, counting in Redis through `script` (locally when `None`).
     pub fn new(script: Option<ConcurrencyScript>, cfg: LimiterConfig) -> Limiter {
@@ -336,14 +347,8 @@ impl Limiter {
                 pending.settle();
                 Leased::AtLimit
             }
-            Ok(Err(err)) => {
-                tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally");
-                Leased::Unavailable
-            }
-            Err(_) => {
-                tracing::warn!(env_id, "concurrency limiter timed out; counting locally");
-                Leased::Unavailable
-            }
+            Ok(Err(err)) => unavailable(env_id, Some(&err)),
+            Err(_) => unavailable(env_id, None),
         }
     }
 
@@ -407,14 +412,8 @@ impl Limiter {
                     None => Leased::Unavailable,
                 }
             }
-            Ok(Err(err)) => {
-                tracing::warn!(env_id, error = %err, "concurrency limiter unavailable; counting locally");
-                Leased::Unavailable
-            }
-            Err(_) => {
-                tracing::warn!(env_id, "concurrency limiter timed out; counting locally");
-                Leased::Unavailable
-            }
+            Ok(Err(err)) => unavailable(env_id, Some(&err)),
+            Err(_) => unavailable(env_id, None),
         }
     }
 

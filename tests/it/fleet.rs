@@ -728,13 +728,7 @@ async fn distinct_filter_stampede_respects_admission_limit() {
 /// them a client alternating between instances would ping-pong until the margin passed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hop_right_after_a_change_holds_instead_of_redelivering() {
-    let srv = TestServer::start_with(3_000, |c| c.router.hop_margin_ms = 200).await;
-    let peer = srv.peer(|_| {}).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["pp"]).await;
-    let h = modern(&env.api_key);
-    let warm = run_url(&run.friendly_id).snapshot();
-    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
+    let (srv, peer, env, run, h) = warm_pair(3_000, "pp").await;
     tokio::time::sleep(Duration::from_millis(300)).await; // streams older than the hop margin
     let url = tag_url("pp");
     let snap = srv.fetch(&url.snapshot(), &h).await;
@@ -775,13 +769,7 @@ async fn hop_right_after_a_change_holds_instead_of_redelivering() {
 /// the feed from the store before holding.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hop_after_a_quiet_hold_replays_from_the_echoed_cursor_without_a_store_read() {
-    let srv = TestServer::start_with(500, |c| c.router.hop_margin_ms = 200).await;
-    let peer = srv.peer(|_| {}).await;
-    let env = srv.env().await;
-    let run = srv.tagged_run(&env, &["quiet"]).await;
-    let h = modern(&env.api_key);
-    let warm = run_url(&run.friendly_id).snapshot();
-    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
+    let (srv, peer, env, run, h) = warm_pair(500, "quiet").await;
     let url = tag_url("quiet");
     // Two clients of the feed (two handles), each polling A through quiet holds until the
     // state stored at their snapshot is older than the replay buffer (2 s).
@@ -847,6 +835,29 @@ async fn a_hop_after_a_quiet_hold_replays_from_the_echoed_cursor_without_a_store
         "{}",
         woken.text
     );
+}
+
+/// Two instances (hold `hold_ms`, hop margin 200 ms) that both already serve a fresh
+/// environment with one run tagged `tag`: the server, its peer, the environment, the run and the
+/// client's headers.
+async fn warm_pair(
+    hold_ms: u64,
+    tag: &str,
+) -> (
+    TestServer,
+    Peer,
+    DemoEnv,
+    runfeed_dev::fixtures::CreatedRun,
+    Vec<(String, String)>,
+) {
+    let srv = TestServer::start_with(hold_ms, |c| c.router.hop_margin_ms = 200).await;
+    let peer = srv.peer(|_| {}).await;
+    let env = srv.env().await;
+    let run = srv.tagged_run(&env, &[tag]).await;
+    let h = modern(&env.api_key);
+    let warm = run_url(&run.friendly_id).snapshot();
+    srv.warm_with_peer(&peer, &env.env_id, &warm, &h).await;
+    (srv, peer, env, run, h)
 }
 
 /// A snapshot of `url` on `srv`, then quiet live holds there until `at_least` has passed; the

@@ -19,3 +19,4 @@ pub mod client;
 pub mod demo;
 pub mod faults;
 pub mod fixtures;
+pub mod measure;

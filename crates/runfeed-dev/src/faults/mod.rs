@@ -24,6 +24,8 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::Value;
 
+pub use crate::measure::{metric_sum, pct, proc_rss};
+
 /// The server under test and its dependencies.
 #[derive(Args, Clone, Debug)]
 pub struct Target {
@@ -44,45 +46,12 @@ pub struct Target {
     pub server_pid: Option<u32>,
 }
 
-/// Sum of every sample of the Prometheus family `name` in `text` (None when absent).
-pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
-}
-
 /// The sample of `name` whose labels contain `label` (e.g. `result="delivered"`).
 pub fn metric_with(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(name) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// Resident set size of `pid`, bytes (/proc/<pid>/statm).
-pub fn proc_rss(pid: u32) -> Option<f64> {
-    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
-    let resident: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(resident * 4096.0)
-}
-
-/// The `p`-th percentile of `sorted`.
-pub fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// Prints `rows` as a two-column table under `scenario`.

@@ -2,6 +2,7 @@
 //! change publishing, metric scrapes, /proc readings and the report table.
 
 use super::*;
+pub(crate) use runfeed_dev::measure::{metric_sum, pct, proc_cpu_s, proc_rss};
 
 #[derive(Args, Clone)]
 pub(crate) struct Common {
@@ -463,25 +464,6 @@ impl Bench {
     }
 }
 
-pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
-}
-
 /// The calls of the commands runfeed sends outside scripts, in an `INFO commandstats` text.
 pub(crate) fn redis_sent_calls(info: &str) -> f64 {
     const SENT: [&str; 5] = ["evalsha", "set", "get", "zrem", "mget"];
@@ -498,36 +480,9 @@ pub(crate) fn per_unit(a: Option<f64>, b: Option<f64>, n: f64, scale: f64) -> Va
     opt(delta(a, b).filter(|_| n > 0.0).map(|d| d * scale / n))
 }
 
-pub(crate) fn page_size() -> f64 {
-    4096.0
-}
-
-pub(crate) fn proc_rss(pid: u32) -> Option<f64> {
-    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
-    let resident: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(resident * page_size())
-}
-
-pub(crate) fn proc_cpu_s(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
-    let after = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
-}
-
 /// This process's CPU time (user + system), s.
 pub(crate) fn own_cpu_s() -> Option<f64> {
     proc_cpu_s(std::process::id())
-}
-
-pub(crate) fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 pub(crate) fn ms(d: Duration) -> f64 {

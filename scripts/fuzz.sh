@@ -4,7 +4,8 @@
 # (the crashing input is left in tests/fuzz/artifacts/<target>/ — pin it as a regression case in
 # tests/it/fuzz_props.rs).
 #   bash scripts/fuzz.sh [target ...]        FUZZ_SECONDS=20 per target by default
-# scripts/test.sh runs it last.
+#   FUZZ_BUILD_ONLY=1 bash scripts/fuzz.sh   install cargo-fuzz if missing and build, run nothing
+# scripts/test.sh builds in the background during its end-to-end steps and runs the targets last.
 #
 # What keeps a cold run short (a clean clone builds the instrumented crate from nothing):
 # - cargo-fuzz is installed only when missing, at a pinned version (CARGO_FUZZ_VERSION).
@@ -32,6 +33,7 @@ FLAGS=(--fuzz-dir tests/fuzz -O -a --sanitizer "${FUZZ_SANITIZER:-none}")
 t0=$SECONDS
 cargo fuzz build "${FLAGS[@]}"
 echo "fuzz: targets built in $((SECONDS - t0)) s"
+[ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 failed=0
 for t in "${targets[@]}"; do
   echo "==> fuzz $t (${SECONDS_PER_TARGET}s)"

@@ -14,10 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Client cursors further than this ahead of our own counter are answered (still strictly
-/// greater) but do not ratchet the process-wide counter, so a crafted huge cursor cannot push
-/// every later cursor to `u64::MAX`. 2^40 µs ≈ 12.7 days: far more than any clock skew between
-/// instances whose cursors a client might carry over.
+/// 2^40 µs ≈ 12.7 days: a client cursor this far ahead (the tests' crafted value; no client
+/// cursor of any size moves the process-wide counter).
+#[cfg(test)]
 const MAX_RATCHET: u64 = 1 << 40;
 
 static SEQ: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(now_micros()));
@@ -50,43 +49,49 @@ fn marked(v: u64, gap: Gap) -> u64 {
     }
 }
 
-/// Returns the next cursor value: at least the wall clock in µs, strictly greater than every
-/// value returned before by this process and than `client_cursor` when that parses as an
-/// integer (Electric 1.6.4 rule), its lowest bit marking `gap`.
+/// Returns the next cursor value, its lowest bit marking `gap`: the wall clock in µs (strictly
+/// greater than every value this process minted before), or, when the client's cursor
+/// (`client_cursor`, an integer) is not below that, the client's plus one: each response's cursor
+/// is strictly greater than the request's (Electric 1.6.4 rule).
 ///
-/// Exception (anti-abuse): a client cursor more than ~12.7 days (2^40) ahead of the process
-/// counter gets `client + 1` (saturating) without advancing the counter for later calls.
-/// Negative or non-integer client cursors are ignored.
+/// A client's cursor never moves the process-wide counter: a cursor from the future raises that
+/// client's own answer only, so no request can push the wall time other clients' cursors carry
+/// (which instances trust on a hop, [`vouched_wall_ms`]). A cursor of `u64::MAX` is answered with
+/// `u64::MAX`. Negative or non-integer client cursors are ignored.
 pub fn next_cursor(client_cursor: Option<&str>, gap: Gap) -> u64 {
     let client = client_cursor.and_then(|c| c.trim().parse::<u64>().ok());
     let now = now_micros();
     let mut prev = CURSOR.load(Ordering::Relaxed);
-    loop {
-        let base = match client {
-            Some(c) if c > prev && c - prev > MAX_RATCHET => return c.saturating_add(1),
-            Some(c) => c.max(prev),
-            None => prev,
-        };
-        let next = marked(base.saturating_add(1).max(now), gap);
+    let own = loop {
+        let next = marked(prev.saturating_add(1).max(now), gap);
         match CURSOR.compare_exchange_weak(prev, next, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return next,
+            Ok(_) => break next,
             Err(actual) => prev = actual,
         }
+    };
+    match client {
+        Some(c) if c >= own => marked(c.saturating_add(1), gap),
+        _ => own,
     }
 }
 
+/// How far ahead of this instance's clock an echoed cursor may be and still count as the wall
+/// time of a response (another instance's clock may run a little ahead), ms.
+pub const MAX_CLOCK_SKEW_MS: i64 = 1_000;
+
 /// The wall time (epoch ms) of the response whose cursor a client echoes, when that response
-/// vouched for its gap ([`Gap::Vouched`]); `None` for anything else. Never later than `now_ms`:
-/// a client can only claim to be less up to date than it is, which costs it a replay, or as up
-/// to date as now, which can cost only its own feed the changes it skipped until its next
-/// backstop read (it never shows it rows it may not read).
+/// vouched for its gap ([`Gap::Vouched`]) and the time is not more than [`MAX_CLOCK_SKEW_MS`]
+/// ahead of `now_ms`; `None` for anything else. Never later than `now_ms`. A client can only
+/// claim to be less up to date than it is, which costs it a replay, or up to date as of a moment
+/// within the last replay window, which can cost only its own feed the changes it skipped (it
+/// never shows it rows it may not read, and it moves no other client's cursor).
 pub fn vouched_wall_ms(client_cursor: Option<&str>, now_ms: i64) -> Option<i64> {
     let c = client_cursor?.trim().parse::<u64>().ok()?;
     if c & 1 == 1 {
         return None;
     }
     let ms = i64::try_from(c / 1000).ok()?;
-    Some(ms.min(now_ms))
+    (ms <= now_ms.saturating_add(MAX_CLOCK_SKEW_MS)).then_some(ms.min(now_ms))
 }
 
 /// Returns a fresh response sequence number (strictly increasing per process, seeded from the
@@ -159,7 +164,7 @@ mod tests {
         let c = next_cursor(Some(&(b + 1000).to_string()), Gap::Vouched);
         assert!(c > b + 1000);
         let d = next_cursor(Some("5"), Gap::Vouched);
-        assert!(d > c);
+        assert!(d > b, "the process's own cursors only grow");
         let e = next_cursor(Some("-3"), Gap::Unvouched);
         assert!(e > d);
     }
@@ -178,12 +183,40 @@ mod tests {
         assert_eq!(vouched_wall_ms(Some(&unvouched.to_string()), after), None);
         assert_eq!(vouched_wall_ms(Some("x"), after), None);
         assert_eq!(vouched_wall_ms(None, after), None);
-        // A claim from the future reads as now.
+        // A claim from the future is not a wall time.
         let future = (after as u64 + 3_600_000) * 1000;
-        assert_eq!(
-            vouched_wall_ms(Some(&future.to_string()), after),
-            Some(after)
+        assert_eq!(vouched_wall_ms(Some(&future.to_string()), after), None);
+    }
+
+    /// Found by a fresh-clone trial: one request with a cursor 12 days ahead pushed the
+    /// process-wide counter, so every other client's later cursor claimed a future wall time and
+    /// their hops trusted it as "up to date as of now", skipping their replay.
+    #[test]
+    fn a_client_cursor_from_the_future_moves_no_other_clients_cursor() {
+        let now_us = now_micros();
+        let forged = now_us + MAX_RATCHET - 2;
+        let answered = next_cursor(Some(&forged.to_string()), Gap::Vouched);
+        assert!(
+            answered > forged,
+            "still strictly greater than the request's"
         );
+        let other = next_cursor(None, Gap::Vouched);
+        assert!(
+            other < now_micros() + 1_000_000,
+            "another client's cursor stays at the wall clock: {other} vs {now_us}"
+        );
+        let now_ms = crate::clock::now_ms();
+        let echoed = next_cursor(Some(&other.to_string()), Gap::Vouched);
+        let wall = vouched_wall_ms(Some(&echoed.to_string()), now_ms + 10);
+        assert!(wall.is_some_and(|w| (now_ms - 1_000..=now_ms + 10).contains(&w)));
+    }
+
+    #[test]
+    fn a_cursor_from_beyond_the_clock_skew_is_not_trusted() {
+        let now_ms = crate::clock::now_ms();
+        let ahead = |ms: i64| (((now_ms + ms) as u64) * 1000 & !1).to_string();
+        assert_eq!(vouched_wall_ms(Some(&ahead(60_000)), now_ms), None);
+        assert_eq!(vouched_wall_ms(Some(&ahead(400)), now_ms), Some(now_ms));
     }
 
     #[test]

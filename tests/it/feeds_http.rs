@@ -2325,3 +2325,51 @@ async fn run_lookups_are_cached_but_tag_grants_follow_the_current_tags() {
     // The id-scoped token is unaffected by the tag change.
     srv.fetch(&url, &by_id).await.assert_status(200);
 }
+
+/// Found by a fresh-clone trial: one request of environment A with a cursor 12 days ahead pushed
+/// the process-wide cursor counter, so environment B's next cursor claimed a future wall time;
+/// B's live poll, echoing it, trusted it as "up to date as of now" and skipped the replay of a
+/// change made in between (held until a backstop). A client's cursor must move no other
+/// client's: B's poll gets the change from the replay at once.
+#[tokio::test]
+async fn a_forged_future_cursor_of_one_environment_delays_no_other_environments_change() {
+    let srv = TestServer::start(4_000).await;
+    let (a, b) = (srv.env().await, srv.env().await);
+    let run_a = srv.tagged_run(&a, &["fa"]).await;
+    let run_b = srv.tagged_run(&b, &["fb"]).await;
+    let forged = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_micros() as u64
+        + (1 << 40)
+        - 2)
+    .to_string();
+    let pushed = srv
+        .fetch(
+            &run_url(&run_a.friendly_id).snapshot().q("cursor", &forged),
+            &modern(&a.api_key),
+        )
+        .await;
+    pushed.assert_status(200);
+
+    let hb = modern(&b.api_key);
+    let url = run_url(&run_b.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &hb).await;
+    snap.assert_status(200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    srv.change(&b, &run_b.id, &["fb"], None, "EXECUTING").await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let live = srv.fetch(&url.live_after(&snap), &hb).await;
+    live.assert_status(200);
+    assert_eq!(
+        live.ops(),
+        vec![("update".to_string(), run_b.id.clone())],
+        "{}",
+        live.text
+    );
+    assert!(
+        live.elapsed < Duration::from_millis(1_000),
+        "replayed at once, not held until the backstop: {:?}",
+        live.elapsed
+    );
+}

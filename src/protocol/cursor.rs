@@ -214,7 +214,7 @@ mod tests {
     #[test]
     fn a_cursor_from_beyond_the_clock_skew_is_not_trusted() {
         let now_ms = crate::clock::now_ms();
-        let ahead = |ms: i64| (((now_ms + ms) as u64) * 1000 & !1).to_string();
+        let ahead = |ms: i64| ((((now_ms + ms) as u64) * 1000) & !1).to_string();
         assert_eq!(vouched_wall_ms(Some(&ahead(60_000)), now_ms), None);
         assert_eq!(vouched_wall_ms(Some(&ahead(400)), now_ms), Some(now_ms));
     }

@@ -2356,8 +2356,10 @@ async fn a_forged_future_cursor_of_one_environment_delays_no_other_environments_
     let url = run_url(&run_b.friendly_id);
     let snap = srv.fetch(&url.snapshot(), &hb).await;
     snap.assert_status(200);
-    tokio::time::sleep(Duration::from_millis(200)).await;
     srv.change(&b, &run_b.id, &["fb"], None, "EXECUTING").await;
+    // The condition under test, not a wait for an event: B's next poll comes more than
+    // `HOP_BACK_AFTER_MS` (1 s) after its last response, so a future cursor would be taken as a
+    // newer position; still inside the 2 s replay window, so the replay alone must deliver.
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     let live = srv.fetch(&url.live_after(&snap), &hb).await;
     live.assert_status(200);

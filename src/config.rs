@@ -187,12 +187,17 @@ pub struct FeedsConfig {
 }
 
 impl FeedsConfig {
-    /// The longest a live long-poll can be held, ms: the hold with its largest jitter plus the
-    /// backstop read's bound (`live_poll_timeout_ms / 4 + 1`, `feeds::Feeds::live`). Must stay
-    /// under the 45 s after which `@electric-sql/client` 1.5 aborts a live request.
+    /// The longest a live long-poll can be held, ms: the hold with its largest jitter, the
+    /// rounding of its expiry (at most 25 ms, `feeds::expiry_tick`) and the backstop read's
+    /// bound (`live_poll_timeout_ms / 4 + 1`, `feeds::Feeds::live`). Must stay under the 45 s
+    /// after which `@electric-sql/client` 1.5 aborts a live request.
     pub fn max_hold_ms(&self) -> u64 {
         let t = self.live_poll_timeout_ms as f64;
-        (t * (1.0 + self.live_poll_jitter_ratio)).ceil() as u64 + self.live_poll_timeout_ms / 4 + 1
+        let tick = 25.min(self.live_poll_timeout_ms / 20);
+        (t * (1.0 + self.live_poll_jitter_ratio)).ceil() as u64
+            + tick
+            + self.live_poll_timeout_ms / 4
+            + 1
     }
 }
 
@@ -564,7 +569,7 @@ mod tests {
     #[test]
     fn a_hold_the_1_5_client_would_abort_is_rejected() {
         let mut c = Config::default();
-        assert_eq!(c.feeds.max_hold_ms(), 28_001);
+        assert_eq!(c.feeds.max_hold_ms(), 28_026);
         c.feeds.live_poll_timeout_ms = 30_000;
         let err = c.validate().expect_err("30 s ± 15 % + backstop > 40 s");
         assert!(err.to_string().contains("45 s"), "{err}");

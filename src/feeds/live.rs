@@ -13,7 +13,7 @@ impl Feeds {
         let deadline = if self.shutdown.is_cancelled() {
             Instant::now()
         } else {
-            Instant::now() + self.hold()
+            self.hold_deadline()
         };
         // Every await but the hold is boxed: this future lives for the whole hold, and an
         // inline read would size it (memory per held feed).

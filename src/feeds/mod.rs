@@ -305,6 +305,16 @@ impl Feeds {
         Duration::from_millis((base * factor).max(1.0) as u64)
     }
 
+    /// When a live poll held from now expires: now plus its jittered hold, rounded up to the
+    /// next [`expiry_tick`]. Polls expiring within one tick then wake the runtime once and
+    /// are answered together (their clients' re-polls arrive together too), instead of one
+    /// timer wake, one `epoll_wait` and one worker unpark per poll (BENCHMARKS.md "Cost per
+    /// unit of work").
+    fn hold_deadline(&self) -> Instant {
+        let tick = expiry_tick(self.cfg.live_poll_timeout_ms);
+        align_up(Instant::now() + self.hold(), tick)
+    }
+
     fn reply(
         &self,
         req: &FeedRequest,
@@ -334,6 +344,29 @@ impl Feeds {
             newest_ms: changes.iter().map(|(_, r)| r.meta.updated_at_ms).max(),
         }
     }
+}
+
+/// Longest rounding of a hold's expiry ([`Feeds::hold_deadline`]), ms.
+pub const MAX_EXPIRY_TICK_MS: u64 = 25;
+
+/// The grid hold expiries are rounded up to for a configured hold of `hold_ms`:
+/// [`MAX_EXPIRY_TICK_MS`], or a twentieth of a shorter hold (whole ms; 0 = no rounding).
+pub fn expiry_tick(hold_ms: u64) -> Duration {
+    Duration::from_millis(MAX_EXPIRY_TICK_MS.min(hold_ms / 20))
+}
+
+/// `at` rounded up to a multiple of `tick` counted from a fixed instant of this process (the
+/// first call), so every poll shares one grid.
+fn align_up(at: Instant, tick: Duration) -> Instant {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let tick_ns = tick.as_nanos();
+    if tick_ns == 0 {
+        return at;
+    }
+    let origin = *ORIGIN.get_or_init(Instant::now);
+    let since = at.saturating_duration_since(origin).as_nanos();
+    let up = since.div_ceil(tick_ns) * tick_ns - since;
+    at + Duration::from_nanos(u64::try_from(up).unwrap_or(0))
 }
 
 /// The mark of a reply's `electric-cursor`.
@@ -378,6 +411,25 @@ pub fn bucket(ms: i64, bucket_ms: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hold_expiries_share_a_grid_and_are_never_early() {
+        let tick = expiry_tick(20_000);
+        assert_eq!(tick, Duration::from_millis(MAX_EXPIRY_TICK_MS));
+        assert_eq!(expiry_tick(200), Duration::from_millis(10));
+        assert_eq!(expiry_tick(10), Duration::ZERO);
+        let now = Instant::now();
+        let a = align_up(now + Duration::from_millis(3), tick);
+        let b = align_up(now + Duration::from_millis(7), tick);
+        assert!(a >= now + Duration::from_millis(3) && a < now + Duration::from_millis(3) + tick);
+        assert!(b >= now + Duration::from_millis(7));
+        // Expiries within one tick of each other land on one or two grid points, a tick apart.
+        let gap = b.max(a) - b.min(a);
+        assert!(gap == Duration::ZERO || gap == tick, "{gap:?}");
+        let later = now + Duration::from_secs(3);
+        assert_eq!(align_up(later, Duration::ZERO), later);
+        assert_eq!(align_up(align_up(later, tick), tick), align_up(later, tick));
+    }
 
     #[test]
     fn tag_01_floor_is_bucketed_to_whole_minutes() {

@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use moka::future::Cache;
 
+/// The caches' hasher (their keys are tokens and ids: long strings hashed on every request).
+type Hasher = foldhash::fast::RandomState;
+
 use crate::protocol::EnvId;
 use crate::store::{EnvRecord, EnvStore, StoreError};
 
@@ -139,15 +142,15 @@ const CACHE_MAX_ENTRIES: u64 = 10_000;
 
 /// The per-lookup caches (found AND not-found results are cached; errors are not).
 struct Caches {
-    by_api_key: Cache<String, Option<EnvRecord>>,
-    by_revoked_key: Cache<String, Option<EnvRecord>>,
-    by_id: Cache<EnvId, Option<EnvRecord>>,
-    branch: Cache<(EnvId, String), Option<EnvRecord>>,
-    revoked_keys: Cache<EnvId, Vec<String>>,
+    by_api_key: Cache<String, Option<EnvRecord>, Hasher>,
+    by_revoked_key: Cache<String, Option<EnvRecord>, Hasher>,
+    by_id: Cache<EnvId, Option<EnvRecord>, Hasher>,
+    branch: Cache<(EnvId, String), Option<EnvRecord>, Hasher>,
+    revoked_keys: Cache<EnvId, Vec<String>, Hasher>,
     /// Public tokens already verified with their environment's current signing key: a live
     /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
     /// largest single cost of a delivery (BENCHMARKS.md "Cost per unit of work").
-    verified: Cache<String, VerifiedToken>,
+    verified: Cache<String, VerifiedToken, Hasher>,
 }
 
 /// What a verified public token grants, kept so the next request with the same token skips the
@@ -193,7 +196,7 @@ impl moka::Expiry<EnvId, Option<EnvRecord>> for FoundLongerExpiry {
 
 impl Caches {
     fn new(ttl: Duration, found_by_id_ttl: Duration) -> Self {
-        fn build<K, V>(ttl: Duration) -> Cache<K, V>
+        fn build<K, V>(ttl: Duration) -> Cache<K, V, Hasher>
         where
             K: std::hash::Hash + Eq + Send + Sync + 'static,
             V: Clone + Send + Sync + 'static,
@@ -201,7 +204,7 @@ impl Caches {
             Cache::builder()
                 .max_capacity(CACHE_MAX_ENTRIES)
                 .time_to_live(ttl)
-                .build()
+                .build_with_hasher(Hasher::default())
         }
         Caches {
             by_api_key: build(ttl),
@@ -212,7 +215,7 @@ impl Caches {
                     found: found_by_id_ttl.max(ttl),
                     missing: ttl,
                 })
-                .build(),
+                .build_with_hasher(Hasher::default()),
             branch: build(ttl),
             revoked_keys: build(ttl),
             verified: build(found_by_id_ttl.max(ttl)),
@@ -222,7 +225,11 @@ impl Caches {
 
 /// A cached lookup: single-flighted by moka (`try_get_with`); an error is not cached and is
 /// handed back to the caller (rebuilt when other waiters share it).
-async fn cached<K, V, F>(cache: Option<&Cache<K, V>>, key: K, fetch: F) -> Result<V, StoreError>
+async fn cached<K, V, F>(
+    cache: Option<&Cache<K, V, Hasher>>,
+    key: K,
+    fetch: F,
+) -> Result<V, StoreError>
 where
     K: std::hash::Hash + Eq + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,

@@ -49,6 +49,7 @@ impl Feeds {
         let Poll {
             req,
             handle,
+            claims,
             offset,
             ..
         } = poll;
@@ -83,6 +84,7 @@ impl Feeds {
                     prev,
                     recent,
                     shared_at_ms,
+                    claims: claims.clone(),
                 },
             );
             return self.reply(req, handle.clone(), offset, &changes, shape);
@@ -101,6 +103,7 @@ impl Feeds {
                 prev: Some(offset),
                 recent,
                 shared_at_ms: None,
+                claims: claims.clone(),
             },
         );
         self.reply(req, handle.clone(), next, &changes, shape)

@@ -20,6 +20,20 @@ impl Feeds {
         }
     }
 
+    /// Whether `claims` (of a handle this instance accepted) are for the feed `req` asks for:
+    /// the checks [`Feeds::verify`] makes beyond the handle's HMAC.
+    pub(super) fn same_feed(&self, req: &FeedRequest, claims: &HandleClaims) -> bool {
+        let (kind, matches) = match &req.target {
+            Target::Run { run_id } => (FeedKind::Run, claims.target == run_id.as_str()),
+            Target::Tag { tags, .. } => (FeedKind::Tag, claims.target == filter_digest(tags)),
+            Target::Batch { batch_id } => (FeedKind::Batch, claims.target == batch_id.as_str()),
+        };
+        claims.kind == kind
+            && matches
+            && claims.env_id == req.env_id
+            && claims.columns == req.cols.bits()
+    }
+
     pub(super) fn verify(
         &self,
         req: &FeedRequest,

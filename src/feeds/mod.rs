@@ -107,7 +107,7 @@ pub struct Feeds {
     router: Router,
     handles: HandleKey,
     sets: Sets,
-    conns: Cache<ConnKey, Arc<ConnState>>,
+    conns: Cache<ConnKey, Arc<ConnState>, foldhash::fast::RandomState>,
     /// Cancelled when the server shuts down: held polls answer at once, new live polls are not
     /// held.
     shutdown: CancellationToken,
@@ -125,8 +125,12 @@ pub struct Feeds {
 struct Poll<'a> {
     req: &'a FeedRequest,
     handle: &'a Handle,
+    /// What the handle says (verified, or taken from `state`).
+    claims: &'a Arc<HandleClaims>,
     target: &'a Target,
     offset: Offset,
+    /// This instance's state for the offset the client echoed, read once when the poll began.
+    state: Option<&'a Arc<ConnState>>,
 }
 
 impl Poll<'_> {
@@ -172,7 +176,7 @@ impl Feeds {
         let conns = Cache::builder()
             .max_capacity(caches.working_set_max_entries.saturating_mul(2))
             .time_to_live(Duration::from_millis(caches.working_set_ttl_ms.max(1)))
-            .build();
+            .build_with_hasher(foldhash::fast::RandomState::default());
         Feeds {
             sets: Sets::new(store, router.clone(), &cfg, caches),
             cfg,
@@ -254,13 +258,25 @@ impl Feeds {
         let Some(handle) = req.handle.as_ref() else {
             return Err(FeedError::HandleRequired(offset.to_string()));
         };
-        let claims = self.verify(&req, handle)?;
+        // A state this instance recorded for exactly this handle and offset exists only if it
+        // minted or verified the handle: its claims stand in for a second HMAC check, once
+        // they are checked against this request's feed (a handle reused on another feed's URL
+        // is still refused).
+        let state = self
+            .conns
+            .get(&(req.env_id.clone(), handle.clone(), offset));
+        let claims = match state.as_ref().filter(|s| self.same_feed(&req, &s.claims)) {
+            Some(state) => state.claims.clone(),
+            None => Arc::new(self.verify(&req, handle)?),
+        };
         let target = self.resume_target(&req.target, &claims);
         let poll = Poll {
             req: &req,
             handle,
+            claims: &claims,
             target: &target,
             offset,
+            state: state.as_ref(),
         };
         if req.live {
             // Dropped unfinished (client gone) = an `abort` wakeup.

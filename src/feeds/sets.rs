@@ -9,6 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use moka::future::Cache;
+
+/// The caches' hasher (keys hashed on every poll).
+type Hasher = foldhash::fast::RandomState;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -76,9 +79,9 @@ pub struct Sets {
     store: Arc<dyn RunStore>,
     router: Router,
     cap: usize,
-    sets: Cache<SetKey, Arc<RunSet>>,
+    sets: Cache<SetKey, Arc<RunSet>, Hasher>,
     /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0).
-    backstops: Option<Cache<SetKey, Arc<RunSet>>>,
+    backstops: Option<Cache<SetKey, Arc<RunSet>, Hasher>>,
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
@@ -117,7 +120,7 @@ impl Sets {
                 run: Duration::from_millis(run_ttl),
                 list: Duration::from_millis(list_ttl),
             })
-            .build();
+            .build_with_hasher(Hasher::default());
         let lookup_ttl = Duration::from_millis(caches.resource_cache_ttl_ms.max(1));
         let backstops = (caches.backstop_share_ms > 0).then(|| {
             Cache::builder()
@@ -127,7 +130,7 @@ impl Sets {
                     u32::try_from(bytes + 64).unwrap_or(u32::MAX)
                 })
                 .time_to_live(Duration::from_millis(caches.backstop_share_ms))
-                .build()
+                .build_with_hasher(Hasher::default())
         });
         Sets {
             store,
@@ -175,7 +178,7 @@ impl Sets {
         id: &FriendlyRunId,
         freshness: Freshness,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
-        let read = self.store.find_run(env_id, id);
+        let read = || self.store.find_run(env_id, id);
         match freshness {
             Freshness::Cached => self.runs.cached(env_id, id, read).await,
             Freshness::Fresh => self.runs.fresh(env_id, id, read).await,
@@ -188,7 +191,7 @@ impl Sets {
         env_id: &EnvId,
         id: &FriendlyBatchId,
     ) -> Result<Option<Arc<BatchResource>>, StoreError> {
-        let read = self.store.find_batch(env_id, id);
+        let read = || self.store.find_batch(env_id, id);
         self.batches.cached(env_id, id, read).await
     }
 
@@ -202,29 +205,53 @@ impl Sets {
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
         let key = self.set_key(env_id, target, cols);
-        // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
-        let cached = self.sets.contains_key(&key);
-        let ran = std::sync::atomic::AtomicBool::new(false);
-        let init = async {
-            ran.store(true, std::sync::atomic::Ordering::Relaxed);
-            self.read_fresh_inner(env_id, target, cols, true).await
-        };
-        let fut = self.sets.try_get_with(key.clone(), init);
-        let result = shared_by_deadline(deadline, fut).await;
-        if let Ok(set) = &result {
-            // A read the gate gave up on is served (the replica lags) but not kept: the next
-            // reader tries again.
-            if !set.settled {
-                self.drop_cached(&key, set).await;
-            }
+        // A settled cached read is returned before the single-flight future (and the store
+        // read inside it) is even built: that future is several KiB, moved on every call.
+        if let Some(set) = self.sets.get(&key).await.filter(|set| set.settled) {
+            self.metrics
+                .resolve(target_kind(target), ResolveResult::Hit);
+            return Ok(set);
         }
-        let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
-            (true, _) => ResolveResult::Miss,
-            (false, true) => ResolveResult::Hit,
-            (false, false) => ResolveResult::Coalesced,
-        };
-        self.metrics.resolve(target_kind(target), outcome);
-        result
+        Self::read_shared_slow(self, key, env_id, target, cols, deadline).await
+    }
+
+    /// [`Sets::read_shared`] past its cache hit: joins or runs the single-flight read.
+    #[inline(never)]
+    fn read_shared_slow<'a>(
+        &'a self,
+        key: SetKey,
+        env_id: &'a EnvId,
+        target: &'a Target,
+        cols: ColumnSet,
+        deadline: Instant,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Arc<RunSet>, ReadError>> + Send + 'a>,
+    > {
+        Box::pin(async move {
+            // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
+            let cached = self.sets.contains_key(&key);
+            let ran = std::sync::atomic::AtomicBool::new(false);
+            let init = async {
+                ran.store(true, std::sync::atomic::Ordering::Relaxed);
+                self.read_fresh_inner(env_id, target, cols, true).await
+            };
+            let fut = self.sets.try_get_with(key.clone(), init);
+            let result = shared_by_deadline(deadline, fut).await;
+            if let Ok(set) = &result {
+                // A read the gate gave up on is served (the replica lags) but not kept: the next
+                // reader tries again.
+                if !set.settled {
+                    self.drop_cached(&key, set).await;
+                }
+            }
+            let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
+                (true, _) => ResolveResult::Miss,
+                (false, true) => ResolveResult::Hit,
+                (false, false) => ResolveResult::Coalesced,
+            };
+            self.metrics.resolve(target_kind(target), outcome);
+            result
+        })
     }
 
     /// A backstop read: [`Sets::read_shared`], reused by every backstop of the same key for
@@ -241,7 +268,13 @@ impl Sets {
             return self.read_shared(env_id, target, cols, deadline).await;
         };
         let key = self.set_key(env_id, target, cols);
-        let read = backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline));
+        // The common case, a backstop of a filter read in the last `backstop_share_ms`, never
+        // builds the single-flight future (see `read_shared`).
+        if let Some(set) = backstops.get(&key).await {
+            return Ok(set);
+        }
+        let read: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send + '_>> =
+            Box::pin(backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline)));
         shared_by_deadline(deadline, read).await
     }
 
@@ -377,7 +410,7 @@ async fn shared_by_deadline(
 /// URL-id lookups of one resource kind: hits are served from the cache, found resources are
 /// cached, misses are not (they may exist a moment later).
 struct Lookups<I, T> {
-    cache: Cache<(EnvId, I), Arc<T>>,
+    cache: Cache<(EnvId, I), Arc<T>, Hasher>,
 }
 
 impl<I, T> Lookups<I, T>
@@ -390,32 +423,39 @@ where
             cache: Cache::builder()
                 .max_capacity(100_000)
                 .time_to_live(ttl)
-                .build(),
+                .build_with_hasher(Hasher::default()),
         }
     }
 
-    /// The cached resource, else `read` (cached when found).
-    async fn cached(
+    /// The cached resource, else `read()` (cached when found). The read's future is built only
+    /// on a miss: a store future is several KiB, and a hit should not move one.
+    async fn cached<F>(
         &self,
         env_id: &EnvId,
         id: &I,
-        read: impl std::future::Future<Output = Result<Option<T>, StoreError>>,
-    ) -> Result<Option<Arc<T>>, StoreError> {
+        read: impl FnOnce() -> F,
+    ) -> Result<Option<Arc<T>>, StoreError>
+    where
+        F: std::future::Future<Output = Result<Option<T>, StoreError>>,
+    {
         if let Some(hit) = self.cache.get(&(env_id.clone(), id.clone())).await {
             return Ok(Some(hit));
         }
         self.fresh(env_id, id, read).await
     }
 
-    /// `read` now, refreshing the cache (a miss drops the cached entry).
-    async fn fresh(
+    /// `read()` now, refreshing the cache (a miss drops the cached entry).
+    async fn fresh<F>(
         &self,
         env_id: &EnvId,
         id: &I,
-        read: impl std::future::Future<Output = Result<Option<T>, StoreError>>,
-    ) -> Result<Option<Arc<T>>, StoreError> {
+        read: impl FnOnce() -> F,
+    ) -> Result<Option<Arc<T>>, StoreError>
+    where
+        F: std::future::Future<Output = Result<Option<T>, StoreError>>,
+    {
         let key = (env_id.clone(), id.clone());
-        let found = read.await?.map(Arc::new);
+        let found = Box::pin(read()).await?.map(Arc::new);
         match &found {
             Some(resource) => self.cache.insert(key, resource.clone()).await,
             None => self.cache.invalidate(&key).await,

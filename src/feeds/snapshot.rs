@@ -29,7 +29,8 @@ impl Feeds {
             Target::Tag { floor_ms, .. } => Some(*floor_ms),
             _ => None,
         };
-        let handle = self.handles.mint(&self.claims_for(req, floor));
+        let claims = Arc::new(self.claims_for(req, floor));
+        let handle = self.handles.mint(&claims);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
         let set = self
             .sets
@@ -81,6 +82,7 @@ impl Feeds {
                 prev: None,
                 recent,
                 shared_at_ms: None,
+                claims,
             },
         );
         let shape = ReplyShape {

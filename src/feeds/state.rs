@@ -21,6 +21,11 @@ pub struct ConnState {
     /// [`SHARED_REWRITE_AFTER`]): another instance learns how far the client got from the
     /// cursor it echoes ([`vouched_wall_ms`]).
     pub shared_at_ms: Option<i64>,
+    /// The claims of the handle this state was recorded under (minted by this instance or
+    /// verified by it). A poll that presents the same handle at this offset, for the same feed,
+    /// is answered without verifying the handle's HMAC again: only a handle this instance
+    /// accepted can name a state of its (see `Feeds::serve`).
+    pub claims: Arc<HandleClaims>,
 }
 
 /// A client cursor this much newer than the local state's own cursor means the client was
@@ -79,7 +84,7 @@ impl Feeds {
             offset,
             ..
         } = poll;
-        let state = self.conns.get(&poll.key(offset));
+        let state = poll.state.cloned();
         if let Some(state) = &state {
             if let Some(prev) = state.prev {
                 // The client has moved past `prev`: its state can go.

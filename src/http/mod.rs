@@ -17,6 +17,7 @@ pub mod error;
 pub mod serve;
 pub mod sse;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::extract::rejection::PathRejection;
@@ -220,7 +221,7 @@ impl Params {
         let mut shape_id = None;
         // Percent- and `+`-decoded, invalid UTF-8 replaced (WHATWG `application/x-www-form-urlencoded`
         // parsing, as `URLSearchParams` does); only the keys read here are copied.
-        for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        for (k, v) in query_pairs(raw.unwrap_or("")) {
             let slot = match &*k {
                 "offset" => &mut p.offset,
                 "handle" => &mut p.handle,
@@ -265,6 +266,24 @@ impl Params {
             }),
         }
     }
+}
+
+/// The `key=value` pairs of a query string, decoded as `URLSearchParams` does (WHATWG
+/// `application/x-www-form-urlencoded`: `+` is a space, percent-escapes decoded, invalid UTF-8
+/// replaced). A pair without `%` or `+` is borrowed as is: what the clients send (offsets,
+/// handles, cursors, `live=true`) needs no decoding, so nothing is copied for it.
+fn query_pairs(raw: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
+    raw.split('&').filter(|pair| !pair.is_empty()).map(|pair| {
+        if pair.bytes().any(|b| b == b'%' || b == b'+') {
+            // One pair (no `&` inside): the decoder yields exactly it.
+            form_urlencoded::parse(pair.as_bytes())
+                .next()
+                .unwrap_or_default()
+        } else {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (Cow::Borrowed(k), Cow::Borrowed(v))
+        }
+    })
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -596,6 +615,20 @@ fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The borrowing fast path decodes every query exactly as `URLSearchParams` (the
+        /// `form_urlencoded` crate) does.
+        #[test]
+        fn query_pairs_decode_like_url_search_params(raw in "[a-z=&%+2AF0é_. -]{0,40}") {
+            let ours: Vec<(String, String)> =
+                query_pairs(&raw).map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+            let reference: Vec<(String, String)> = form_urlencoded::parse(raw.as_bytes())
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect();
+            proptest::prop_assert_eq!(ours, reference);
+        }
+    }
 
     #[test]
     fn req_01_params_last_value_wins_and_shape_id_is_the_legacy_handle() {

@@ -79,7 +79,7 @@ impl EnvState {
     }
 
     pub(super) fn deindex(&mut self, id: u64, filter: &FeedFilter) {
-        fn remove<K: std::hash::Hash + Eq>(index: &mut HashMap<K, HashSet<u64>>, key: &K, id: u64) {
+        fn remove<K: std::hash::Hash + Eq>(index: &mut FastMap<K, FastSet<u64>>, key: &K, id: u64) {
             if let Some(set) = index.get_mut(key) {
                 set.remove(&id);
                 if set.is_empty() {
@@ -104,8 +104,8 @@ impl EnvState {
     }
 
     /// Feed ids that are candidates for `record` (deduplicated).
-    pub(super) fn candidates(&self, record: &ChangeRecord) -> HashSet<u64> {
-        let mut out = HashSet::new();
+    pub(super) fn candidates(&self, record: &ChangeRecord) -> FastSet<u64> {
+        let mut out = FastSet::default();
         if let Some(ids) = self.by_run.get(&record.run_id) {
             out.extend(ids);
         }

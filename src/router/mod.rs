@@ -46,6 +46,11 @@ use batch::{Arrival, BatchLimits, Batcher, Routed};
 
 /// Rows of one hydrate, by environment and run.
 type HydratedRows = HashMap<(EnvId, RunId), SerializedRow>;
+/// The index's maps and sets: touched on every registration, deregistration and routed record,
+/// keyed by ids and tags (foldhash, seeded per process, instead of SipHash).
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// See [`FastMap`].
+type FastSet<K> = HashSet<K, foldhash::fast::RandomState>;
 
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means
@@ -208,13 +213,13 @@ struct EnvState {
     /// Batches being routed: first seq → last seq.
     in_flight: BTreeMap<u64, u64>,
     buffer: ReplayBuffer,
-    feeds: HashMap<u64, Arc<Slot>>,
-    by_run: HashMap<RunId, HashSet<u64>>,
-    by_tag: HashMap<String, HashSet<u64>>,
-    by_batch: HashMap<BatchId, HashSet<u64>>,
-    tag_feeds: HashSet<u64>,
-    unfiltered_tag_feeds: HashSet<u64>,
-    batch_feeds: HashSet<u64>,
+    feeds: FastMap<u64, Arc<Slot>>,
+    by_run: FastMap<RunId, FastSet<u64>>,
+    by_tag: FastMap<String, FastSet<u64>>,
+    by_batch: FastMap<BatchId, FastSet<u64>>,
+    tag_feeds: FastSet<u64>,
+    unfiltered_tag_feeds: FastSet<u64>,
+    batch_feeds: FastSet<u64>,
     linger_generation: u64,
 }
 
@@ -236,7 +241,7 @@ struct Inner {
     /// The hydrate stage's queue (set once, right after construction).
     batcher: std::sync::OnceLock<Batcher>,
     metrics: Arc<Metrics>,
-    envs: Mutex<HashMap<EnvId, Arc<Env>>>,
+    envs: Mutex<FastMap<EnvId, Arc<Env>>>,
     next_epoch: AtomicU64,
     next_feed_id: AtomicU64,
     /// This router's identity in cursors (random, non-zero).
@@ -279,7 +284,7 @@ impl Router {
             gate,
             batcher: std::sync::OnceLock::new(),
             metrics,
-            envs: Mutex::new(HashMap::new()),
+            envs: Mutex::new(FastMap::default()),
             next_epoch: AtomicU64::new(1),
             next_feed_id: AtomicU64::new(1),
             instance: rand::random::<u64>() | 1,

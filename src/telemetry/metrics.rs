@@ -263,6 +263,28 @@ fn u64_histogram(meter: &Meter, spec: &Recorded, bounds: &[f64]) -> Histogram<u6
         .build()
 }
 
+/// Route patterns and methods runfeed serves: their labels are static strings, so a request's
+/// metrics allocate nothing. Anything else (a route added later) is copied.
+const STATIC_LABELS: &[&str] = &[
+    "/realtime/v1/runs/{run_id}",
+    "/realtime/v1/runs",
+    "/realtime/v1/batches/{batch_id}",
+    "/healthz",
+    crate::telemetry::http::UNMATCHED,
+    "GET",
+    "POST",
+    "OPTIONS",
+    "HEAD",
+];
+
+/// `value` as a label value, static when it is one of [`STATIC_LABELS`].
+fn label(value: &str) -> opentelemetry::Value {
+    match STATIC_LABELS.iter().find(|known| **known == value) {
+        Some(known) => opentelemetry::Value::from(*known),
+        None => opentelemetry::Value::from(value.to_string()),
+    }
+}
+
 fn kv(key: &'static str, value: &'static str) -> KeyValue {
     KeyValue::new(key, value)
 }
@@ -397,12 +419,12 @@ impl Metrics {
     /// One finished HTTP request.
     pub fn http_request(&self, route: &str, method: &str, status: u16, live: bool, took: Duration) {
         let status = KeyValue::new("status", i64::from(status));
-        let route = KeyValue::new("route", route.to_string());
+        let route = KeyValue::new("route", label(route));
         self.http_requests.add(
             1,
             &[
                 route.clone(),
-                KeyValue::new("method", method.to_string()),
+                KeyValue::new("method", label(method)),
                 status.clone(),
             ],
         );
@@ -424,7 +446,7 @@ impl Metrics {
     /// `bytes` of response body sent on `route`.
     pub fn http_bytes(&self, route: &str, bytes: u64) {
         self.http_sent
-            .add(bytes, &[KeyValue::new("route", route.to_string())]);
+            .add(bytes, &[KeyValue::new("route", label(route))]);
     }
 
     /// Registers the observable instrument `spec`; `callback` reports its current value(s) at

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use fred::clients::Client;
 use fred::interfaces::KeysInterface;
+use fred::types::scripts::Script;
 use fred::types::Expiration;
 
 /// Key prefix (runfeed's own: the value format differs from the reference's timestamp).
@@ -32,6 +33,8 @@ pub struct CursorStats {
     pub set_ok: AtomicU64,
     /// Writes that failed or timed out.
     pub set_error: AtomicU64,
+    /// Redis commands the writes were sent as (one per environment per batch).
+    pub set_commands: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -42,33 +45,56 @@ fn bump_by(counter: &AtomicU64, n: usize) {
     counter.fetch_add(n as u64, Ordering::Relaxed);
 }
 
-/// The writer task: drains up to [`WRITE_BATCH_MAX`] queued writes and sends them as one
-/// pipeline of `SET key value PX ttl`, bounded by 4 × [`READ_DEADLINE`]. Ends when every
-/// [`CursorStore`] clone is gone.
+/// Stores every `(key, value)` pair it is given with `PX ARGV[1]` (`ARGV[i + 1]` is the value of
+/// `KEYS[i]`): the cursor writes of one environment queued together, as ONE command. The keys
+/// share their environment's hash tag, so they are in one Cluster slot.
+pub const SET_MANY: &str = r#"
+for i, key in ipairs(KEYS) do
+  redis.call('SET', key, ARGV[i + 1], 'PX', ARGV[1])
+end
+return #KEYS
+"#;
+
+/// [`SET_MANY`] with its SHA-1 (sent as `EVALSHA`).
+static SET_MANY_SCRIPT: std::sync::LazyLock<Arc<Script>> =
+    std::sync::LazyLock::new(|| Arc::new(Script::from_lua(SET_MANY)));
+
+/// One queued cursor write.
+struct Write {
+    /// Length of `key`'s prefix up to and including its environment's hash tag.
+    env_end: usize,
+    key: String,
+    value: String,
+}
+
+/// The writer task: drains up to [`WRITE_BATCH_MAX`] queued writes and sends them grouped by
+/// environment, one command per group (a lone write is a plain `SET key value PX ttl`, a group
+/// one [`SET_MANY`] call), bounded by 4 × [`READ_DEADLINE`]. A delivery to the N feeds of one
+/// environment writes N cursors at once, so Redis sees one command for them instead of N
+/// (BENCHMARKS.md "Cost per unit of work"). Ends when every [`CursorStore`] clone is gone.
 async fn write_loop(
     client: Client,
-    mut rx: tokio::sync::mpsc::Receiver<(String, String)>,
+    mut rx: tokio::sync::mpsc::Receiver<Write>,
     ttl_ms: i64,
     stats: Arc<CursorStats>,
 ) {
     let mut batch = Vec::with_capacity(WRITE_BATCH_MAX);
     while rx.recv_many(&mut batch, WRITE_BATCH_MAX).await > 0 {
         let n = batch.len();
-        let pipeline = client.pipeline();
-        for (key, value) in batch.drain(..) {
-            // Queued locally; the result arrives with `all()`.
-            let _: Result<(), _> = pipeline
-                .set(key, value, Some(Expiration::PX(ttl_ms)), None, false)
-                .await;
-        }
         // Sent now; the replies are awaited in a task of their own, so the next batch never
         // waits behind this one (a poll hopping to another instance right after its response
         // must find its cursor stored).
+        let sends: Vec<_> = group_by_env(std::mem::take(&mut batch))
+            .into_iter()
+            .map(|group| send_group(&client, group, ttl_ms))
+            .collect();
+        bump_by(&stats.set_commands, sends.len());
         let stats = stats.clone();
         tokio::spawn(async move {
-            match tokio::time::timeout(READ_DEADLINE * 4, pipeline.try_all::<()>()).await {
+            let sent = futures::future::join_all(sends);
+            match tokio::time::timeout(READ_DEADLINE * 4, sent).await {
                 Ok(results) => {
-                    let failed = results.iter().filter(|r| r.is_err()).count();
+                    let failed: usize = results.iter().filter_map(|r| r.err()).sum();
                     bump_by(&stats.set_ok, n - failed);
                     bump_by(&stats.set_error, failed);
                     if failed > 0 {
@@ -81,6 +107,53 @@ async fn write_loop(
                 }
             }
         });
+        batch = Vec::with_capacity(WRITE_BATCH_MAX);
+    }
+}
+
+/// `writes` grouped by environment, in order of first appearance.
+fn group_by_env(writes: Vec<Write>) -> Vec<Vec<Write>> {
+    let mut groups: Vec<Vec<Write>> = Vec::new();
+    for write in writes {
+        let env = &write.key[..write.env_end];
+        match groups.iter_mut().find(|g| &g[0].key[..g[0].env_end] == env) {
+            Some(group) => group.push(write),
+            None => groups.push(vec![write]),
+        }
+    }
+    groups
+}
+
+/// Sends one environment's writes as one command; `Err(n)` = `n` writes failed.
+fn send_group(
+    client: &Client,
+    group: Vec<Write>,
+    ttl_ms: i64,
+) -> impl std::future::Future<Output = Result<(), usize>> + Send + 'static {
+    let client = client.clone();
+    async move {
+        let n = group.len();
+        let result = match <[Write; 1]>::try_from(group) {
+            Ok([Write { key, value, .. }]) => {
+                client
+                    .set::<(), _, _>(key, value, Some(Expiration::PX(ttl_ms)), None, false)
+                    .await
+            }
+            Err(group) => {
+                let mut keys = Vec::with_capacity(n);
+                let mut args = Vec::with_capacity(n + 1);
+                args.push(ttl_ms.to_string());
+                for Write { key, value, .. } in group {
+                    keys.push(key);
+                    args.push(value);
+                }
+                SET_MANY_SCRIPT
+                    .evalsha_with_reload::<i64, _, _>(&client, keys, args)
+                    .await
+                    .map(drop)
+            }
+        };
+        result.map_err(|_| n)
     }
 }
 
@@ -96,11 +169,18 @@ pub struct CursorStore {
     client: Client,
     stats: Arc<CursorStats>,
     /// `(key, value)` to the writer task; `None` outside a tokio runtime (writes are skipped).
-    writes: Option<tokio::sync::mpsc::Sender<(String, String)>>,
+    writes: Option<tokio::sync::mpsc::Sender<Write>>,
 }
 
+/// The key of one cursor: the environment in a hash tag (`{…}`), so one environment's cursors
+/// share a Cluster slot and can be written by one [`SET_MANY`] call.
 fn key(env_id: &str, handle: &str, offset: &str) -> String {
-    format!("{KEY_PREFIX}{env_id}:{handle}:{offset}")
+    format!("{KEY_PREFIX}{{{env_id}}}:{handle}:{offset}")
+}
+
+/// Length of the part of a [`key`] up to and including the environment's hash tag.
+fn env_end(env_id: &str) -> usize {
+    KEY_PREFIX.len() + env_id.len() + 2
 }
 
 impl CursorStore {
@@ -136,7 +216,11 @@ impl CursorStore {
             return;
         };
         if writes
-            .try_send((key(env_id, handle, offset), value))
+            .try_send(Write {
+                env_end: env_end(env_id),
+                key: key(env_id, handle, offset),
+                value,
+            })
             .is_err()
         {
             // Queue full (Redis slow or down) or the writer is gone.

@@ -672,3 +672,39 @@ async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_earl
     }
     admin.quit().await.expect("quit");
 }
+
+/// A delivery to N feeds of one environment writes N replay cursors at once: they reach Redis as
+/// ONE command (`SET_MANY`), every cursor readable afterwards; another environment's cursors
+/// queued in the same batch take a command of their own.
+#[tokio::test]
+async fn cursor_writes_of_one_environment_queued_together_are_one_command() {
+    let redis = runfeed::redis::Redis::connect(standalone(REDIS_URL)).expect("client");
+    let store = redis.cursor_store(60_000);
+    let (env_a, env_b) = (env(), env());
+    // Queued without yielding (this test's runtime has one thread): the writer takes them as
+    // one batch.
+    for i in 0..40 {
+        store.set(&env_a, "h", &format!("{i}_0"), format!("a{i}"));
+    }
+    store.set(&env_b, "h", "0_0", "b".to_string());
+    let stats = store.stats().clone();
+    let deadline = Instant::now() + WAIT;
+    while stats.set_ok.load(std::sync::atomic::Ordering::Relaxed) < 41 {
+        assert!(Instant::now() < deadline, "cursor writes never acknowledged");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        stats.set_commands.load(std::sync::atomic::Ordering::Relaxed),
+        2,
+        "one command per environment"
+    );
+    assert_eq!(stats.set_error.load(std::sync::atomic::Ordering::Relaxed), 0);
+    for i in 0..40 {
+        let got = store
+            .get(&env_a, "h", &format!("{i}_0"), |v| Some(v.to_string()))
+            .await;
+        assert_eq!(got.as_deref(), Some(format!("a{i}").as_str()));
+    }
+    let got = store.get(&env_b, "h", "0_0", |v| Some(v.to_string())).await;
+    assert_eq!(got.as_deref(), Some("b"));
+}

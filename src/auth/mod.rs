@@ -354,10 +354,12 @@ impl Authenticator {
                     .get("sub")
                     .and_then(|v| v.as_str())
                     .unwrap_or_default();
-                return self.authenticate_public_token(token, sub).await;
+                // Boxed (here and below): a request whose token was verified before never
+                // carries, or moves, the store reads of the full paths.
+                return Box::pin(self.authenticate_public_token(token, sub)).await;
             }
         }
-        self.authenticate_secret_key(token, branch).await
+        Box::pin(self.authenticate_secret_key(token, branch)).await
     }
 
     async fn authenticate_public_token(

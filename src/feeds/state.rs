@@ -94,16 +94,18 @@ impl Feeds {
         let (cursor, recent) = match (&state, &self.cursors) {
             (Some(state), _) => (Some(self.hop_back(state.cursor, req)), None),
             // Another instance answered the previous poll (or this one forgot it).
-            (None, Some(store)) => match store
-                .get(&req.env_id, handle, &offset.to_string(), cursors::decode)
-                .await
-            {
-                Some((cursor, recent)) => (
-                    Some(Self::caught_up(cursor, req, 0)),
-                    Some(recent.into_iter().collect::<WorkingSet>()),
-                ),
-                None => (None, None),
-            },
+            // Boxed: a poll with a local state never carries, or moves, the Redis read.
+            (None, Some(store)) => {
+                match Box::pin(store.get(&req.env_id, handle, &offset.to_string(), cursors::decode))
+                    .await
+                {
+                    Some((cursor, recent)) => (
+                        Some(Self::caught_up(cursor, req, 0)),
+                        Some(recent.into_iter().collect::<WorkingSet>()),
+                    ),
+                    None => (None, None),
+                }
+            }
             (None, None) => (None, None),
         };
         self.metrics.state_lookup(state.is_some());

@@ -283,11 +283,17 @@ impl Limiter {
         let limit = self.limit_for(organization_id);
         if let Some(script) = &self.script {
             let block = self.lease_block(limit);
+            // A free slot of this instance's lease is taken without an await; the Redis paths
+            // are boxed so the common case neither carries nor moves their futures.
+            if block > 0 {
+                if let Some(slot) = self.leases.take(env_id) {
+                    return Some(slot);
+                }
+            }
             let outcome = if block > 0 {
-                self.acquire_leased(script, env_id, limit, block as usize)
-                    .await
+                Box::pin(self.acquire_leased(script, env_id, limit, block as usize)).await
             } else {
-                self.acquire_exact(script, env_id, limit).await
+                Box::pin(self.acquire_exact(script, env_id, limit)).await
             };
             match outcome {
                 Leased::Slot(slot) => return Some(slot),

@@ -46,7 +46,9 @@ impl Router {
             covered: false,
         };
         if replay_enabled && !replay_ids.is_empty() {
-            match self.inner.replay(env_id, &filter, cols, &replay_ids).await {
+            // Boxed: a poll with nothing to replay (the common case) does not carry, or move,
+            // the hydrate's future.
+            match Box::pin(self.inner.replay(env_id, &filter, cols, &replay_ids)).await {
                 Ok(rows) => {
                     let counter = if rows.is_empty() {
                         &self.inner.stats.replays_empty

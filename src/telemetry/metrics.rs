@@ -188,23 +188,23 @@ pub struct Metrics {
     pub emitted_rows: Histogram<u64>,
     /// `runfeed.feeds.live_polls` (`runfeed_feeds_live_polls_total`): live-loop path events by
     /// `path` ([`LivePath`]); one poll can add several.
-    pub live_polls: Counter<u64>,
+    pub live_polls: FixedCounter,
     /// `runfeed.feeds.wakeups` (`runfeed_feeds_wakeups_total`): how live waits ended, by
     /// `reason` ([`WakeReason`]). A rising `timeout` share means publishes are not reaching
     /// feeds.
-    pub wakeups: Counter<u64>,
+    pub wakeups: FixedCounter,
     /// `runfeed.feeds.backstops` (`runfeed_feeds_backstops_total`): backstop re-reads at the
     /// end of a hold by `result` = `delivered` | `empty`. Sustained `delivered` = the
     /// notify/replay path leaks.
-    pub backstops: Counter<u64>,
+    pub backstops: FixedCounter,
     /// `runfeed.feeds.state_lookups` (`runfeed_feeds_state_lookups_total`): lookups of this
     /// instance's per-connection state (working set + replay cursor of the offset the client
     /// echoes) by `result` = `hit` | `miss` (instance hop, expired, or never handed out; the
     /// shared cursor store is asked next).
-    pub state_lookups: Counter<u64>,
+    pub state_lookups: FixedCounter,
     /// `runfeed.runset.resolves` (`runfeed_runset_resolves_total`): reads through the shared
     /// run-set cache by `result` ([`ResolveResult`]) and feed `kind`.
-    pub resolves: Counter<u64>,
+    pub resolves: FixedCounter,
     /// `runfeed.runset.query_duration` (ms; `runfeed_runset_query_duration_milliseconds`):
     /// store resolve + hydrate latency of run-set reads that reached Postgres, by `kind` and
     /// `result` = `ok` | `error`.
@@ -234,6 +234,54 @@ pub struct Metrics {
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// `result` label values of `runfeed.feeds.backstops`, in [`Metrics::backstop`]'s index order.
+const BACKSTOP_RESULTS: [&str; 2] = ["delivered", "empty"];
+/// `result` label values of `runfeed.feeds.state_lookups`, in [`Metrics::state_lookup`]'s order.
+const LOOKUP_RESULTS: [&str; 2] = ["hit", "miss"];
+
+/// A counter whose label sets are all known up front (an enum's values): counted with one
+/// relaxed atomic add per event and reported at collection as an OTel observable counter, every
+/// label set from zero. A synchronous OTel counter looks its attribute set up on every `add`;
+/// these count on every live poll (BENCHMARKS.md "Cost per unit of work").
+pub struct FixedCounter {
+    counts: Arc<[std::sync::atomic::AtomicU64]>,
+}
+
+impl FixedCounter {
+    /// The instrument `spec`, one series per entry of `labels` (indexed as [`FixedCounter::add`]
+    /// takes them).
+    fn new(meter: &Meter, spec: &Recorded, labels: Vec<Vec<KeyValue>>) -> FixedCounter {
+        let counts: Arc<[std::sync::atomic::AtomicU64]> =
+            labels.iter().map(|_| Default::default()).collect();
+        let read = counts.clone();
+        meter
+            .u64_observable_counter(spec.name)
+            .with_unit(spec.unit)
+            .with_description(spec.description)
+            .with_callback(move |o| {
+                for (count, attrs) in read.iter().zip(&labels) {
+                    o.observe(count.load(std::sync::atomic::Ordering::Relaxed), attrs);
+                }
+            })
+            .build();
+        FixedCounter { counts }
+    }
+
+    /// One event of the label set at `index`.
+    fn add(&self, index: usize) {
+        if let Some(count) = self.counts.get(index) {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Events counted for the label set at `index` so far.
+    pub fn get(&self, index: usize) -> u64 {
+        self.counts
+            .get(index)
+            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 
@@ -299,11 +347,38 @@ impl Metrics {
         let m = Metrics {
             delivery_lag: f64_histogram(meter, &recorded::FEEDS_DELIVERY_LAG, LAG_BOUNDS_MS),
             emitted_rows: u64_histogram(meter, &recorded::FEEDS_EMITTED_ROWS, ROW_BOUNDS),
-            live_polls: counter(meter, &recorded::FEEDS_LIVE_POLLS),
-            wakeups: counter(meter, &recorded::FEEDS_WAKEUPS),
-            backstops: counter(meter, &recorded::FEEDS_BACKSTOPS),
-            state_lookups: counter(meter, &recorded::FEEDS_STATE_LOOKUPS),
-            resolves: counter(meter, &recorded::RUNSET_RESOLVES),
+            live_polls: FixedCounter::new(
+                meter,
+                &recorded::FEEDS_LIVE_POLLS,
+                LivePath::ALL.map(|p| vec![kv("path", p.as_str())]).to_vec(),
+            ),
+            wakeups: FixedCounter::new(
+                meter,
+                &recorded::FEEDS_WAKEUPS,
+                WakeReason::ALL
+                    .map(|r| vec![kv("reason", r.as_str())])
+                    .to_vec(),
+            ),
+            backstops: FixedCounter::new(
+                meter,
+                &recorded::FEEDS_BACKSTOPS,
+                BACKSTOP_RESULTS.map(|r| vec![kv("result", r)]).to_vec(),
+            ),
+            state_lookups: FixedCounter::new(
+                meter,
+                &recorded::FEEDS_STATE_LOOKUPS,
+                LOOKUP_RESULTS.map(|r| vec![kv("result", r)]).to_vec(),
+            ),
+            resolves: FixedCounter::new(
+                meter,
+                &recorded::RUNSET_RESOLVES,
+                ResolveResult::ALL
+                    .iter()
+                    .flat_map(|result| {
+                        FEED_KINDS.map(|kind| vec![kv("result", result.as_str()), kv("kind", kind)])
+                    })
+                    .collect(),
+            ),
             query_duration: f64_histogram(meter, &recorded::RUNSET_QUERY_DURATION, QUERY_BOUNDS_MS),
             admission_waits: counter(meter, &recorded::RUNSET_ADMISSION_WAITS),
             http_requests: counter(meter, &recorded::HTTP_REQUESTS),
@@ -313,24 +388,6 @@ impl Metrics {
             hydrate_batch: u64_histogram(meter, &recorded::ROUTER_HYDRATE_BATCH, ROW_BOUNDS),
             meter: meter.clone(),
         };
-        for path in LivePath::ALL {
-            m.live_polls.add(0, &[kv("path", path.as_str())]);
-        }
-        for reason in WakeReason::ALL {
-            m.wakeups.add(0, &[kv("reason", reason.as_str())]);
-        }
-        for result in ["delivered", "empty"] {
-            m.backstops.add(0, &[kv("result", result)]);
-        }
-        for result in ["hit", "miss"] {
-            m.state_lookups.add(0, &[kv("result", result)]);
-        }
-        for result in ResolveResult::ALL {
-            for kind in FEED_KINDS {
-                m.resolves
-                    .add(0, &[kv("result", result.as_str()), kv("kind", kind)]);
-            }
-        }
         m.admission_waits.add(0, &[]);
         m
     }
@@ -362,32 +419,28 @@ impl Metrics {
 
     /// A live-loop path event.
     pub fn live_poll(&self, path: LivePath) {
-        self.live_polls.add(1, &[kv("path", path.as_str())]);
+        self.live_polls.add(path as usize);
     }
 
     /// A live wait ended.
     pub fn wakeup(&self, reason: WakeReason) {
-        self.wakeups.add(1, &[kv("reason", reason.as_str())]);
+        self.wakeups.add(reason as usize);
     }
 
     /// A backstop re-read; `delivered` = it found changes the client did not have.
     pub fn backstop(&self, delivered: bool) {
-        self.backstops.add(
-            1,
-            &[kv("result", if delivered { "delivered" } else { "empty" })],
-        );
+        self.backstops.add(usize::from(!delivered));
     }
 
     /// A lookup of this instance's per-connection state.
     pub fn state_lookup(&self, hit: bool) {
-        self.state_lookups
-            .add(1, &[kv("result", if hit { "hit" } else { "miss" })]);
+        self.state_lookups.add(usize::from(!hit));
     }
 
     /// A read through the shared run-set cache.
     pub fn resolve(&self, kind: &'static str, result: ResolveResult) {
-        self.resolves
-            .add(1, &[kv("result", result.as_str()), kv("kind", kind)]);
+        let kind = FEED_KINDS.iter().position(|k| *k == kind).unwrap_or(0);
+        self.resolves.add(result as usize * FEED_KINDS.len() + kind);
     }
 
     /// A run-set store read took `took`.
@@ -1114,6 +1167,44 @@ pub fn resident_memory_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each fixed counter's series is the one its event names: the index an event is counted at
+    /// is the position of its label set.
+    #[test]
+    fn fixed_counters_count_each_event_under_its_own_labels() {
+        for (i, p) in LivePath::ALL.iter().enumerate() {
+            assert_eq!(*p as usize, i, "{}", p.as_str());
+        }
+        for (i, r) in WakeReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{}", r.as_str());
+        }
+        for (i, r) in ResolveResult::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{}", r.as_str());
+        }
+        // Its own instance: the shared no-op one counts for every test running beside this one.
+        let provider = opentelemetry::metrics::NoopMeterProvider::new();
+        let m = Metrics::new(&provider.meter(METER_NAME));
+        let before = |m: &Metrics| {
+            (
+                m.backstops.get(0),
+                m.backstops.get(1),
+                m.state_lookups.get(0),
+                m.state_lookups.get(1),
+                m.resolves.get(2 * FEED_KINDS.len() + 1),
+            )
+        };
+        let (delivered, empty, hit, miss, coalesced_tag) = before(&m);
+        m.backstop(true);
+        m.state_lookup(false);
+        m.resolve("tag", ResolveResult::Coalesced);
+        assert_eq!(m.backstops.get(0), delivered + 1);
+        assert_eq!(m.backstops.get(1), empty);
+        assert_eq!(m.state_lookups.get(0), hit);
+        assert_eq!(m.state_lookups.get(1), miss + 1);
+        assert_eq!(m.resolves.get(2 * FEED_KINDS.len() + 1), coalesced_tag + 1);
+        assert_eq!(BACKSTOP_RESULTS[0], "delivered");
+        assert_eq!(LOOKUP_RESULTS[1], "miss");
+    }
 
     #[test]
     fn resident_memory_is_read() {

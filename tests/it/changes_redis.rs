@@ -690,15 +690,23 @@ async fn cursor_writes_of_one_environment_queued_together_are_one_command() {
     let stats = store.stats().clone();
     let deadline = Instant::now() + WAIT;
     while stats.set_ok.load(std::sync::atomic::Ordering::Relaxed) < 41 {
-        assert!(Instant::now() < deadline, "cursor writes never acknowledged");
+        assert!(
+            Instant::now() < deadline,
+            "cursor writes never acknowledged"
+        );
         sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
-        stats.set_commands.load(std::sync::atomic::Ordering::Relaxed),
+        stats
+            .set_commands
+            .load(std::sync::atomic::Ordering::Relaxed),
         2,
         "one command per environment"
     );
-    assert_eq!(stats.set_error.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        stats.set_error.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     for i in 0..40 {
         let got = store
             .get(&env_a, "h", &format!("{i}_0"), |v| Some(v.to_string()))

@@ -726,11 +726,15 @@ async fn distinct_filter_stampede_respects_admission_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn run_feed_cold_resolves_wait_for_the_admission_gate() {
     const RUNS: usize = 200;
-    let srv = Arc::new(TestServer::start_with(20_000, |c| c.feeds.resolve_admission_limit = 1).await);
+    let srv =
+        Arc::new(TestServer::start_with(20_000, |c| c.feeds.resolve_admission_limit = 1).await);
     let env = srv.env().await;
     let mut runs = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
-        runs.push(srv.run(&env, runfeed_dev::fixtures::RunSpec::default()).await);
+        runs.push(
+            srv.run(&env, runfeed_dev::fixtures::RunSpec::default())
+                .await,
+        );
     }
     let h = modern(&env.api_key);
     let snaps: Vec<JoinHandle<Resp>> = runs
@@ -743,7 +747,12 @@ async fn run_feed_cold_resolves_wait_for_the_admission_gate() {
     for (run, s) in runs.iter().zip(snaps) {
         let r = within(WAIT, "snapshot", s).await.expect("join");
         r.assert_status(200);
-        assert_eq!(r.ops(), vec![("insert".to_string(), run.id.clone())], "{}", r.text);
+        assert_eq!(
+            r.ops(),
+            vec![("insert".to_string(), run.id.clone())],
+            "{}",
+            r.text
+        );
     }
     let waits = runfeed_dev::measure::metric_sum(
         &srv.scrape_text().await,

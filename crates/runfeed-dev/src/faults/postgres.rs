@@ -7,7 +7,8 @@
 //! the fault (lost updates), and the time until every follower converged.
 
 use std::process::Command;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -52,6 +53,33 @@ fn pg_instance(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Snapshot probes every 50 ms while `probing`: each must be a 200 or a JSON 503 with
+/// Retry-After, never a hang (counted in the load's outcomes). The task returns
+/// `(probes, answered 200)`.
+pub(super) fn spawn_probes(
+    load: &Arc<Load>,
+    probing: &Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(u64, u64)> {
+    let (load, probing) = (load.clone(), probing.clone());
+    tokio::spawn(async move {
+        let (mut n, mut ok) = (0u64, 0u64);
+        let mut tasks = Vec::new();
+        while probing.load(Ordering::Relaxed) {
+            let load = load.clone();
+            let i = n as usize;
+            tasks.push(tokio::spawn(async move { load.snapshot_probe(i).await }));
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for t in tasks {
+            if t.await.ok().flatten() == Some(200) {
+                ok += 1;
+            }
+        }
+        (n, ok)
+    })
+}
+
 /// Runs the scenario and prints its figures.
 pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.pg_port != 5432, "never the shared Postgres");
@@ -59,29 +87,8 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let writer = load.start_writer(a.load.rate);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let port = a.pg_port.to_string();
-    // Snapshot probes every 50 ms through the fault: each must be a 200 or a JSON 503 with
-    // Retry-After, never a hang (counted in the load's outcomes).
-    let probing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let probes = {
-        let (load, probing) = (load.clone(), probing.clone());
-        tokio::spawn(async move {
-            let (mut n, mut ok) = (0u64, 0u64);
-            let mut tasks = Vec::new();
-            while probing.load(Ordering::Relaxed) {
-                let load = load.clone();
-                let i = n as usize;
-                tasks.push(tokio::spawn(async move { load.snapshot_probe(i).await }));
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            for t in tasks {
-                if t.await.ok().flatten() == Some(200) {
-                    ok += 1;
-                }
-            }
-            (n, ok)
-        })
-    };
+    let probing = Arc::new(AtomicBool::new(true));
+    let probes = spawn_probes(&load, &probing);
     let fault_at = Instant::now();
     match a.fault {
         PgFault::Restart => {

@@ -118,7 +118,25 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
             drop(hog);
         }
     }
-    let fault_took = fault_at.elapsed();
+    let rows = after_fault(&load, &probing, probes, writer, fault_at.elapsed()).await?;
+    report(
+        "postgres",
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
+        rows,
+    );
+    Ok(())
+}
+
+/// After a database fault: probes for 3 s more, then stops them (and whatever else watches
+/// `probing`), lets the writer run 10 s more, stops it, waits until every follower converged
+/// (at most 60 s) and stops the load; the figures of a database fault.
+pub(super) async fn after_fault(
+    load: &Arc<Load>,
+    probing: &AtomicBool,
+    probes: tokio::task::JoinHandle<(u64, u64)>,
+    writer: tokio::task::JoinHandle<u64>,
+    fault_took: Duration,
+) -> anyhow::Result<Vec<(&'static str, serde_json::Value)>> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     probing.store(false, Ordering::Relaxed);
     let (probed, probed_ok) = probes.await?;
@@ -128,36 +146,31 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
     load.stop();
     let o = &load.outcomes;
-    report(
-        "postgres",
-        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
-        vec![
-            ("fault window, s", json!(fault_took.as_secs_f64())),
-            ("changes committed", json!(written)),
-            ("snapshot probes (every 50 ms)", json!(probed)),
-            ("snapshot probes answered 200", json!(probed_ok)),
-            (
-                "5xx seen by clients",
-                json!(o.server_errors.load(Ordering::Relaxed)),
-            ),
-            (
-                "5xx without JSON error or Retry-After",
-                json!(o.bare_5xx.load(Ordering::Relaxed)),
-            ),
-            (
-                "slowest 5xx, ms",
-                json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
-            ),
-            (
-                "transport errors",
-                json!(o.transport_errors.load(Ordering::Relaxed)),
-            ),
-            ("followers behind after 60 s (lost updates)", json!(behind)),
-            (
-                "time until all converged, s",
-                json!(converged_in.as_secs_f64()),
-            ),
-        ],
-    );
-    Ok(())
+    Ok(vec![
+        ("fault window, s", json!(fault_took.as_secs_f64())),
+        ("changes committed", json!(written)),
+        ("snapshot probes (every 50 ms)", json!(probed)),
+        ("snapshot probes answered 200", json!(probed_ok)),
+        (
+            "5xx seen by clients",
+            json!(o.server_errors.load(Ordering::Relaxed)),
+        ),
+        (
+            "5xx without JSON error or Retry-After",
+            json!(o.bare_5xx.load(Ordering::Relaxed)),
+        ),
+        (
+            "slowest 5xx, ms",
+            json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
+        ),
+        (
+            "transport errors (incl. client timeouts)",
+            json!(o.transport_errors.load(Ordering::Relaxed)),
+        ),
+        ("followers behind after 60 s (lost updates)", json!(behind)),
+        (
+            "time until all converged, s",
+            json!(converged_in.as_secs_f64()),
+        ),
+    ])
 }

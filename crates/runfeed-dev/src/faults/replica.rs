@@ -18,7 +18,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::load::{Load, LoadArgs};
-use super::postgres::spawn_probes;
+use super::postgres::{after_fault, spawn_probes};
 use super::{report, Target};
 
 /// Which replica fault.
@@ -100,50 +100,17 @@ pub async fn run(a: ReplicaArgs) -> anyhow::Result<()> {
     };
     let status = tokio::task::spawn_blocking(move || script.status()).await??;
     anyhow::ensure!(status.success(), "scripts/replica.sh {:?} failed", a.fault);
-    let fault_took = fault_at.elapsed();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    probing.store(false, Ordering::Relaxed);
-    let (probed, probed_ok) = probes.await?;
+    let mut rows = after_fault(&load, &probing, probes, writer, fault_at.elapsed()).await?;
     let (ready_samples, ready_named, ready_body) = readyz.await?;
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    load.stop_writer();
-    let written = writer.await?;
-    let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
-    load.stop();
-    let o = &load.outcomes;
+    rows.extend([
+        ("/readyz samples (every 100 ms)", json!(ready_samples)),
+        ("/readyz 503 naming postgres_replica", json!(ready_named)),
+        ("/readyz body while down", json!(ready_body)),
+    ]);
     report(
         "replica",
         json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
-        vec![
-            ("fault window, s", json!(fault_took.as_secs_f64())),
-            ("changes committed", json!(written)),
-            ("snapshot probes (every 50 ms)", json!(probed)),
-            ("snapshot probes answered 200", json!(probed_ok)),
-            (
-                "5xx seen by clients",
-                json!(o.server_errors.load(Ordering::Relaxed)),
-            ),
-            (
-                "5xx without JSON error or Retry-After",
-                json!(o.bare_5xx.load(Ordering::Relaxed)),
-            ),
-            (
-                "slowest 5xx, ms",
-                json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
-            ),
-            (
-                "transport errors (incl. client timeouts)",
-                json!(o.transport_errors.load(Ordering::Relaxed)),
-            ),
-            ("/readyz samples (every 100 ms)", json!(ready_samples)),
-            ("/readyz 503 naming postgres_replica", json!(ready_named)),
-            ("/readyz body while down", json!(ready_body)),
-            ("followers behind after 60 s (lost updates)", json!(behind)),
-            (
-                "time until all converged, s",
-                json!(converged_in.as_secs_f64()),
-            ),
-        ],
+        rows,
     );
     Ok(())
 }

@@ -2,10 +2,15 @@
 # A real streaming read replica of the local PostgreSQL (127.0.0.1:5432), for the replica tests
 # (tests/it/replica.rs) and for trying runfeed against a lagging replica by hand.
 #
-#   bash scripts/replica.sh start  [--delay-ms N] [--port P]   # prints REPLICA_URL=postgres://postgres@127.0.0.1:P/postgres
+#   bash scripts/replica.sh start  [--delay-ms N] [--port P] [--primary-port Q]   # prints REPLICA_URL=postgres://postgres@127.0.0.1:P/postgres
 #   bash scripts/replica.sh status [--port P]                  # exit 0 running, 3 not running
+#   bash scripts/replica.sh restart [--port P] [--down-ms MS]  # pg_ctl stop -m fast, MS later start again
+#   bash scripts/replica.sh promote [--port P]                 # pg_ctl promote: the replica becomes a primary
 #   bash scripts/replica.sh stop   [--port P]
 #
+# --primary-port Q replicates another local PostgreSQL on 127.0.0.1:Q (default 5432, e.g. an own
+# instance of scripts/pg-instance.sh); the other commands read it back from the replica's directory.
+# restart: waits until the replica is streaming again. promote: waits until it left recovery.
 # start: lets the local cluster accept replication connections (appends `host replication all
 # 127.0.0.1/32 trust` / `local replication all trust` to its pg_hba.conf when missing, reloads),
 # takes a pg_basebackup (as the postgres user) into /tmp/runfeed-replica-<port>/data, configures a
@@ -29,7 +34,7 @@ log() { printf '[replica] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -38,17 +43,24 @@ CMD="${1:-}"
 shift
 DELAY_MS=300
 PORT=5433
+DOWN_MS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --delay-ms) DELAY_MS="${2:?--delay-ms needs a value}"; shift 2 ;;
     --delay-ms=*) DELAY_MS="${1#*=}"; shift ;;
     --port) PORT="${2:?--port needs a value}"; shift 2 ;;
     --port=*) PORT="${1#*=}"; shift ;;
+    --primary-port) PRIMARY_PORT="${2:?--primary-port needs a value}"; PRIMARY_SET=1; shift 2 ;;
+    --primary-port=*) PRIMARY_PORT="${1#*=}"; PRIMARY_SET=1; shift ;;
+    --down-ms) DOWN_MS="${2:?--down-ms needs a value}"; shift 2 ;;
+    --down-ms=*) DOWN_MS="${1#*=}"; shift ;;
     -h|--help) usage ;;
     *) die "unknown argument $1" ;;
   esac
 done
 [[ "$DELAY_MS" =~ ^[0-9]+$ ]] || die "--delay-ms must be a number of milliseconds"
+[[ "$DOWN_MS" =~ ^[0-9]+$ ]] || die "--down-ms must be a number of milliseconds"
+[[ "$PRIMARY_PORT" =~ ^[0-9]+$ ]] || die "--primary-port must be a port number"
 if ! [[ "$PORT" =~ ^[0-9]+$ ]] || [ "$PORT" -eq "$PRIMARY_PORT" ]; then
   die "--port must be a port other than $PRIMARY_PORT"
 fi
@@ -56,6 +68,9 @@ fi
 DIR="/tmp/runfeed-replica-$PORT"
 DATA="$DIR/data"
 LOGFILE="$DIR/replica.log"
+if [ -z "${PRIMARY_SET:-}" ] && [ "$CMD" != start ] && [ -f "$DIR/primary-port" ]; then
+  PRIMARY_PORT=$(cat "$DIR/primary-port")
+fi
 URL="postgres://postgres@127.0.0.1:$PORT/postgres"
 
 # Run a command as the postgres user (from a directory it can read).
@@ -171,6 +186,7 @@ start_replica() {
   mkdir -p "$DIR"
   chown postgres:postgres "$DIR" 2>/dev/null || as_root chown postgres:postgres "$DIR"
   chmod 700 "$DIR"
+  echo "$PRIMARY_PORT" >"$DIR/primary-port"
   log "pg_basebackup of $PRIMARY_HOST:$PRIMARY_PORT into $DATA"
   if ! as_postgres timeout "$TIMEOUT" "$bin/pg_basebackup" -h "$PRIMARY_HOST" -p "$PRIMARY_PORT" -U postgres -w \
       -D "$DATA" -R -X stream -c fast --no-sync >"$DIR/basebackup.log" 2>&1; then
@@ -233,6 +249,37 @@ EOF
 test_in_recovery() { [ "$(replica_sql "SELECT pg_is_in_recovery()")" = t ]; }
 test_streaming() { [ "$(replica_sql "SELECT status FROM pg_stat_wal_receiver")" = streaming ]; }
 
+restart_replica() {
+  local bin t0=$SECONDS
+  bin=$(bin_dir)
+  pid_running || die "no replica on port $PORT (start it first)"
+  log "stopping the replica on port $PORT (pg_ctl stop -m fast)"
+  as_postgres timeout $((TIMEOUT + 5)) "$bin/pg_ctl" -D "$DATA" -m fast -w -t "$TIMEOUT" stop >/dev/null \
+    || die "the replica did not stop"
+  if [ "$DOWN_MS" -gt 0 ]; then
+    sleep "$(awk -v ms="$DOWN_MS" 'BEGIN { printf "%.3f", ms / 1000 }')"
+  fi
+  log "starting the replica on port $PORT again"
+  as_postgres timeout $((TIMEOUT + 5)) "$bin/pg_ctl" -D "$DATA" -l "$LOGFILE" -w -t "$TIMEOUT" start >/dev/null 9>&- \
+    || die "the replica did not start again"
+  wait_for "the replica in recovery" test_in_recovery
+  wait_for "the replica streaming from the primary" test_streaming
+  log "replica back in $((SECONDS - t0))s"
+}
+
+promote_replica() {
+  local bin t0=$SECONDS
+  bin=$(bin_dir)
+  pid_running || die "no replica on port $PORT (start it first)"
+  log "promoting the replica on port $PORT (pg_ctl promote)"
+  as_postgres timeout $((TIMEOUT + 5)) "$bin/pg_ctl" -D "$DATA" -w -t "$TIMEOUT" promote >/dev/null \
+    || die "pg_ctl promote failed"
+  wait_for "the replica out of recovery" test_promoted
+  log "promoted in $((SECONDS - t0))s"
+}
+
+test_promoted() { [ "$(replica_sql "SELECT pg_is_in_recovery()")" = f ]; }
+
 status_replica() {
   if pid_running && test_in_recovery; then
     echo "REPLICA_URL=$URL"
@@ -256,5 +303,7 @@ case "$CMD" in
   start) lock; start_replica ;;
   stop) lock; stop_replica; log "stopped (port $PORT)" ;;
   status) status_replica ;;
+  restart) lock; restart_replica ;;
+  promote) lock; promote_replica ;;
   *) usage ;;
 esac

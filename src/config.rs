@@ -148,7 +148,7 @@ pub struct FeedsConfig {
     pub maximum_created_at_filter_age_ms: u64,
     /// The `createdAt` floor is rounded down to this bucket, ms; 0 = exact (`RUNSET_CREATED_AT_BUCKET_MS`, 60 000).
     pub runset_created_at_bucket_ms: u64,
-    /// Concurrent cold run-set resolves per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
+    /// Concurrent cold resolves (run, tag and batch feeds) per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
     pub resolve_admission_limit: usize,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,

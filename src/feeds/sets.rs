@@ -196,7 +196,7 @@ impl Sets {
     }
 
     /// What the feed carries, through the single-flight cache (identical concurrent reads share
-    /// one query; a miss takes an admission permit for list feeds).
+    /// one query; a miss takes an admission permit).
     pub async fn read_shared(
         &self,
         env_id: &EnvId,
@@ -339,10 +339,10 @@ impl Sets {
         admit: bool,
     ) -> Result<Arc<RunSet>, ReadError> {
         let admission_started = Instant::now();
-        let _permit = match (&self.admission, target, admit) {
-            (Some(sem), Target::Tag { .. } | Target::Batch { .. }, true) => {
-                sem.clone().acquire_owned().await.ok()
-            }
+        // Every cold resolve takes a permit, a run feed's too: after a reconnect storm the
+        // single-run reads are the many.
+        let _permit = match (&self.admission, admit) {
+            (Some(sem), true) => sem.clone().acquire_owned().await.ok(),
             _ => None,
         };
         if _permit.is_some() {

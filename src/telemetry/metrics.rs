@@ -210,7 +210,7 @@ pub struct Metrics {
     /// `result` = `ok` | `error`.
     pub query_duration: Histogram<f64>,
     /// `runfeed.runset.admission_waits` (`runfeed_runset_admission_waits_total`): fresh
-    /// list resolves that waited ≥ 1 ms for an admission permit.
+    /// resolves that waited ≥ 1 ms for an admission permit.
     pub admission_waits: Counter<u64>,
     /// `runfeed.http.requests` (`runfeed_http_requests_total`): HTTP requests by `route`
     /// (matched path, `unmatched` for 404s outside the routes), `method` and `status` (`499`
@@ -641,7 +641,7 @@ pub mod recorded {
         kind: RecordedKind::Counter,
         unit: "{wait}",
         labels: &[],
-        description: "Fresh list resolves that waited at least 1 ms for an admission permit",
+        description: "Fresh resolves that waited at least 1 ms for an admission permit",
     };
 
     /// `runfeed.http.requests` (counter).

@@ -720,6 +720,52 @@ async fn distinct_filter_stampede_respects_admission_limit() {
     );
 }
 
+/// The admission gate covers run feeds too: 200 DISTINCT run feeds snapshotted at once (every
+/// one a cold resolve, as after a reconnect storm) queue for the instance's one admission permit
+/// (`runfeed_runset_admission_waits_total` moves), and every snapshot still succeeds with its run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn run_feed_cold_resolves_wait_for_the_admission_gate() {
+    const RUNS: usize = 200;
+    let srv =
+        Arc::new(TestServer::start_with(20_000, |c| c.feeds.resolve_admission_limit = 1).await);
+    let env = srv.env().await;
+    let mut runs = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        runs.push(
+            srv.run(&env, runfeed_dev::fixtures::RunSpec::default())
+                .await,
+        );
+    }
+    let h = modern(&env.api_key);
+    let snaps: Vec<JoinHandle<Resp>> = runs
+        .iter()
+        .map(|run| {
+            let (srv, h, url) = (srv.clone(), h.clone(), run_url(&run.friendly_id));
+            tokio::spawn(async move { srv.fetch(&url.snapshot(), &h).await })
+        })
+        .collect();
+    for (run, s) in runs.iter().zip(snaps) {
+        let r = within(WAIT, "snapshot", s).await.expect("join");
+        r.assert_status(200);
+        assert_eq!(
+            r.ops(),
+            vec![("insert".to_string(), run.id.clone())],
+            "{}",
+            r.text
+        );
+    }
+    let waits = runfeed_dev::measure::metric_sum(
+        &srv.scrape_text().await,
+        "runfeed_runset_admission_waits_total",
+    )
+    .unwrap_or(0.0);
+    println!("{RUNS} distinct run-feed snapshots; {waits} waited for the one admission permit");
+    assert!(
+        waits >= 1.0,
+        "no run-feed resolve waited for the admission gate (limit 1, {RUNS} at once)"
+    );
+}
+
 /// Fleet: after a change was delivered by instance A, the client's next live poll landing on
 /// instance B (within `hop_margin_ms` of the change) must HOLD — the client already has that
 /// row. B replays the record (its replay starts `hop_margin_ms` before A's cursor) but has no

@@ -21,8 +21,12 @@ enum Fault {
     Storm(faults::storm::StormArgs),
     /// A Redis restart, pause or freeze under load.
     Redis(faults::redis::RedisArgs),
+    /// A Redis Cluster master failed over to its replica under load.
+    RedisFailover(faults::cluster::FailoverArgs),
     /// A Postgres restart or exhausted max_connections under load.
     Postgres(faults::postgres::PostgresArgs),
+    /// The read replica restarted or promoted under load.
+    Replica(faults::replica::ReplicaArgs),
 }
 
 #[tokio::main]
@@ -32,7 +36,9 @@ async fn main() -> std::process::ExitCode {
         Fault::Memory(a) => faults::memory::run(a).await,
         Fault::Storm(a) => faults::storm::run(a).await,
         Fault::Redis(a) => faults::redis::run(a).await,
+        Fault::RedisFailover(a) => faults::cluster::run(a).await,
         Fault::Postgres(a) => faults::postgres::run(a).await,
+        Fault::Replica(a) => faults::replica::run(a).await,
     };
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -97,7 +97,12 @@ impl Load {
             .connect(&t.database_url)
             .await
             .context("connect to --database-url")?;
-        let publisher = Publisher::connect(&RedisOptions::standalone(&t.redis_url))
+        let options = if t.redis_url.starts_with("redis-cluster://") {
+            RedisOptions::cluster(&t.redis_url, true)
+        } else {
+            RedisOptions::standalone(&t.redis_url)
+        };
+        let publisher = Publisher::connect(&options)
             .await
             .map_err(|e| anyhow::anyhow!("connect to --redis-url: {e}"))?;
         let env = fixtures::create_env(&pool, "DEVELOPMENT").await?;

@@ -7,16 +7,22 @@
 //!   reader, the healthy readers' delivery p99, streams ended by the queue bound);
 //! - [`redis`]: a Redis restart or a network pause (`CLIENT PAUSE`) under load (updates lost,
 //!   time to recover, backstop deliveries);
+//! - [`cluster`]: a Redis Cluster master failed over to its replica under load (the same
+//!   figures);
 //! - [`storm`]: every client reconnects within one second (5xx, Postgres queries, time until
 //!   every client is back on a live poll);
 //! - [`postgres`]: the database stopped and started again, or its `max_connections` taken by
 //!   another client (JSON 503s with `Retry-After`, the slowest one, updates lost);
+//! - [`replica`]: the read replica restarted or promoted (the same figures, and `/readyz`
+//!   naming `postgres_replica`);
 //! - [`memory`]: bursts of aborted live polls (RSS before, at the peak, 30 s after).
 
+pub mod cluster;
 pub mod load;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
+pub mod replica;
 pub mod stalled;
 pub mod storm;
 

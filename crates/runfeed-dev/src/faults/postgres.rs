@@ -7,7 +7,8 @@
 //! the fault (lost updates), and the time until every follower converged.
 
 use std::process::Command;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -52,6 +53,33 @@ fn pg_instance(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Snapshot probes every 50 ms while `probing`: each must be a 200 or a JSON 503 with
+/// Retry-After, never a hang (counted in the load's outcomes). The task returns
+/// `(probes, answered 200)`.
+pub(super) fn spawn_probes(
+    load: &Arc<Load>,
+    probing: &Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(u64, u64)> {
+    let (load, probing) = (load.clone(), probing.clone());
+    tokio::spawn(async move {
+        let (mut n, mut ok) = (0u64, 0u64);
+        let mut tasks = Vec::new();
+        while probing.load(Ordering::Relaxed) {
+            let load = load.clone();
+            let i = n as usize;
+            tasks.push(tokio::spawn(async move { load.snapshot_probe(i).await }));
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for t in tasks {
+            if t.await.ok().flatten() == Some(200) {
+                ok += 1;
+            }
+        }
+        (n, ok)
+    })
+}
+
 /// Runs the scenario and prints its figures.
 pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.pg_port != 5432, "never the shared Postgres");
@@ -59,29 +87,8 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let writer = load.start_writer(a.load.rate);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let port = a.pg_port.to_string();
-    // Snapshot probes every 50 ms through the fault: each must be a 200 or a JSON 503 with
-    // Retry-After, never a hang (counted in the load's outcomes).
-    let probing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let probes = {
-        let (load, probing) = (load.clone(), probing.clone());
-        tokio::spawn(async move {
-            let (mut n, mut ok) = (0u64, 0u64);
-            let mut tasks = Vec::new();
-            while probing.load(Ordering::Relaxed) {
-                let load = load.clone();
-                let i = n as usize;
-                tasks.push(tokio::spawn(async move { load.snapshot_probe(i).await }));
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            for t in tasks {
-                if t.await.ok().flatten() == Some(200) {
-                    ok += 1;
-                }
-            }
-            (n, ok)
-        })
-    };
+    let probing = Arc::new(AtomicBool::new(true));
+    let probes = spawn_probes(&load, &probing);
     let fault_at = Instant::now();
     match a.fault {
         PgFault::Restart => {
@@ -111,7 +118,25 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
             drop(hog);
         }
     }
-    let fault_took = fault_at.elapsed();
+    let rows = after_fault(&load, &probing, probes, writer, fault_at.elapsed()).await?;
+    report(
+        "postgres",
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
+        rows,
+    );
+    Ok(())
+}
+
+/// After a database fault: probes for 3 s more, then stops them (and whatever else watches
+/// `probing`), lets the writer run 10 s more, stops it, waits until every follower converged
+/// (at most 60 s) and stops the load; the figures of a database fault.
+pub(super) async fn after_fault(
+    load: &Arc<Load>,
+    probing: &AtomicBool,
+    probes: tokio::task::JoinHandle<(u64, u64)>,
+    writer: tokio::task::JoinHandle<u64>,
+    fault_took: Duration,
+) -> anyhow::Result<Vec<(&'static str, serde_json::Value)>> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     probing.store(false, Ordering::Relaxed);
     let (probed, probed_ok) = probes.await?;
@@ -121,36 +146,31 @@ pub async fn run(a: PostgresArgs) -> anyhow::Result<()> {
     let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
     load.stop();
     let o = &load.outcomes;
-    report(
-        "postgres",
-        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
-        vec![
-            ("fault window, s", json!(fault_took.as_secs_f64())),
-            ("changes committed", json!(written)),
-            ("snapshot probes (every 50 ms)", json!(probed)),
-            ("snapshot probes answered 200", json!(probed_ok)),
-            (
-                "5xx seen by clients",
-                json!(o.server_errors.load(Ordering::Relaxed)),
-            ),
-            (
-                "5xx without JSON error or Retry-After",
-                json!(o.bare_5xx.load(Ordering::Relaxed)),
-            ),
-            (
-                "slowest 5xx, ms",
-                json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
-            ),
-            (
-                "transport errors",
-                json!(o.transport_errors.load(Ordering::Relaxed)),
-            ),
-            ("followers behind after 60 s (lost updates)", json!(behind)),
-            (
-                "time until all converged, s",
-                json!(converged_in.as_secs_f64()),
-            ),
-        ],
-    );
-    Ok(())
+    Ok(vec![
+        ("fault window, s", json!(fault_took.as_secs_f64())),
+        ("changes committed", json!(written)),
+        ("snapshot probes (every 50 ms)", json!(probed)),
+        ("snapshot probes answered 200", json!(probed_ok)),
+        (
+            "5xx seen by clients",
+            json!(o.server_errors.load(Ordering::Relaxed)),
+        ),
+        (
+            "5xx without JSON error or Retry-After",
+            json!(o.bare_5xx.load(Ordering::Relaxed)),
+        ),
+        (
+            "slowest 5xx, ms",
+            json!(o.slowest_5xx_ms.load(Ordering::Relaxed)),
+        ),
+        (
+            "transport errors (incl. client timeouts)",
+            json!(o.transport_errors.load(Ordering::Relaxed)),
+        ),
+        ("followers behind after 60 s (lost updates)", json!(behind)),
+        (
+            "time until all converged, s",
+            json!(converged_in.as_secs_f64()),
+        ),
+    ])
 }

@@ -8,6 +8,7 @@
 
 use std::process::Command;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -114,67 +115,83 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     // they must reach every follower (by a wake after the reconnect, or a backstop).
     load.stop_writer();
     let written = writer.await?;
-    // Recovered: a new change of run 0 reaches every follower of run 0 within 1 s.
-    let mut recovered = None;
-    while fault_over.elapsed() < Duration::from_secs(90) {
+    let recovered = recovered_since(&load, fault_over).await?;
+    let rows = settle(&load, &http, &a.target, &before, written, recovered).await?;
+    report(
+        "redis",
+        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
+        rows,
+    );
+    Ok(())
+}
+
+/// Recovered: a new change of run 0 reaches every follower of run 0 within 1 s; the time from
+/// `since` until one did (`None` after 90 s).
+pub(super) async fn recovered_since(
+    load: &Arc<Load>,
+    since: Instant,
+) -> anyhow::Result<Option<Duration>> {
+    while since.elapsed() < Duration::from_secs(90) {
         let n = load.commit(0).await?;
         let sent = Instant::now();
         while sent.elapsed() < Duration::from_secs(1) {
             if load.all_saw(0, n) {
-                recovered = Some(fault_over.elapsed());
-                break;
+                return Ok(Some(since.elapsed()));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        if recovered.is_some() {
-            break;
-        }
     }
-    // Every follower must reach the last committed version: by a wake, or by the backstop at
-    // the end of its hold (20 s + jitter).
+    Ok(None)
+}
+
+/// Waits until every follower reached the last committed version (by a wake, or by the
+/// backstop at the end of its hold, 20 s + jitter; at most 60 s), stops the load and returns
+/// the figures of a Redis fault: lost updates, recovery, backstops, 5xx, delivery after it.
+pub(super) async fn settle(
+    load: &Load,
+    http: &reqwest::Client,
+    target: &Target,
+    before: &str,
+    written: u64,
+    recovered: Option<Duration>,
+) -> anyhow::Result<Vec<(&'static str, serde_json::Value)>> {
     let (behind, converged_in) = load.converge(Duration::from_secs(60)).await;
     let lat = load.take_latencies();
-    let after = scrape(&http, &a.target).await?;
-    let backstops = metric_with(
-        &after,
-        "runfeed_feeds_backstops_total",
-        "result=\"delivered\"",
-    ) - metric_with(
-        &before,
-        "runfeed_feeds_backstops_total",
-        "result=\"delivered\"",
-    );
+    let after = scrape(http, target).await?;
+    let delivered = |text: &str| {
+        metric_with(
+            text,
+            "runfeed_feeds_backstops_total",
+            "result=\"delivered\"",
+        )
+    };
+    let backstops = delivered(&after) - delivered(before);
     load.stop();
-    report(
-        "redis",
-        json!({"fault": format!("{:?}", a.fault).to_lowercase(), "fault_ms": a.fault_ms, "feeds": a.load.feeds, "runs": a.load.runs, "rate": a.load.rate}),
-        vec![
-            ("changes written", json!(written)),
-            (
-                "publishes failed",
-                json!(load.publish_errors.load(Ordering::Relaxed)),
-            ),
-            ("followers behind after 60 s (lost updates)", json!(behind)),
-            (
-                "time until all converged, s",
-                json!(converged_in.as_secs_f64()),
-            ),
-            (
-                "recovered (wake path) after fault end, s",
-                json!(recovered.map(|d| d.as_secs_f64())),
-            ),
-            ("backstop deliveries", json!(backstops)),
-            (
-                "5xx seen by clients",
-                json!(load.outcomes.server_errors.load(Ordering::Relaxed)),
-            ),
-            (
-                "transport errors",
-                json!(load.outcomes.transport_errors.load(Ordering::Relaxed)),
-            ),
-            ("delivery p50 after fault, ms", json!(pct(&lat, 50.0))),
-            ("delivery p99 after fault, ms", json!(pct(&lat, 99.0))),
-        ],
-    );
-    Ok(())
+    Ok(vec![
+        ("changes written", json!(written)),
+        (
+            "publishes failed",
+            json!(load.publish_errors.load(Ordering::Relaxed)),
+        ),
+        ("followers behind after 60 s (lost updates)", json!(behind)),
+        (
+            "time until all converged, s",
+            json!(converged_in.as_secs_f64()),
+        ),
+        (
+            "recovered (wake path) after fault, s",
+            json!(recovered.map(|d| d.as_secs_f64())),
+        ),
+        ("backstop deliveries", json!(backstops)),
+        (
+            "5xx seen by clients",
+            json!(load.outcomes.server_errors.load(Ordering::Relaxed)),
+        ),
+        (
+            "transport errors",
+            json!(load.outcomes.transport_errors.load(Ordering::Relaxed)),
+        ),
+        ("delivery p50 after fault, ms", json!(pct(&lat, 50.0))),
+        ("delivery p99 after fault, ms", json!(pct(&lat, 99.0))),
+    ])
 }

@@ -3,9 +3,14 @@
 # shared machine are not. Runs `runfeed serve` (release) under callgrind with a 1 s hold, parks
 # HELD tag feeds with `runfeed-bench idle`, zeroes the counters once they are held, dumps them after
 # WINDOW_S seconds, and divides the instructions by the polls the server answered in between.
+# SCENARIO=delivery instead counts instructions per delivery: 100 live run feeds (10 runs x 5 per
+# environment, 2 environments) following 20 changes/s (`runfeed-bench churn`, re-polls included),
+# divided by the emissions the server made in the window.
 #   bash scripts/bench-callgrind.sh                       # target/release/runfeed
 #   BIN=/path/to/other/runfeed bash scripts/bench-callgrind.sh
-# Env: BIN, HELD (100), WINDOW_S (20), PG_ADMIN, REDIS_URL, OUT (target/bench-callgrind).
+#   SCENARIO=delivery bash scripts/bench-callgrind.sh
+# Env: BIN, SCENARIO (poll | delivery), HELD (100), WINDOW_S (20), PG_ADMIN, REDIS_URL,
+# OUT (target/bench-callgrind).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$(pwd)
@@ -29,7 +34,14 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 ADMIN_PORT=$(free_port)
 LOG="$OUT/server.log"
 : >"$LOG"
-RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=1000 \
+SCENARIO="${SCENARIO:-poll}"
+case "$SCENARIO" in
+  poll) HOLD_MS=1000; JITTER=0.15 ;;
+  delivery) HOLD_MS=30000; JITTER=0 ;;
+  *) log "SCENARIO must be poll or delivery"; exit 2 ;;
+esac
+RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
+RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
 RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG=warn \
   valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out.%p" \
   "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
@@ -47,10 +59,19 @@ for _ in $(seq 1 600); do
 done
 [ -n "$BASE" ] || { log "server never listened"; cat "$LOG" >&2; exit 1; }
 ADMIN="http://127.0.0.1:$ADMIN_PORT"
-requests() { curl -s "$ADMIN/metrics" | awk '/^runfeed_http_requests_total/ { s += $NF } END { print s + 0 }'; }
-# The feeds re-poll for the whole window plus their set-up.
-"$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
-  --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
+if [ "$SCENARIO" = poll ]; then
+  # Units: answered requests (each an ended poll and its re-poll).
+  units() { curl -s "$ADMIN/metrics" | awk '/^runfeed_http_requests_total/ { s += $NF } END { print s + 0 }'; }
+  # The feeds re-poll for the whole window plus their set-up.
+  "$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
+    --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
+else
+  # Units: live emissions (each a delivery to one feed and its re-poll).
+  units() { curl -s "$ADMIN/metrics" | awk '/^runfeed_feeds_emitted_rows_count/ { s += $NF } END { print s + 0 }'; }
+  HELD=90
+  "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
+    --kind run --rate 20 --envs 2 --runs 10 --held 100 --duration-s "$((WINDOW_S + 30))" >"$OUT/churn.txt" 2>&1 &
+fi
 BENCH_PID=$!
 for _ in $(seq 1 600); do
   held=$(curl -s "$ADMIN/metrics" | awk '/^runfeed_router_held_feeds/ { s += $NF } END { print s + 0 }')
@@ -59,15 +80,16 @@ for _ in $(seq 1 600); do
 done
 sleep 3
 callgrind_control -z "$PID" >/dev/null
-r0=$(requests)
+r0=$(units)
 sleep "$WINDOW_S"
-r1=$(requests)
+r1=$(units)
 callgrind_control -d "$PID" >/dev/null
 kill "$BENCH_PID" 2>/dev/null
 sleep 1
 # The last dump file holds the window's counts (the counters were zeroed at its start).
 dump=$(ls -t "$OUT"/callgrind.out."$PID"* | head -n1)
 ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1; exit }')
-polls=$((r1 - r0))
-log "binary $BIN: $ir instructions over $polls ended polls"
-awk -v ir="$ir" -v n="$polls" 'BEGIN { if (n > 0) printf "instructions per ended poll: %.0f\n", ir / n }'
+n=$((r1 - r0))
+unit=$([ "$SCENARIO" = poll ] && echo "ended poll" || echo "delivery")
+log "binary $BIN: $ir instructions over $n units ($unit)"
+awk -v ir="$ir" -v n="$n" -v u="$unit" 'BEGIN { if (n > 0) printf "instructions per %s: %.0f\n", u, ir / n }'

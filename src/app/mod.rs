@@ -154,6 +154,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             store: Arc::downgrade(&store),
             source: Arc::downgrade(&redis_source),
             limiter: Arc::downgrade(&state.limiter),
+            redis_commands: redis.command_counts().clone(),
         },
     );
     let admin_addr = match config.telemetry.admin_listen.as_str() {

@@ -10,7 +10,7 @@ use opentelemetry::KeyValue;
 
 use crate::feeds::Feeds;
 use crate::http::admit::Limiter;
-use crate::redis::RedisChangeSource;
+use crate::redis::{CommandCounts, RedisChangeSource};
 use crate::router::Router;
 use crate::store::PgStore;
 use crate::telemetry::metrics::{
@@ -37,6 +37,8 @@ pub struct Sources {
     pub source: Weak<RedisChangeSource>,
     /// The live-poll concurrency limiter.
     pub limiter: Weak<Limiter>,
+    /// Commands sent to Redis for feeds (cursors, the concurrency limit).
+    pub redis_commands: Arc<CommandCounts>,
 }
 
 /// Registers a callback for every instrument of [`observed`] over `sources` (weak references:
@@ -48,7 +50,18 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         store,
         source,
         limiter,
+        redis_commands,
     } = sources;
+
+    metrics.observe(&observed::REDIS_COMMANDS, move |o| {
+        for (purpose, counter) in [
+            ("cursor_read", &redis_commands.cursor_read),
+            ("cursor_write", &redis_commands.cursor_write),
+            ("concurrency", &redis_commands.concurrency),
+        ] {
+            o.observe(counter.load(Relaxed), &[kv("purpose", purpose)]);
+        }
+    });
 
     let r = router.clone();
     metrics.observe(&observed::ROUTER_HELD_FEEDS, move |o| {

@@ -77,9 +77,20 @@ async fn write_loop(
     mut rx: tokio::sync::mpsc::Receiver<Write>,
     ttl_ms: i64,
     stats: Arc<CursorStats>,
+    commands: Arc<super::CommandCounts>,
 ) {
     let mut batch = Vec::with_capacity(WRITE_BATCH_MAX);
     while rx.recv_many(&mut batch, WRITE_BATCH_MAX).await > 0 {
+        // One change delivered to several feeds of an environment wakes their responses
+        // together, as tasks queued behind this one: letting them run first (a yield, not a
+        // timer) puts their cursors in this batch, so they share one command.
+        tokio::task::yield_now().await;
+        while batch.len() < WRITE_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(write) => batch.push(write),
+                Err(_) => break,
+            }
+        }
         let n = batch.len();
         // Sent now; the replies are awaited in a task of their own, so the next batch never
         // waits behind this one (a poll hopping to another instance right after its response
@@ -89,6 +100,7 @@ async fn write_loop(
             .map(|group| send_group(&client, group, ttl_ms))
             .collect();
         bump_by(&stats.set_commands, sends.len());
+        super::CommandCounts::sent(&commands.cursor_write, sends.len());
         let stats = stats.clone();
         tokio::spawn(async move {
             let sent = futures::future::join_all(sends);
@@ -167,6 +179,7 @@ const WRITE_BATCH_MAX: usize = 512;
 #[derive(Clone)]
 pub struct CursorStore {
     client: Client,
+    commands: Arc<super::CommandCounts>,
     stats: Arc<CursorStats>,
     /// `(key, value)` to the writer task; `None` outside a tokio runtime (writes are skipped).
     writes: Option<tokio::sync::mpsc::Sender<Write>>,
@@ -189,16 +202,23 @@ impl CursorStore {
     /// Writes go through one background task that sends whatever has queued up as a single
     /// pipeline (a fan-out to 10 000 feeds is ~20 round trips, not 10 000 tasks and commands).
     /// Must be called inside a tokio runtime for writes to happen.
-    pub fn new(client: Client, ttl_ms: u64) -> CursorStore {
+    pub fn new(client: Client, ttl_ms: u64, commands: Arc<super::CommandCounts>) -> CursorStore {
         let ttl_ms = i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX);
         let stats: Arc<CursorStats> = Arc::default();
         let writes = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let (tx, rx) = tokio::sync::mpsc::channel(WRITE_QUEUE_MAX);
-            rt.spawn(write_loop(client.clone(), rx, ttl_ms, stats.clone()));
+            rt.spawn(write_loop(
+                client.clone(),
+                rx,
+                ttl_ms,
+                stats.clone(),
+                commands.clone(),
+            ));
             tx
         });
         CursorStore {
             client,
+            commands,
             stats,
             writes,
         }
@@ -237,6 +257,7 @@ impl CursorStore {
         offset: &str,
         decode: impl FnOnce(&str) -> Option<T>,
     ) -> Option<T> {
+        super::CommandCounts::sent(&self.commands.cursor_read, 1);
         let read = self
             .client
             .get::<Option<String>, _>(key(env_id, handle, offset));

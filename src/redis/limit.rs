@@ -79,6 +79,8 @@ const RELEASE_BATCH_MAX: usize = 1024;
 #[derive(Clone)]
 pub struct ConcurrencyScript {
     client: Client,
+    /// What this script's calls count as (`concurrency`).
+    commands: Arc<super::CommandCounts>,
     script: Arc<Script>,
     /// `(env_id, member)` to the release task; `None` outside a tokio runtime (releases are
     /// then left to the sweep).
@@ -88,14 +90,15 @@ pub struct ConcurrencyScript {
 impl ConcurrencyScript {
     /// The script on `client`. Inside a tokio runtime it starts the release task (see
     /// [`ConcurrencyScript::release`]), which ends when the last clone is dropped.
-    pub fn new(client: Client) -> ConcurrencyScript {
+    pub fn new(client: Client, commands: Arc<super::CommandCounts>) -> ConcurrencyScript {
         let releases = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let (tx, rx) = mpsc::channel(RELEASE_QUEUE_MAX);
-            rt.spawn(release_loop(client.clone(), rx));
+            rt.spawn(release_loop(client.clone(), rx, commands.clone()));
             tx
         });
         ConcurrencyScript {
             client,
+            commands,
             script: ADMIT_SCRIPT.clone(),
             releases,
         }
@@ -119,6 +122,7 @@ impl ConcurrencyScript {
             limit.to_string(),
             ENTRY_TTL_S.to_string(),
         ];
+        super::CommandCounts::sent(&self.commands.concurrency, 1);
         let admitted: i64 = self
             .script
             .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
@@ -149,6 +153,7 @@ impl ConcurrencyScript {
             ENTRY_TTL_S.to_string(),
         ]);
         args.extend(members.iter().cloned());
+        super::CommandCounts::sent(&self.commands.concurrency, 1);
         let added: i64 = LEASE_SCRIPT
             .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
             .await
@@ -177,6 +182,7 @@ impl ConcurrencyScript {
         let key = format!("{KEY_PREFIX}{env_id}");
         let scored: Vec<(f64, String)> =
             members.iter().map(|m| (now_ms as f64, m.clone())).collect();
+        super::CommandCounts::sent(&self.commands.concurrency, 2);
         let pipeline = self.client.pipeline();
         let _: Result<(), _> = pipeline
             .zadd(
@@ -215,11 +221,16 @@ impl ConcurrencyScript {
 
 /// The release task: drains up to [`RELEASE_BATCH_MAX`] queued releases and sends them as one
 /// pipeline of `ZREM` commands, one per environment, bounded by [`RELEASE_WAIT`].
-async fn release_loop(client: Client, mut rx: mpsc::Receiver<(String, String)>) {
+async fn release_loop(
+    client: Client,
+    mut rx: mpsc::Receiver<(String, String)>,
+    commands: Arc<super::CommandCounts>,
+) {
     let mut batch = Vec::with_capacity(RELEASE_BATCH_MAX);
     while rx.recv_many(&mut batch, RELEASE_BATCH_MAX).await > 0 {
         let pipeline = client.pipeline();
         for (env_id, members) in members_by_env(batch.drain(..)) {
+            super::CommandCounts::sent(&commands.concurrency, 1);
             // Queued locally; the replies arrive with `try_all()`.
             let _: Result<(), _> = pipeline
                 .zrem(format!("{KEY_PREFIX}{env_id}"), members)

@@ -21,6 +21,8 @@ mod slots;
 mod state;
 pub mod subscribe;
 
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -55,6 +57,29 @@ pub enum RedisError {
 pub struct Redis {
     options: RedisOptions,
     kv: Client,
+    commands: Arc<CommandCounts>,
+}
+
+/// Commands runfeed sent on the key/value client on behalf of feeds, by purpose, counted where
+/// they are sent (`runfeed.redis.commands`): a script call counts once, whatever it runs inside.
+/// Divided by polls, deliveries or changes, they are what each costs Redis (BENCHMARKS.md "Cost
+/// per unit of work").
+#[derive(Debug, Default)]
+pub struct CommandCounts {
+    /// Replay cursor reads (`GET`).
+    pub cursor_read: AtomicU64,
+    /// Replay cursor writes (a `SET`, or one `SET_MANY` script call per environment and batch).
+    pub cursor_write: AtomicU64,
+    /// The concurrency limit: admission and lease script calls, re-stamps, releases (one `ZREM`
+    /// per environment and batch).
+    pub concurrency: AtomicU64,
+}
+
+impl CommandCounts {
+    /// Counts `n` commands sent for `counter`'s purpose.
+    pub(crate) fn sent(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Redis {
@@ -71,7 +96,11 @@ impl Redis {
             .build()
             .map_err(|e| RedisError::Config(e.to_string()))?;
         let _connection = kv.connect();
-        Ok(Redis { options, kv })
+        Ok(Redis {
+            options,
+            kv,
+            commands: Arc::default(),
+        })
     }
 
     /// How this deployment is reached.
@@ -92,12 +121,18 @@ impl Redis {
 
     /// The fleet-shared replay cursor store; entries live `ttl_ms`.
     pub fn cursor_store(&self, ttl_ms: u64) -> CursorStore {
-        CursorStore::new(self.kv.clone(), ttl_ms)
+        CursorStore::new(self.kv.clone(), ttl_ms, self.commands.clone())
     }
 
     /// The live-poll concurrency script on the key/value client.
     pub fn concurrency(&self) -> ConcurrencyScript {
-        ConcurrencyScript::new(self.kv.clone())
+        ConcurrencyScript::new(self.kv.clone(), self.commands.clone())
+    }
+
+    /// Commands sent on behalf of feeds so far (shared by every cursor store and concurrency
+    /// script made from this deployment).
+    pub fn command_counts(&self) -> &Arc<CommandCounts> {
+        &self.commands
     }
 }
 

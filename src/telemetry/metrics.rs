@@ -766,6 +766,7 @@ pub struct Observed {
 /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
 /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
+/// | `runfeed.redis.commands`, `purpose` = cursor_read \| cursor_write \| concurrency | `runfeed_redis_commands_total` | `redis::CommandCounts` |
 /// | `runfeed.process.resident_memory` (By) | `runfeed_process_resident_memory_bytes` | `/proc/self/status` VmRSS |
 /// | `runfeed.build_info`, `version`, `commit` | `runfeed_build_info` (always 1) | [`VERSION`], [`BUILD_COMMIT`] |
 pub mod observed {
@@ -823,6 +824,15 @@ pub mod observed {
         unit: "{operation}",
         labels: &["op", "result"],
         description: "Fleet-shared replay cursor store (Redis) operations: get hit/miss/error, set ok/error; errors degrade instance hops into cold resolves",
+    };
+
+    /// `runfeed.redis.commands` (counter).
+    pub const REDIS_COMMANDS: Observed = Observed {
+        name: "runfeed.redis.commands",
+        kind: ObservedKind::Counter,
+        unit: "{command}",
+        labels: &["purpose"],
+        description: "Commands sent to Redis on behalf of feeds, counted where sent (a script call counts once): cursor_read, cursor_write (one per environment and batch), concurrency (admission and lease scripts, re-stamps, releases)",
     };
 
     /// `runfeed.feeds.concurrency_rejections` (counter).
@@ -1035,7 +1045,7 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 29] = [
+    pub const ALL: [&Observed; 30] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -1051,6 +1061,7 @@ pub mod observed {
         &NOTIFIER_PUBLISHES,
         &REDIS_ERRORS,
         &REDIS_CONNECTED,
+        &REDIS_COMMANDS,
         &PROCESS_RESIDENT_MEMORY,
         &BUILD_INFO,
         &FEEDS_STALLED_STREAMS,

@@ -67,6 +67,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_pg_errors_total",
     "runfeed_redis_errors_total",
     "runfeed_redis_connected",
+    "runfeed_redis_commands_total",
     "runfeed_process_resident_memory_bytes",
     "runfeed_build_info",
 ];

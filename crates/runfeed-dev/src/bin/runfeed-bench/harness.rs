@@ -444,12 +444,19 @@ impl Bench {
         self.c.server_pid.and_then(proc_cpu_s)
     }
 
-    /// Commands a server sends to Redis, so far: the calls of the commands runfeed sends
-    /// outside scripts (`EVALSHA`, `SET`, `GET`, `ZREM`) from `INFO commandstats` of
-    /// `--redis-url`. Exact only on a Redis no one else uses (scripts/bench-report.sh starts
-    /// one); the bench's own commands (`PUBLISH`, `INFO`) are not among them.
+    /// Commands a server sends to Redis for its feeds, so far: its `runfeed_redis_commands_total`
+    /// when it exports one, else the calls of the commands runfeed sends outside scripts
+    /// (`EVALSHA`, `SET`, `GET`, `ZREM`) from `INFO commandstats` of `--redis-url`, exact only on
+    /// a Redis no one else uses (scripts/bench-report.sh starts one; the bench's own `PUBLISH`
+    /// and `INFO` are not among them).
     pub(crate) async fn redis_commands(&self) -> Option<f64> {
         use fred::prelude::*;
+        // The server's own count, taken where it sends them (a script call counts once, whatever
+        // it runs inside: `INFO commandstats` counts the SETs of a cursor script one by one).
+        // Servers without that metric: the calls Redis saw.
+        if let Some(sent) = self.metric("runfeed_redis_commands_total").await {
+            return Some(sent);
+        }
         let client = Client::new(Config::from_url(&self.c.redis_url).ok()?, None, None, None);
         client.init().await.ok()?;
         let info: String = client

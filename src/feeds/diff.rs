@@ -7,6 +7,9 @@
 
 use std::collections::HashMap;
 
+/// The hasher of a poll's pending rows (foldhash: run ids are hashed for every row considered).
+type Hasher = foldhash::fast::RandomState;
+
 use crate::protocol::body::Operation;
 use crate::protocol::{RunId, SerializedRow};
 
@@ -66,7 +69,7 @@ impl Known {
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
 #[derive(Debug, Default)]
 pub struct Pending {
-    rows: HashMap<RunId, SerializedRow>,
+    rows: HashMap<RunId, SerializedRow, Hasher>,
 }
 
 impl Pending {

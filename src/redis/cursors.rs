@@ -33,8 +33,6 @@ pub struct CursorStats {
     pub set_ok: AtomicU64,
     /// Writes that failed or timed out.
     pub set_error: AtomicU64,
-    /// Redis commands the writes were sent as (one per environment per batch).
-    pub set_commands: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -99,7 +97,6 @@ async fn write_loop(
             .into_iter()
             .map(|group| send_group(&client, group, ttl_ms))
             .collect();
-        bump_by(&stats.set_commands, sends.len());
         super::CommandCounts::sent(&commands.cursor_write, sends.len());
         let stats = stats.clone();
         tokio::spawn(async move {

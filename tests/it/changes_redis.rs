@@ -697,8 +697,9 @@ async fn cursor_writes_of_one_environment_queued_together_are_one_command() {
         sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
-        stats
-            .set_commands
+        redis
+            .command_counts()
+            .cursor_write
             .load(std::sync::atomic::Ordering::Relaxed),
         2,
         "one command per environment"

@@ -39,16 +39,8 @@ impl Feeds {
         req: &FeedRequest,
         handle: &Handle,
     ) -> Result<HandleClaims, FeedError> {
-        let expected = self.claims_for(req, None);
         match self.handles.verify(handle) {
-            Ok(claims)
-                if claims.kind == expected.kind
-                    && claims.env_id == expected.env_id
-                    && claims.target == expected.target
-                    && claims.columns == expected.columns =>
-            {
-                Ok(claims)
-            }
+            Ok(claims) if self.same_feed(req, &claims) => Ok(claims),
             _ => {
                 let floor = match &req.target {
                     Target::Tag { floor_ms, .. } => Some(*floor_ms),

@@ -212,46 +212,42 @@ impl Sets {
                 .resolve(target_kind(target), ResolveResult::Hit);
             return Ok(set);
         }
-        Self::read_shared_slow(self, key, env_id, target, cols, deadline).await
+        Box::pin(self.read_shared_slow(key, env_id, target, cols, deadline)).await
     }
 
-    /// [`Sets::read_shared`] past its cache hit: joins or runs the single-flight read.
-    #[inline(never)]
-    fn read_shared_slow<'a>(
-        &'a self,
+    /// [`Sets::read_shared`] past its cache hit: joins or runs the single-flight read (boxed
+    /// by the caller, so a hit neither builds nor moves this future).
+    async fn read_shared_slow(
+        &self,
         key: SetKey,
-        env_id: &'a EnvId,
-        target: &'a Target,
+        env_id: &EnvId,
+        target: &Target,
         cols: ColumnSet,
         deadline: Instant,
-    ) -> std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Arc<RunSet>, ReadError>> + Send + 'a>,
-    > {
-        Box::pin(async move {
-            // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
-            let cached = self.sets.contains_key(&key);
-            let ran = std::sync::atomic::AtomicBool::new(false);
-            let init = async {
-                ran.store(true, std::sync::atomic::Ordering::Relaxed);
-                self.read_fresh_inner(env_id, target, cols, true).await
-            };
-            let fut = self.sets.try_get_with(key.clone(), init);
-            let result = shared_by_deadline(deadline, fut).await;
-            if let Ok(set) = &result {
-                // A read the gate gave up on is served (the replica lags) but not kept: the next
-                // reader tries again.
-                if !set.settled {
-                    self.drop_cached(&key, set).await;
-                }
+    ) -> Result<Arc<RunSet>, ReadError> {
+        // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
+        let cached = self.sets.contains_key(&key);
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let init = async {
+            ran.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.read_fresh_inner(env_id, target, cols, true).await
+        };
+        let fut = self.sets.try_get_with(key.clone(), init);
+        let result = shared_by_deadline(deadline, fut).await;
+        if let Ok(set) = &result {
+            // A read the gate gave up on is served (the replica lags) but not kept: the next
+            // reader tries again.
+            if !set.settled {
+                self.drop_cached(&key, set).await;
             }
-            let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
-                (true, _) => ResolveResult::Miss,
-                (false, true) => ResolveResult::Hit,
-                (false, false) => ResolveResult::Coalesced,
-            };
-            self.metrics.resolve(target_kind(target), outcome);
-            result
-        })
+        }
+        let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
+            (true, _) => ResolveResult::Miss,
+            (false, true) => ResolveResult::Hit,
+            (false, false) => ResolveResult::Coalesced,
+        };
+        self.metrics.resolve(target_kind(target), outcome);
+        result
     }
 
     /// A backstop read: [`Sets::read_shared`], reused by every backstop of the same key for
@@ -273,7 +269,7 @@ impl Sets {
         if let Some(set) = backstops.get(&key).await {
             return Ok(set);
         }
-        let read: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send + '_>> =
+        let read =
             Box::pin(backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline)));
         shared_by_deadline(deadline, read).await
     }

@@ -688,6 +688,7 @@ async fn cursor_writes_of_one_environment_queued_together_are_one_command() {
     }
     store.set(&env_b, "h", "0_0", "b".to_string());
     let stats = store.stats().clone();
+    // The writer acknowledges in a task of its own and signals nothing: poll its counter.
     let deadline = Instant::now() + WAIT;
     while stats.set_ok.load(std::sync::atomic::Ordering::Relaxed) < 41 {
         assert!(

@@ -9,7 +9,8 @@
 #   bash scripts/bench-callgrind.sh                       # target/release/runfeed
 #   BIN=/path/to/other/runfeed bash scripts/bench-callgrind.sh
 #   SCENARIO=delivery bash scripts/bench-callgrind.sh
-# Env: BIN, SCENARIO (poll | delivery), HELD (100), WINDOW_S (20), PG_ADMIN, REDIS_URL,
+# Env: BIN, SCENARIO (poll | delivery), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
+# default info, the default configuration), PG_ADMIN, REDIS_URL,
 # OUT (target/bench-callgrind).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -42,7 +43,7 @@ case "$SCENARIO" in
 esac
 RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
-RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG=warn \
+RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG="${SERVER_LOG:-info}" \
   valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out.%p" \
   "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
 PID=$!

@@ -54,7 +54,7 @@ start_server() {
       RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=20000 \
       RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 \
       RUNFEED_SERVER__HANDLE_SECRET=bench-report-secret \
-      RUST_LOG=warn "$@" \
+      RUST_LOG=info "$@" \
       "$bin" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$log" 2>&1 &
   PID=$!
   PIDS+=("$PID")

@@ -1,5 +1,5 @@
-//! HTTP observability: one `tracing` span per request ([`trace_layer`]) and the request
-//! metrics middleware ([`instrument`]).
+//! HTTP observability: one `tracing` span per request at `debug` level ([`trace_layer`]) and
+//! the request metrics middleware ([`instrument`]).
 //!
 //! The span carries method, route (the matched path pattern), path, `live`, the environment id
 //! (recorded by the handler once authenticated, [`record_env_id`]), status, outcome and
@@ -69,13 +69,16 @@ fn outcome(status: u16) -> &'static str {
     }
 }
 
-/// Makes the `request` span.
+/// Makes the `request` span, at `debug` level: at the default `info` filter no span is built
+/// (building and formatting one cost about a fifth of an ended live poll's instructions,
+/// BENCHMARKS.md "Cost per unit of work"); `RUST_LOG=info,runfeed::telemetry::http=debug` turns
+/// them on. 5xx responses are logged at `error` either way (the layer's failure classifier).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RequestSpan;
 
 impl<B> MakeSpan<B> for RequestSpan {
     fn make_span(&mut self, req: &axum::http::Request<B>) -> Span {
-        tracing::info_span!(
+        tracing::debug_span!(
             "request",
             method = %req.method(),
             route = route_of(req),

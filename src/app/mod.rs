@@ -175,7 +175,11 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    let service = crate::telemetry::http::instrument(app(state), telemetry.metrics().clone());
+    let service = crate::telemetry::http::instrument(
+        app(state),
+        telemetry.metrics().clone(),
+        crate::http::route_of,
+    );
     let limits = crate::http::serve::ConnLimits::of(&config);
     tasks.spawn(crate::http::serve::serve(
         listener,

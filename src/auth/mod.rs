@@ -63,8 +63,9 @@ pub struct Scope {
 pub enum Ability {
     /// Secret (root) key: `permissiveAbility`, every check passes.
     All,
-    /// Public token: the parsed `scopes` claim ([`Ability::from_scopes`]).
-    Scopes(Vec<Scope>),
+    /// Public token: the parsed `scopes` claim ([`Ability::from_scopes`]); shared, so a
+    /// principal rebuilt from a verified token's cache entry copies no scope.
+    Scopes(Arc<[Scope]>),
 }
 
 /// A resource a route asks to read: `{type}` or `{type, id}` (ids are friendly ids / raw tags /
@@ -142,10 +143,10 @@ const CACHE_MAX_ENTRIES: u64 = 10_000;
 
 /// The per-lookup caches (found AND not-found results are cached; errors are not).
 struct Caches {
-    by_api_key: Cache<String, Option<EnvRecord>, Hasher>,
-    by_revoked_key: Cache<String, Option<EnvRecord>, Hasher>,
-    by_id: Cache<EnvId, Option<EnvRecord>, Hasher>,
-    branch: Cache<(EnvId, String), Option<EnvRecord>, Hasher>,
+    by_api_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
+    by_revoked_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
+    by_id: Cache<EnvId, Option<Arc<EnvRecord>>, Hasher>,
+    branch: Cache<(EnvId, String), Option<Arc<EnvRecord>>, Hasher>,
     revoked_keys: Cache<EnvId, Vec<String>, Hasher>,
     /// Public tokens already verified with their environment's current signing key: a live
     /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
@@ -179,11 +180,11 @@ struct FoundLongerExpiry {
     missing: Duration,
 }
 
-impl moka::Expiry<EnvId, Option<EnvRecord>> for FoundLongerExpiry {
+impl moka::Expiry<EnvId, Option<Arc<EnvRecord>>> for FoundLongerExpiry {
     fn expire_after_create(
         &self,
         _key: &EnvId,
-        value: &Option<EnvRecord>,
+        value: &Option<Arc<EnvRecord>>,
         _created_at: std::time::Instant,
     ) -> Option<Duration> {
         Some(if value.is_some() {
@@ -244,6 +245,14 @@ where
             })
         }),
     }
+}
+
+/// A store lookup whose found environment is shared: cache hits hand out the same record
+/// instead of copying its strings on every request.
+async fn shared(
+    lookup: impl std::future::Future<Output = Result<Option<EnvRecord>, StoreError>>,
+) -> Result<Option<Arc<EnvRecord>>, StoreError> {
+    Ok(lookup.await?.map(Arc::new))
 }
 
 /// `sanitizeBranchName` (`packages/core/src/v3/utils/gitBranch.ts`): empty → `None`; strips
@@ -489,8 +498,8 @@ impl Authenticator {
                     .branch_env(&env.id, branch)
                     .await?
                     .ok_or(AuthError::NoMatchingBranch)?;
-                authed.id = child.id;
-                authed.env_type = child.env_type;
+                authed.id = child.id.clone();
+                authed.env_type = child.env_type.clone();
             }
         }
         Ok(Principal {
@@ -500,29 +509,39 @@ impl Authenticator {
         })
     }
 
-    async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_api_key(&self, key: &str) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_api_key);
-        cached(cache, key.to_string(), self.store.env_by_api_key(key)).await
+        cached(
+            cache,
+            key.to_string(),
+            shared(self.store.env_by_api_key(key)),
+        )
+        .await
     }
 
-    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_revoked_key);
-        cached(cache, key.to_string(), self.store.env_by_revoked_key(key)).await
+        cached(
+            cache,
+            key.to_string(),
+            shared(self.store.env_by_revoked_key(key)),
+        )
+        .await
     }
 
-    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_id(&self, id: &EnvId) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_id);
-        cached(cache, id.clone(), self.store.env_by_id(id)).await
+        cached(cache, id.clone(), shared(self.store.env_by_id(id))).await
     }
 
     async fn branch_env(
         &self,
         parent_id: &EnvId,
         branch: &str,
-    ) -> Result<Option<EnvRecord>, StoreError> {
+    ) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.branch);
         let key = (parent_id.clone(), branch.to_string());
-        cached(cache, key, self.store.branch_env(parent_id, branch)).await
+        cached(cache, key, shared(self.store.branch_env(parent_id, branch))).await
     }
 
     async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {

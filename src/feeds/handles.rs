@@ -25,7 +25,7 @@ impl Feeds {
     pub(super) fn same_feed(&self, req: &FeedRequest, claims: &HandleClaims) -> bool {
         let (kind, matches) = match &req.target {
             Target::Run { run_id } => (FeedKind::Run, claims.target == run_id.as_str()),
-            Target::Tag { tags, .. } => (FeedKind::Tag, claims.target == filter_digest(tags)),
+            Target::Tag { tags, .. } => (FeedKind::Tag, filter_digest_is(tags, &claims.target)),
             Target::Batch { batch_id } => (FeedKind::Batch, claims.target == batch_id.as_str()),
         };
         claims.kind == kind

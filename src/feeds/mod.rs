@@ -36,7 +36,7 @@ use crate::protocol::body::{FragmentBody, Operation};
 use crate::protocol::cursor::{next_cursor, next_offset_seq, vouched_wall_ms, Gap};
 use crate::protocol::electric::LogMode;
 use crate::protocol::encode::schema_header;
-use crate::protocol::handle::{filter_digest, FeedKind, HandleClaims, HandleKey};
+use crate::protocol::handle::{filter_digest, filter_digest_is, FeedKind, HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
 use crate::protocol::{ColumnSet, EnvId, Handle, RunId, SerializedRow};

@@ -28,7 +28,7 @@ use crate::telemetry::metrics::{Metrics, ResolveResult};
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
     Run { run_id: RunId },
-    Tag { tags: Vec<String>, floor_ms: i64 },
+    Tag { tags: Arc<[String]>, floor_ms: i64 },
     Batch { batch_id: BatchId },
 }
 

@@ -158,33 +158,79 @@ fn over_limits(request: &axum::extract::Request, limits: &RequestLimits) -> Opti
     (header_bytes > limits.max_header_bytes).then_some(ApiError::HeadersTooLarge)
 }
 
-/// The axum application: the three feed routes, `/healthz`, JSON 404s, CORS on everything.
-pub fn app(state: AppState) -> axum::Router {
+/// Route pattern of one run's feed (also its `route` metric label).
+pub const RUN_ROUTE: &str = "/realtime/v1/runs/{run_id}";
+/// Route pattern of the tag feed.
+pub const RUNS_ROUTE: &str = "/realtime/v1/runs";
+/// Route pattern of a batch's feed.
+pub const BATCH_ROUTE: &str = "/realtime/v1/batches/{batch_id}";
+/// Route pattern of the liveness probe on the public port.
+pub const HEALTH_ROUTE: &str = "/healthz";
+
+/// The route pattern the router serves `path` with (what axum's `MatchedPath` says: a
+/// `{param}` is one non-empty segment), or `unmatched`. The layers around the router name a
+/// request's route with it before the router runs.
+pub fn route_of(path: &str) -> &'static str {
+    let one_segment = |rest: &str| !rest.is_empty() && !rest.contains('/');
+    match path {
+        HEALTH_ROUTE => HEALTH_ROUTE,
+        RUNS_ROUTE => RUNS_ROUTE,
+        _ if path
+            .strip_prefix("/realtime/v1/runs/")
+            .is_some_and(one_segment) =>
+        {
+            RUN_ROUTE
+        }
+        _ if path
+            .strip_prefix("/realtime/v1/batches/")
+            .is_some_and(one_segment) =>
+        {
+            BATCH_ROUTE
+        }
+        _ => crate::telemetry::http::UNMATCHED,
+    }
+}
+
+/// The HTTP application: the three feed routes, `/healthz`, JSON 404s, with CORS, the request
+/// span and the request limits around the whole router. They wrap the router once (not each
+/// route, as `Router::layer` does), so a request clones and boxes no layered route service.
+pub fn app(
+    state: AppState,
+) -> impl tower::Service<
+    axum::extract::Request,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future: Send + Unpin + 'static,
+> + Clone
+       + Send
+       + Sync
+       + 'static {
     let limits = state.limits;
-    axum::Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+    let router = axum::Router::new()
         .route(
-            "/realtime/v1/runs/{run_id}",
-            get(run_feed).post(subset_post),
+            HEALTH_ROUTE,
+            get(|| async { Json(json!({"status": "ok"})) }),
         )
-        .route("/realtime/v1/runs", get(tag_feed).post(subset_post))
-        .route(
-            "/realtime/v1/batches/{batch_id}",
-            get(batch_feed).post(subset_post),
-        )
+        .route(RUN_ROUTE, get(run_feed).post(subset_post))
+        .route(RUNS_ROUTE, get(tag_feed).post(subset_post))
+        .route(BATCH_ROUTE, get(batch_feed).post(subset_post))
         .fallback(|| async {
             ApiError::NotFound {
                 should_retry: false,
             }
         })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-        .with_state(state)
-        .layer(RequestLimitsLayer(limits))
-        // One span per request: method, route, path, env id, status (never headers or query).
-        .layer(crate::telemetry::http::trace_layer())
+        .with_state(state);
+    tower::ServiceBuilder::new()
         // Any origin; preflights mirror the requested headers (`Authorization` cannot be
         // wildcarded, Fetch spec); pre-encoded values, nothing allocated per request.
         .layer(cors::CorsLayer)
+        // The span layer wraps the body (failure classification); one box back to axum's.
+        .map_response(|response: http::Response<_>| response.map(axum::body::Body::new))
+        // One span per request: method, route, path, env id, status (never headers or query).
+        .layer(crate::telemetry::http::trace_layer(route_of))
+        .layer(RequestLimitsLayer(limits))
+        .service(router)
 }
 
 /// What every feed request carries besides its path.
@@ -273,17 +319,22 @@ impl Params {
 /// replaced). A pair without `%` or `+` is borrowed as is: what the clients send (offsets,
 /// handles, cursors, `live=true`) needs no decoding, so nothing is copied for it.
 fn query_pairs(raw: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
-    raw.split('&').filter(|pair| !pair.is_empty()).map(|pair| {
-        if pair.bytes().any(|b| b == b'%' || b == b'+') {
-            // One pair (no `&` inside): the decoder yields exactly it.
-            form_urlencoded::parse(pair.as_bytes())
-                .next()
-                .unwrap_or_default()
-        } else {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (Cow::Borrowed(k), Cow::Borrowed(v))
-        }
-    })
+    // One word-at-a-time search per character over the whole query (what clients send has
+    // neither), instead of a byte-by-byte test of every pair.
+    let encoded = raw.contains('%') || raw.contains('+');
+    raw.split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(move |pair| {
+            if encoded && (pair.contains('%') || pair.contains('+')) {
+                // One pair (no `&` inside): the decoder yields exactly it.
+                form_urlencoded::parse(pair.as_bytes())
+                    .next()
+                    .unwrap_or_default()
+            } else {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                (Cow::Borrowed(k), Cow::Borrowed(v))
+            }
+        })
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -473,7 +524,10 @@ async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Respons
     {
         return Err(ApiError::Forbidden);
     }
-    let target = Target::Tag { tags, floor_ms };
+    let target = Target::Tag {
+        tags: tags.into(),
+        floor_ms,
+    };
     let mut response = serve(&state, begun, target).await?;
     if clamped {
         response
@@ -615,6 +669,57 @@ fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `route_of` names the route axum's router matches (its `MatchedPath`), for every route
+    /// pattern and the paths around them.
+    #[tokio::test]
+    async fn route_of_agrees_with_the_routers_matched_path() {
+        use axum::extract::MatchedPath;
+        use tower::ServiceExt;
+        let echo = || {
+            async |path: Option<MatchedPath>| {
+                path.map_or(crate::telemetry::http::UNMATCHED.to_string(), |p| {
+                    p.as_str().to_string()
+                })
+            }
+        };
+        let router = axum::Router::new()
+            .route(HEALTH_ROUTE, get(echo()))
+            .route(RUN_ROUTE, get(echo()))
+            .route(RUNS_ROUTE, get(echo()))
+            .route(BATCH_ROUTE, get(echo()))
+            .fallback(echo());
+        for path in [
+            "/healthz",
+            "/healthz/",
+            "/realtime/v1/runs",
+            "/realtime/v1/runs/",
+            "/realtime/v1/runs/run_1",
+            "/realtime/v1/runs/run_1/",
+            "/realtime/v1/runs/run_1/x",
+            "/realtime/v1/runs/run%2F1",
+            "/realtime/v1/batches",
+            "/realtime/v1/batches/batch_1",
+            "/realtime/v1/batches/",
+            "/realtime/v1",
+            "/",
+            "/realtime/v1/runsx",
+        ] {
+            let request = axum::http::Request::builder()
+                .uri(path)
+                .body(axum::body::Body::empty())
+                .expect("request");
+            let response = router.clone().oneshot(request).await.expect("response");
+            let body = axum::body::to_bytes(response.into_body(), 1024)
+                .await
+                .expect("body");
+            assert_eq!(
+                route_of(path),
+                std::str::from_utf8(&body).expect("utf-8"),
+                "{path}"
+            );
+        }
+    }
 
     proptest::proptest! {
         /// The borrowing fast path decodes every query exactly as `URLSearchParams` (the

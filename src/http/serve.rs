@@ -166,12 +166,21 @@ impl Default for ConnLimits {
 /// Serves `app` on `listener` until `shutdown` is cancelled, then drains: see the module docs.
 /// Accept errors (e.g. `EMFILE` when out of file descriptors) are logged and retried after a
 /// short pause instead of ending the server.
-pub async fn serve(
+pub async fn serve<S>(
     listener: TcpListener,
-    app: axum::Router,
+    app: S,
     limits: ConnLimits,
     shutdown: CancellationToken,
-) {
+) where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())

@@ -196,15 +196,47 @@ impl HandleKey {
 /// Sorted, deduplicated tags are JSON-encoded as an array (so no separator ambiguity), hashed
 /// with SHA-256; the result is the lowercase hex of the first 16 bytes (32 characters).
 pub fn filter_digest(tags: &[String]) -> String {
-    let mut sorted: Vec<&str> = tags.iter().map(String::as_str).collect();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let json = serde_json::to_vec(&sorted).unwrap_or_default();
-    let digest = Sha256::digest(&json);
-    let mut out = String::with_capacity(32);
-    for b in &digest[..16] {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    filter_digest_hex(tags)
+        .iter()
+        .map(|b| char::from(*b))
+        .collect()
+}
+
+/// Whether `digest` is [`filter_digest`]`(tags)`, computed without allocating for the usual
+/// one-tag filter (every poll of a tag feed checks its handle's filter).
+pub fn filter_digest_is(tags: &[String], digest: &str) -> bool {
+    filter_digest_hex(tags) == digest.as_bytes()
+}
+
+/// The [`filter_digest`] as ASCII hex bytes: the JSON is written straight into the hash.
+fn filter_digest_hex(tags: &[String]) -> [u8; 32] {
+    /// Feeds what the JSON serializer writes to the hash (nothing to fail).
+    struct Sink(Sha256);
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut sink = Sink(Sha256::new());
+    // Serializing a list of strings into an infallible writer cannot fail.
+    let _ = match tags {
+        [one] => serde_json::to_writer(&mut sink, &[one.as_str()]),
+        _ => {
+            let mut sorted: Vec<&str> = tags.iter().map(String::as_str).collect();
+            sorted.sort_unstable();
+            sorted.dedup();
+            serde_json::to_writer(&mut sink, &sorted)
+        }
+    };
+    let digest = sink.0.finalize();
+    let mut out = [0u8; 32];
+    for (pair, b) in out.chunks_exact_mut(2).zip(&digest[..16]) {
+        pair[0] = HEX[usize::from(b >> 4)];
+        pair[1] = HEX[usize::from(b & 0xf)];
     }
     out
 }
@@ -325,6 +357,34 @@ mod tests {
             assert!(key.verify(bad).is_err(), "{bad:?}");
         }
         assert_eq!(key.verify(&long), Err(HandleError::Malformed));
+    }
+
+    #[test]
+    fn filter_digest_is_checks_without_recomputing_the_string() {
+        let s = |v: &[&str]| v.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+        for tags in [
+            s(&["a"]),
+            s(&["b", "a", "a"]),
+            s(&[]),
+            s(&[""]),
+            s(&["a,b"]),
+        ] {
+            let d = filter_digest(&tags);
+            assert_eq!(d.len(), 32);
+            assert!(filter_digest_is(&tags, &d));
+            assert!(!filter_digest_is(&tags, &filter_digest(&s(&["other"]))));
+        }
+        // Pinned: SHA-256 of the compact JSON array, first 16 bytes in hex (handles minted by
+        // other instances and versions must keep verifying).
+        assert_eq!(
+            filter_digest(&s(&["a"])),
+            "0eb5b8d6f81bc677da8a08567cc4fa9a"
+        );
+        assert_eq!(
+            filter_digest(&s(&["b", "a", "b"])),
+            "0473ef2dc0d324ab659d3580c1134e9d"
+        );
+        assert_eq!(filter_digest(&s(&[])), "4f53cda18c2baa0c0354bb5f9a3ecbe5");
     }
 
     #[test]

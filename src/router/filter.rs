@@ -1,5 +1,7 @@
 //! A held feed's membership predicate over its environment's change stream.
 
+use std::sync::Arc;
+
 use crate::changes::ChangeRecord;
 use crate::protocol::{BatchId, RunId, RunMeta};
 
@@ -9,7 +11,7 @@ pub enum FeedFilter {
     /// One run.
     Run { run_id: RunId },
     /// Runs carrying ALL `tags` (none = every run) created at or after `floor_ms`.
-    Tag { tags: Vec<String>, floor_ms: i64 },
+    Tag { tags: Arc<[String]>, floor_ms: i64 },
     /// Runs of one batch.
     Batch { batch_id: BatchId },
 }
@@ -75,14 +77,14 @@ mod tests {
     #[test]
     fn rtr_17_tag_feed_is_contains_all_with_floor() {
         let f = FeedFilter::Tag {
-            tags: vec!["a".into(), "b".into()],
+            tags: vec!["a".into(), "b".into()].into(),
             floor_ms: 100,
         };
         assert!(!f.accepts(&meta(&["a"], 200, None)));
         assert!(f.accepts(&meta(&["a", "b", "c"], 200, None)));
         assert!(!f.accepts(&meta(&["a", "b"], 99, None)));
         let unfiltered = FeedFilter::Tag {
-            tags: vec![],
+            tags: Vec::new().into(),
             floor_ms: 100,
         };
         assert!(unfiltered.accepts(&meta(&[], 100, None)));
@@ -92,7 +94,7 @@ mod tests {
     #[test]
     fn rtr_12_13_tag_candidates_any_overlap_or_partial() {
         let f = FeedFilter::Tag {
-            tags: vec!["a".into(), "b".into()],
+            tags: vec!["a".into(), "b".into()].into(),
             floor_ms: 0,
         };
         assert!(f.is_candidate(&rec(Some(&["b"]), None)));
@@ -102,7 +104,7 @@ mod tests {
             "partial record is hydrate-to-classify"
         );
         let unfiltered = FeedFilter::Tag {
-            tags: vec![],
+            tags: Vec::new().into(),
             floor_ms: 0,
         };
         assert!(unfiltered.is_candidate(&rec(Some(&[]), None)));

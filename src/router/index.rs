@@ -71,7 +71,7 @@ impl EnvState {
                 if tags.is_empty() {
                     self.unfiltered_tag_feeds.insert(id);
                 }
-                for tag in tags {
+                for tag in tags.iter() {
                     self.by_tag.entry(tag.clone()).or_default().insert(id);
                 }
             }
@@ -96,7 +96,7 @@ impl EnvState {
             FeedFilter::Tag { tags, .. } => {
                 self.tag_feeds.remove(&id);
                 self.unfiltered_tag_feeds.remove(&id);
-                for tag in tags {
+                for tag in tags.iter() {
                     remove(&mut self.by_tag, tag, id);
                 }
             }

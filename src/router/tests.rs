@@ -301,7 +301,7 @@ fn feed_cols(filter: FeedFilter, cols: ColumnSet, cursor: Option<ReplayCursor>) 
 /// A tag feed on `tags` with the `createdAt` floor `floor_ms`.
 fn floored_tag_feed(tags: &[&str], floor_ms: i64) -> FeedFilter {
     FeedFilter::Tag {
-        tags: strings(tags),
+        tags: strings(tags).into(),
         floor_ms,
     }
 }
@@ -1547,7 +1547,7 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
             drop(a);
         });
         let filter = FeedFilter::Tag {
-            tags: many.clone(),
+            tags: many.clone().into(),
             floor_ms: 0,
         };
         let b = h.router.register(feed(filter, None)).await;

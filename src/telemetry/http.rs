@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{MatchedPath, Request};
+use axum::extract::Request;
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 use tokio::time::Instant;
@@ -26,13 +26,28 @@ use super::Metrics;
 /// Route label of requests outside every route (404 fallback).
 pub const UNMATCHED: &str = "unmatched";
 
-/// The request span layer (tower-http `TraceLayer` with runfeed's span and response log).
-/// Apply it with `Router::layer` so the matched route is known.
+/// The `route` label of a request path: the route pattern that serves it, or [`UNMATCHED`]
+/// (the HTTP layer knows its routes; the layers here run around the whole router, before it
+/// matched anything).
+pub type RouteOf = fn(&str) -> &'static str;
+
+/// The request span service of [`trace_layer`].
+pub type TraceService<S> = tower_http::trace::Trace<
+    S,
+    SharedClassifier<ServerErrorsAsFailures>,
+    RequestSpan,
+    DefaultOnRequest,
+    ResponseLog,
+>;
+
+/// The request span layer (tower-http `TraceLayer` with runfeed's span and response log);
+/// `route_of` names the route of a request path.
 pub fn trace_layer(
+    route_of: RouteOf,
 ) -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, RequestSpan, DefaultOnRequest, ResponseLog>
 {
     TraceLayer::new_for_http()
-        .make_span_with(RequestSpan)
+        .make_span_with(RequestSpan(route_of))
         .on_response(ResponseLog)
 }
 
@@ -41,18 +56,19 @@ pub fn record_env_id(env_id: &str) {
     Span::current().record("env_id", env_id);
 }
 
-fn route_of<B>(req: &axum::http::Request<B>) -> &str {
-    req.extensions()
-        .get::<MatchedPath>()
-        .map_or(UNMATCHED, MatchedPath::as_str)
-}
-
 /// Whether the query asks for a live poll (`live=true`, last value wins like the feed parser).
+/// Looks for `live=` only (one substring search) instead of splitting every pair: it runs on
+/// every request.
 fn is_live(query: Option<&str>) -> bool {
+    let Some(query) = query else {
+        return false;
+    };
     let mut live = false;
-    for pair in query.unwrap_or("").split('&') {
-        if let Some(v) = pair.strip_prefix("live=") {
-            live = v == "true";
+    for (at, _) in query.match_indices("live=") {
+        let starts_pair = at == 0 || query.as_bytes().get(at - 1) == Some(&b'&');
+        if starts_pair {
+            let rest = &query[at + "live=".len()..];
+            live = rest.split('&').next() == Some("true");
         }
     }
     live
@@ -73,15 +89,15 @@ fn outcome(status: u16) -> &'static str {
 /// (building and formatting one cost about a fifth of an ended live poll's instructions,
 /// BENCHMARKS.md "Cost per unit of work"); `RUST_LOG=info,runfeed::telemetry::http=debug` turns
 /// them on. 5xx responses are logged at `error` either way (the layer's failure classifier).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RequestSpan;
+#[derive(Clone, Copy, Debug)]
+pub struct RequestSpan(RouteOf);
 
 impl<B> MakeSpan<B> for RequestSpan {
     fn make_span(&mut self, req: &axum::http::Request<B>) -> Span {
         tracing::debug_span!(
             "request",
             method = %req.method(),
-            route = route_of(req),
+            route = (self.0)(req.uri().path()),
             path = req.uri().path(),
             live = is_live(req.uri().query()),
             env_id = Empty,
@@ -108,32 +124,24 @@ impl<B> OnResponse<B> for ResponseLog {
     }
 }
 
-/// Adds the HTTP metrics middleware to every route of `router` (requests by route, method and
-/// status; duration by route, status and live; body bytes by route). A request whose client
-/// goes away first counts as status 499.
-pub fn instrument(router: axum::Router, metrics: Arc<Metrics>) -> axum::Router {
-    router.layer(TrackLayer(metrics))
-}
-
-/// The layer of [`instrument`]: a plain tower layer whose future is the inner one plus the
-/// request's [`Pending`] record (no box, no per-request strings: memory per held feed).
-#[derive(Clone)]
-struct TrackLayer(Arc<Metrics>);
-
-impl<S> tower::Layer<S> for TrackLayer {
-    type Service = Track<S>;
-
-    fn layer(&self, inner: S) -> Track<S> {
-        Track {
-            metrics: self.0.clone(),
-            inner,
-        }
+/// Wraps `service` in the HTTP metrics middleware (requests by route, method and status;
+/// duration by route, status and live; body bytes by route; `route_of` names the route). A
+/// request whose client goes away first counts as status 499. A plain tower service whose
+/// future is the inner one plus the request's [`Pending`] record (no box, no per-request
+/// strings: memory per held feed).
+pub fn instrument<S>(service: S, metrics: Arc<Metrics>, route_of: RouteOf) -> Track<S> {
+    Track {
+        metrics,
+        route_of,
+        inner: service,
     }
 }
 
+/// The service of [`instrument`].
 #[derive(Clone)]
-struct Track<S> {
+pub struct Track<S> {
     metrics: Arc<Metrics>,
+    route_of: RouteOf,
     inner: S,
 }
 
@@ -152,7 +160,7 @@ where
 
     fn call(&mut self, req: Request) -> Self::Future {
         let pending = Pending {
-            route: RouteLabel::of(&req),
+            route: (self.route_of)(req.uri().path()),
             method: req.method().clone(),
             live: is_live(req.uri().query()),
             started: Instant::now(),
@@ -168,7 +176,7 @@ where
 
 /// Response future of [`Track`]: counts the response (or a 499 if dropped first) and wraps
 /// its body in a [`CountedBody`].
-struct TrackFuture<F> {
+pub struct TrackFuture<F> {
     inner: F,
     pending: Pending,
 }
@@ -187,7 +195,7 @@ where
         let status = response.status().as_u16();
         let m = &pending.metrics;
         m.http_request(
-            pending.route.as_str(),
+            pending.route,
             pending.method.as_str(),
             status,
             pending.live,
@@ -198,31 +206,16 @@ where
             inner: body,
             bytes: 0,
             metrics: m.clone(),
-            route: pending.route.clone(),
+            route: pending.route,
         };
         Poll::Ready(Ok(Response::from_parts(parts, Body::new(counted))))
-    }
-}
-
-/// A request's route label without a per-request allocation (memory per held feed): the
-/// matched pattern is shared (`MatchedPath` is an `Arc<str>`).
-#[derive(Clone)]
-struct RouteLabel(Option<MatchedPath>);
-
-impl RouteLabel {
-    fn of<B>(req: &axum::http::Request<B>) -> RouteLabel {
-        RouteLabel(req.extensions().get::<MatchedPath>().cloned())
-    }
-
-    fn as_str(&self) -> &str {
-        self.0.as_ref().map_or(UNMATCHED, MatchedPath::as_str)
     }
 }
 
 /// Counts the request as 499 if dropped before the response.
 struct Pending {
     metrics: Arc<Metrics>,
-    route: RouteLabel,
+    route: &'static str,
     method: axum::http::Method,
     live: bool,
     started: Instant,
@@ -233,7 +226,7 @@ impl Drop for Pending {
     fn drop(&mut self) {
         if !self.done {
             self.metrics.http_request(
-                self.route.as_str(),
+                self.route,
                 self.method.as_str(),
                 499,
                 self.live,
@@ -248,7 +241,7 @@ struct CountedBody {
     inner: Body,
     bytes: u64,
     metrics: Arc<Metrics>,
-    route: RouteLabel,
+    route: &'static str,
 }
 
 impl http_body::Body for CountedBody {
@@ -281,7 +274,7 @@ impl http_body::Body for CountedBody {
 impl Drop for CountedBody {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            self.metrics.http_bytes(self.route.as_str(), self.bytes);
+            self.metrics.http_bytes(self.route, self.bytes);
         }
     }
 }
@@ -296,6 +289,11 @@ mod tests {
         assert!(!is_live(Some("live=true&live=false")));
         assert!(!is_live(Some("live=1")));
         assert!(!is_live(None));
+        assert!(is_live(Some("live=true")));
+        assert!(!is_live(Some("olive=true&xlive=true")));
+        assert!(is_live(Some("live_sse=false&live=true&cursor=1")));
+        assert!(!is_live(Some("live=truer")));
+        assert!(!is_live(Some("live=")));
     }
 
     /// A `Write` that appends to a shared buffer (captured log output).
@@ -334,7 +332,13 @@ mod tests {
                     "ok"
                 }),
             )
-            .layer(trace_layer());
+            .layer(trace_layer(|path| {
+                if path.starts_with("/feed/") {
+                    "/feed/{id}"
+                } else {
+                    UNMATCHED
+                }
+            }));
         tracing::subscriber::with_default(subscriber, || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

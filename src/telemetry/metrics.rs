@@ -17,6 +17,8 @@
 //! Counters with a fixed label set are created with every label combination at zero, so their
 //! series exist (and `rate()` works) from the first scrape.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -215,13 +217,13 @@ pub struct Metrics {
     /// `runfeed.http.requests` (`runfeed_http_requests_total`): HTTP requests by `route`
     /// (matched path, `unmatched` for 404s outside the routes), `method` and `status` (`499`
     /// = the client went away before the response).
-    pub http_requests: Counter<u64>,
+    pub http_requests: KeyedCounter<(Cow<'static, str>, Cow<'static, str>, u16)>,
     /// `runfeed.http.duration` (ms; `runfeed_http_duration_milliseconds`): time to the response
     /// head by `route`, `status` and `live` (`true` = the poll hold duration).
     pub http_duration: Histogram<f64>,
     /// `runfeed.http.sent` (By; `runfeed_http_sent_bytes_total`): response body bytes by
     /// `route`.
-    pub http_sent: Counter<u64>,
+    pub http_sent: KeyedCounter<Cow<'static, str>>,
     /// `runfeed.pg.acquire_wait` (ms; `runfeed_pg_acquire_wait_milliseconds`): how long a
     /// store read waited for a pooled connection. Growing = the pool is the bottleneck.
     pub pg_acquire_wait: Histogram<f64>,
@@ -285,6 +287,73 @@ impl FixedCounter {
     }
 }
 
+/// A counter whose label sets are not all known up front but few (route × method × status):
+/// counted with a read-locked lookup and one relaxed atomic add per event, reported at
+/// collection as an OTel observable counter (a label set appears once counted). A synchronous
+/// OTel counter hashes and sorts its attributes on every `add`; these count on every request
+/// (BENCHMARKS.md "Cost per unit of work").
+pub struct KeyedCounter<K> {
+    counts: Arc<
+        std::sync::RwLock<
+            HashMap<K, Arc<std::sync::atomic::AtomicU64>, foldhash::fast::RandomState>,
+        >,
+    >,
+}
+
+impl<K> KeyedCounter<K>
+where
+    K: std::hash::Hash + Eq + Clone + Send + Sync + 'static,
+{
+    /// The instrument `spec`; `attrs` names a key's label set at collection.
+    fn new(
+        meter: &Meter,
+        spec: &Recorded,
+        attrs: impl Fn(&K) -> Vec<KeyValue> + Send + Sync + 'static,
+    ) -> KeyedCounter<K> {
+        let counts: Arc<std::sync::RwLock<HashMap<K, Arc<std::sync::atomic::AtomicU64>, _>>> =
+            Arc::default();
+        let read = counts.clone();
+        meter
+            .u64_observable_counter(spec.name)
+            .with_unit(spec.unit)
+            .with_description(spec.description)
+            .with_callback(move |o| {
+                let counts = read.read().unwrap_or_else(|p| p.into_inner());
+                for (key, count) in counts.iter() {
+                    o.observe(
+                        count.load(std::sync::atomic::Ordering::Relaxed),
+                        &attrs(key),
+                    );
+                }
+            })
+            .build();
+        KeyedCounter { counts }
+    }
+
+    /// Adds `n` to the label set `key`.
+    fn add(&self, key: K, n: u64) {
+        let counts = self.counts.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = counts.get(&key) {
+            count.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        drop(counts);
+        let mut counts = self.counts.write().unwrap_or_else(|p| p.into_inner());
+        counts
+            .entry(key)
+            .or_default()
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The count of the label set `key` so far (0 when never counted).
+    pub fn get(&self, key: &K) -> u64 {
+        let counts = self.counts.read().unwrap_or_else(|p| p.into_inner());
+        counts
+            .get(key)
+            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
 fn counter(meter: &Meter, spec: &Recorded) -> Counter<u64> {
     meter
         .u64_counter(spec.name)
@@ -325,11 +394,21 @@ const STATIC_LABELS: &[&str] = &[
     "HEAD",
 ];
 
-/// `value` as a label value, static when it is one of [`STATIC_LABELS`].
-fn label(value: &str) -> opentelemetry::Value {
+/// `value` as a label, static when it is one of [`STATIC_LABELS`].
+fn label(value: &str) -> Cow<'static, str> {
     match STATIC_LABELS.iter().find(|known| **known == value) {
-        Some(known) => opentelemetry::Value::from(*known),
-        None => opentelemetry::Value::from(value.to_string()),
+        Some(known) => Cow::Borrowed(known),
+        None => Cow::Owned(value.to_string()),
+    }
+}
+
+/// A [`label`] as an OTel value (no copy for a static one: the variant matters, so the `Cow`
+/// itself is taken).
+#[allow(clippy::ptr_arg)]
+fn label_value(label: &Cow<'static, str>) -> opentelemetry::Value {
+    match label {
+        Cow::Borrowed(known) => opentelemetry::Value::from(*known),
+        Cow::Owned(other) => opentelemetry::Value::from(other.clone()),
     }
 }
 
@@ -381,9 +460,21 @@ impl Metrics {
             ),
             query_duration: f64_histogram(meter, &recorded::RUNSET_QUERY_DURATION, QUERY_BOUNDS_MS),
             admission_waits: counter(meter, &recorded::RUNSET_ADMISSION_WAITS),
-            http_requests: counter(meter, &recorded::HTTP_REQUESTS),
+            http_requests: KeyedCounter::new(
+                meter,
+                &recorded::HTTP_REQUESTS,
+                |(route, method, status)| {
+                    vec![
+                        KeyValue::new("route", label_value(route)),
+                        KeyValue::new("method", label_value(method)),
+                        KeyValue::new("status", i64::from(*status)),
+                    ]
+                },
+            ),
             http_duration: f64_histogram(meter, &recorded::HTTP_DURATION, HTTP_BOUNDS_MS),
-            http_sent: counter(meter, &recorded::HTTP_SENT),
+            http_sent: KeyedCounter::new(meter, &recorded::HTTP_SENT, |route| {
+                vec![KeyValue::new("route", label_value(route))]
+            }),
             pg_acquire_wait: f64_histogram(meter, &recorded::PG_ACQUIRE_WAIT, QUERY_BOUNDS_MS),
             hydrate_batch: u64_histogram(meter, &recorded::ROUTER_HYDRATE_BATCH, ROW_BOUNDS),
             meter: meter.clone(),
@@ -471,18 +562,17 @@ impl Metrics {
 
     /// One finished HTTP request.
     pub fn http_request(&self, route: &str, method: &str, status: u16, live: bool, took: Duration) {
-        let status = KeyValue::new("status", i64::from(status));
-        let route = KeyValue::new("route", label(route));
-        self.http_requests.add(
-            1,
+        let route = label(route);
+        self.http_requests
+            .add((route.clone(), label(method), status), 1);
+        self.http_duration.record(
+            ms(took),
             &[
-                route.clone(),
-                KeyValue::new("method", label(method)),
-                status.clone(),
+                KeyValue::new("route", label_value(&route)),
+                KeyValue::new("status", i64::from(status)),
+                KeyValue::new("live", live),
             ],
         );
-        self.http_duration
-            .record(ms(took), &[route, status, KeyValue::new("live", live)]);
     }
 
     /// A store read waited `took` for its pooled connection.
@@ -498,8 +588,7 @@ impl Metrics {
 
     /// `bytes` of response body sent on `route`.
     pub fn http_bytes(&self, route: &str, bytes: u64) {
-        self.http_sent
-            .add(bytes, &[KeyValue::new("route", label(route))]);
+        self.http_sent.add(label(route), bytes);
     }
 
     /// Registers the observable instrument `spec`; `callback` reports its current value(s) at

@@ -129,38 +129,18 @@ impl Conn {
         let resp = drive(conn, send.send_request(req))
             .await?
             .context("send request")?;
-        let status = resp.status().as_u16();
-        let h = |n: &str| {
-            resp.headers()
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
-        let (handle, offset, cursor) = (
-            h("electric-handle"),
-            h("electric-offset"),
-            h("electric-cursor"),
-        );
-        let body = drive(conn, resp.into_body().collect())
+        let (parts, body) = resp.into_parts();
+        let body = drive(conn, body.collect())
             .await?
             .context("read response body")?
             .to_bytes();
-        Ok(Resp {
-            status,
-            handle,
-            offset,
-            cursor,
-            body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-        })
+        Ok(Resp::parse(parts.status, &parts.headers, &body))
     }
 }
 
 /// Runs `f` while driving the connection's I/O in the same task; an error if the connection
 /// ends first.
-async fn drive<F: Future>(
-    conn: &mut Pin<Box<Driver>>,
-    f: F,
-) -> anyhow::Result<F::Output> {
+async fn drive<F: Future>(conn: &mut Pin<Box<Driver>>, f: F) -> anyhow::Result<F::Output> {
     tokio::select! {
         biased;
         out = f => Ok(out),

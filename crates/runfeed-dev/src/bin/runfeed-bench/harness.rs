@@ -88,6 +88,27 @@ pub(crate) struct Resp {
 }
 
 impl Resp {
+    /// A response from its parts; a body that is not JSON is `Null`.
+    pub(crate) fn parse(
+        status: hyper::StatusCode,
+        headers: &hyper::HeaderMap,
+        body: &[u8],
+    ) -> Resp {
+        let h = |n: &str| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        Resp {
+            status: status.as_u16(),
+            handle: h("electric-handle"),
+            offset: h("electric-offset"),
+            cursor: h("electric-cursor"),
+            body: serde_json::from_slice(body).unwrap_or(Value::Null),
+        }
+    }
+
     /// `(run id, updatedAt)` of every change message.
     pub(crate) fn changed_ids(&self) -> Vec<String> {
         self.body
@@ -324,26 +345,10 @@ impl Bench {
             .header("x-trigger-electric-version", ELECTRIC_VERSION)
             .send()
             .await?;
-        let status = resp.status().as_u16();
-        let h = |n: &str| {
-            resp.headers()
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
-        let (handle, offset, cursor) = (
-            h("electric-handle"),
-            h("electric-offset"),
-            h("electric-cursor"),
-        );
-        let text = resp.text().await?;
-        Ok(Resp {
-            status,
-            handle,
-            offset,
-            cursor,
-            body: serde_json::from_str(&text).unwrap_or(Value::Null),
-        })
+        let mut resp = resp;
+        let (status, headers) = (resp.status(), std::mem::take(resp.headers_mut()));
+        let body = resp.bytes().await?;
+        Ok(Resp::parse(status, &headers, &body))
     }
 
     pub(crate) async fn snapshot(&self, token: &str, feed: &Feed) -> anyhow::Result<Resp> {

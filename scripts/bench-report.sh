@@ -10,7 +10,7 @@
 # IDLE_S (300), SOURCE_ADDRS (4), ONLY ("held fanout churn stampede idle"; "cost" runs the
 # cost-per-unit-of-work group: idle floor, ended polls, deliveries, changes, on a Redis of its own
 # so its command counts are exact; COST_HELD (4000), COST_S (20), COST_PASSES ("floor poll delivery
-# change")).
+# change"), COST_CHANGE_RATE (2000: the change pass's changes/s)).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -150,9 +150,9 @@ if want cost; then
       bench "cost-delivery-$label" churn --kind run --rate 200 --envs 20 --runs 10 --held 1000 \
         --duration-s "$cost_s" --transport both
     stop_server
-    # Change records: 2 000 changes/s over 1 000 environments, 10 000 held tag feeds.
+    # Change records: 2 000 changes/s (COST_CHANGE_RATE) over 1 000 environments, 10 000 held tag feeds.
     cost_want change && start_server "$label-change" "$bin" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=30000 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=0 &&
-      bench "cost-change-$label" churn --rate 2000 --envs 1000 --runs 10 --held 10000 --duration-s "$cost_s"
+      bench "cost-change-$label" churn --rate "${COST_CHANGE_RATE:-2000}" --envs 1000 --runs 10 --held 10000 --duration-s "$cost_s"
     stop_server
   }
   cost_pass runfeed "$BIN/runfeed"

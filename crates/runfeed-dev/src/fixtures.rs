@@ -501,6 +501,41 @@ pub async fn update_run(pool: &PgPool, run_id: &str, set: RunUpdate) -> anyhow::
         .with_context(|| format!("update TaskRun {run_id}: no such run"))
 }
 
+/// Sets `status` on every run of `run_ids` (internal ids, each at most once) in one statement
+/// and bumps each one's `"updatedAt"` as [`update_run`] does (the current UTC time in ms,
+/// strictly after its previous value). Returns `(run id, committed "updatedAt" in epoch ms)` for
+/// each run that exists, in no particular order: one round trip for many changes (a load
+/// generator's tick).
+pub async fn update_runs_status(
+    pool: &PgPool,
+    run_ids: &[String],
+    status: &str,
+) -> anyhow::Result<Vec<(String, i64)>> {
+    let sql = format!(
+        r#"UPDATE "TaskRun" AS r SET
+             status = $2::"TaskRunStatus",
+             "updatedAt" = GREATEST({NOW_UTC_MS}, r."updatedAt" + interval '1 millisecond')
+           FROM unnest($1::text[]) AS u(id)
+           WHERE r.id = u.id
+           RETURNING r.id, {u}"#,
+        u = ts_to_ms(r#"r."updatedAt""#),
+    );
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(run_ids)
+        .bind(status)
+        .fetch_all(pool)
+        .await
+        .with_context(|| format!("update {} TaskRuns", run_ids.len()))?;
+    rows.iter()
+        .map(|row| {
+            Ok((
+                row.try_get::<String, _>(0).context("read back id")?,
+                row.try_get::<i64, _>(1).context("read back updatedAt")?,
+            ))
+        })
+        .collect()
+}
+
 /// Like [`update_run`], but a missing run is `Ok(None)` instead of an error.
 pub async fn update_run_if_exists(
     pool: &PgPool,

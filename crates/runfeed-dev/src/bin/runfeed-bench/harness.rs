@@ -88,6 +88,27 @@ pub(crate) struct Resp {
 }
 
 impl Resp {
+    /// A response from its parts; a body that is not JSON is `Null`.
+    pub(crate) fn parse(
+        status: hyper::StatusCode,
+        headers: &hyper::HeaderMap,
+        body: &[u8],
+    ) -> Resp {
+        let h = |n: &str| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        Resp {
+            status: status.as_u16(),
+            handle: h("electric-handle"),
+            offset: h("electric-offset"),
+            cursor: h("electric-cursor"),
+            body: serde_json::from_slice(body).unwrap_or(Value::Null),
+        }
+    }
+
     /// `(run id, updatedAt)` of every change message.
     pub(crate) fn changed_ids(&self) -> Vec<String> {
         self.body
@@ -124,6 +145,25 @@ impl Feed {
             ),
             Feed::Run(id) => (format!("/realtime/v1/runs/{id}"), Vec::new()),
         }
+    }
+
+    /// The first request: the snapshot (`offset=-1`).
+    pub(crate) fn snapshot_request(&self) -> (String, Vec<(&'static str, String)>) {
+        let (path, mut params) = self.path_and_params();
+        params.push(("offset", "-1".into()));
+        (path, params)
+    }
+
+    /// The live long-poll that follows response `at`.
+    pub(crate) fn live_request(&self, at: &Resp) -> (String, Vec<(&'static str, String)>) {
+        let (path, mut params) = self.path_and_params();
+        params.extend([
+            ("cursor", at.cursor.clone().unwrap_or_default()),
+            ("handle", at.handle.clone().unwrap_or_default()),
+            ("live", "true".into()),
+            ("offset", at.offset.clone().unwrap_or_else(|| "-1".into())),
+        ]);
+        (path, params)
     }
 
     /// The public-token scope that reads it.
@@ -166,12 +206,16 @@ impl SseReader {
     }
 }
 
+/// Source address `i` of `--source-addrs`: 127.0.0.(1 + i).
+pub(crate) fn source_ip(i: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + i))
+}
+
 pub(crate) fn client_for(i: u8) -> anyhow::Result<reqwest::Client> {
-    let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1 + i));
     Ok(reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(100_000)
-        .local_address(ip)
+        .local_address(source_ip(i))
         .timeout(Duration::from_secs(300))
         .build()?)
 }
@@ -198,6 +242,17 @@ impl Bench {
             next_client: AtomicUsize::new(0),
             probe: reqwest::Client::builder().no_proxy().build()?,
         })
+    }
+
+    /// Where follower connections ([`conn::Conn`]) go: the server of `--base-url`, once from
+    /// each source address of `--source-addrs`.
+    pub(crate) async fn conn_targets(&self) -> anyhow::Result<Vec<conn::Target>> {
+        let mut targets = Vec::new();
+        for i in 0..self.c.source_addrs.max(1) {
+            let ip = source_ip(self.c.first_source.saturating_add(i));
+            targets.push(conn::Target::resolve(&self.base, ip).await?);
+        }
+        Ok(targets)
     }
 
     pub(crate) fn client(&self) -> &reqwest::Client {
@@ -290,31 +345,14 @@ impl Bench {
             .header("x-trigger-electric-version", ELECTRIC_VERSION)
             .send()
             .await?;
-        let status = resp.status().as_u16();
-        let h = |n: &str| {
-            resp.headers()
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
-        let (handle, offset, cursor) = (
-            h("electric-handle"),
-            h("electric-offset"),
-            h("electric-cursor"),
-        );
-        let text = resp.text().await?;
-        Ok(Resp {
-            status,
-            handle,
-            offset,
-            cursor,
-            body: serde_json::from_str(&text).unwrap_or(Value::Null),
-        })
+        let mut resp = resp;
+        let (status, headers) = (resp.status(), std::mem::take(resp.headers_mut()));
+        let body = resp.bytes().await?;
+        Ok(Resp::parse(status, &headers, &body))
     }
 
     pub(crate) async fn snapshot(&self, token: &str, feed: &Feed) -> anyhow::Result<Resp> {
-        let (path, mut params) = feed.path_and_params();
-        params.push(("offset", "-1".into()));
+        let (path, params) = feed.snapshot_request();
         let r = self.get(self.client(), token, &path, &params).await?;
         if r.status != 200 {
             bail!("snapshot of {feed:?}: status {}", r.status);
@@ -329,13 +367,7 @@ impl Bench {
         feed: &Feed,
         at: &Resp,
     ) -> anyhow::Result<Resp> {
-        let (path, mut params) = feed.path_and_params();
-        params.extend([
-            ("cursor", at.cursor.clone().unwrap_or_default()),
-            ("handle", at.handle.clone().unwrap_or_default()),
-            ("live", "true".into()),
-            ("offset", at.offset.clone().unwrap_or_else(|| "-1".into())),
-        ]);
+        let (path, params) = feed.live_request(at);
         self.get(client, token, &path, &params).await
     }
 

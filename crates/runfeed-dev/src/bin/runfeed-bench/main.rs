@@ -34,6 +34,7 @@ use sqlx::PgPool;
 const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
 
 mod churn;
+mod conn;
 mod fanout;
 mod fleet;
 mod harness;

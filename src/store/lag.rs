@@ -132,8 +132,15 @@ impl PgStore {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(REPLICA_CHECK_INTERVAL) => {}
             }
-            if let Err(err) = self.check_replica().await {
-                tracing::debug!(error = %err, "replica recovery check failed");
+            // Raced against shutdown too: a replica that does not answer must not hold up the
+            // drain for the pool's acquire timeout.
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                checked = self.check_replica() => {
+                    if let Err(err) = checked {
+                        tracing::debug!(error = %err, "replica recovery check failed");
+                    }
+                }
             }
         }
     }

@@ -27,7 +27,7 @@ use crate::protocol::handle::HandleKey;
 use crate::redis::{Redis, RedisChangeSource, RedisOptions, SubscriberSettings};
 use crate::router::{Gate, Router, RouterParts};
 use crate::store::{EnvStore, PgStore, ReplicaProbe, RunStore};
-use crate::telemetry::admin::{Admin, Check};
+use crate::telemetry::admin::{Admin, Check, Health};
 use crate::telemetry::Telemetry;
 
 /// A running server (tests start it in-process on port 0).
@@ -139,6 +139,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         LimiterConfig::of(&config.feeds),
     ));
     tasks.spawn(limiter.clone().maintain(shutdown.clone()));
+    tasks.spawn(store.clone().watch_replica(shutdown.clone()));
     let state = AppState {
         feeds: feeds.clone(),
         auth,
@@ -199,32 +200,40 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
 }
 
 /// `/readyz`: the Postgres primary (`postgres`) and, when distinct, the replica
-/// (`postgres_replica`) answer `SELECT 1`, the Redis subscriber is connected (`redis`), and the
+/// (`postgres_replica`) answer, the Redis subscriber is connected (`redis`), and the
 /// database role may read what runfeed reads (`grants`, [`crate::store::grants`]). Each failing
-/// check names its dependency in the body (docs/faults.md).
+/// check names its dependency in the body (docs/faults.md). A replica out of recovery (promoted)
+/// is degraded, not failing: reads go to the primary and still work.
 fn readiness_checks(
     store: &Arc<PgStore>,
     source: &Arc<RedisChangeSource>,
 ) -> Vec<(&'static str, Check)> {
     let postgres = store_check(store, |store| async move {
-        store.ping_primary().await.map_err(|e| e.to_string())
+        store.ping_primary().await.map_err(|e| e.to_string())?;
+        Ok(Health::Ok)
     });
     let replica = store.has_distinct_replica().then(|| {
         store_check(store, |store| async move {
-            store.ping_replica().await.map_err(|e| e.to_string())
+            match store.check_replica().await.map_err(|e| e.to_string())? {
+                Some(status) if !status.in_recovery => Ok(Health::Degraded(
+                    "not in recovery (promoted): reads go to the primary".into(),
+                )),
+                _ => Ok(Health::Ok),
+            }
         })
     });
     let grants = store_check(store, |store| async move {
         crate::store::grants::check(&store)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        Ok(Health::Ok)
     });
     let source = Arc::downgrade(source);
     let redis: Check = Arc::new(move || {
         let connected = source.upgrade().is_some_and(|s| s.is_connected());
         Box::pin(async move {
             if connected {
-                Ok(())
+                Ok(Health::Ok)
             } else {
                 Err("subscriber not connected".into())
             }
@@ -240,7 +249,7 @@ fn readiness_checks(
 fn store_check<F, Fut>(store: &Arc<PgStore>, check: F) -> Check
 where
     F: Fn(Arc<PgStore>) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+    Fut: std::future::Future<Output = Result<Health, String>> + Send + 'static,
 {
     let store = Arc::downgrade(store);
     let check = Arc::new(check);

@@ -190,10 +190,16 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         }
     });
 
-    let s = store;
+    let s = store.clone();
     metrics.observe(&observed::PG_QUERIES, move |o| {
         if let Some(s) = s.upgrade() {
             o.observe(s.query_count(), &[]);
+        }
+    });
+    let s = store;
+    metrics.observe(&observed::PG_REPLICA_BYPASSED, move |o| {
+        if let Some(s) = s.upgrade() {
+            o.observe(u64::from(s.replica_bypassed()), &[]);
         }
     });
     metrics.observe(&observed::PG_ERRORS, |o| {

@@ -65,7 +65,8 @@ impl SharedRead {
 pub enum GateOutcome {
     /// The replica replayed past the batch's primary position: every announced row is visible.
     Applied,
-    /// Reads are not served by a replica in recovery: nothing to wait for.
+    /// Reads are not served by a replica in recovery (none is, or it was promoted and reads go
+    /// to the primary): nothing to wait for.
     NoReplica,
     /// `max_delay_ms` passed first: hydrate anyway (rows may be stale; the tripwire decides).
     GaveUp,
@@ -126,6 +127,9 @@ impl Gate {
     /// Waits until the replica has applied every commit announced by `records`, which arrived
     /// (all of them) before `arrived`. Never longer than `max_delay_ms` after `arrived`.
     pub async fn wait(&self, records: &[ChangeRecord], arrived: Instant) -> GateOutcome {
+        if self.probe.reads_primary() {
+            return GateOutcome::NoReplica;
+        }
         let deadline = arrived + self.max_delay();
         if !self.clock_mode.load(Ordering::Relaxed) {
             match self.wait_positions(arrived, deadline).await {
@@ -291,6 +295,7 @@ mod tests {
         replica: AtomicU64,
         primary_reads: AtomicU64,
         fail: bool,
+        reads_primary: AtomicBool,
     }
 
     #[async_trait]
@@ -308,6 +313,9 @@ mod tests {
         async fn replica_replay_lsn(&self) -> Result<Option<Lsn>, StoreError> {
             Ok(Some(self.replica.load(Ordering::Relaxed)))
         }
+        fn reads_primary(&self) -> bool {
+            self.reads_primary.load(Ordering::Relaxed)
+        }
     }
 
     fn cfg() -> ReplicaLagConfig {
@@ -323,6 +331,7 @@ mod tests {
             replica: AtomicU64::new(replica),
             primary_reads: AtomicU64::new(0),
             fail,
+            reads_primary: AtomicBool::new(false),
         })
     }
 
@@ -398,6 +407,35 @@ mod tests {
         let t1 = Instant::now();
         gate.wait(&[old], t1).await;
         assert!(t1.elapsed() < Duration::from_millis(30));
+    }
+
+    /// Reads on the primary (a promoted replica bypassed) wait for nothing, in the clock mode
+    /// too; once reads are back on a replica in recovery, the gate waits for it again.
+    #[tokio::test]
+    async fn with_reads_on_the_primary_the_gate_does_not_wait() {
+        let p = probe(100, 0, true);
+        p.reads_primary.store(true, Ordering::Relaxed);
+        let gate = Gate::new(p.clone(), cfg());
+        let record = ChangeRecord {
+            run_id: "r".into(),
+            updated_at_ms: Some(crate::clock::now_ms()),
+            ..ChangeRecord::default()
+        };
+        let t0 = Instant::now();
+        let outcome = gate.wait(std::slice::from_ref(&record), t0).await;
+        assert_eq!(outcome, GateOutcome::NoReplica);
+        assert_eq!(
+            p.primary_reads.load(Ordering::Relaxed),
+            0,
+            "no probe needed"
+        );
+        p.reads_primary.store(false, Ordering::Relaxed);
+        assert_eq!(
+            gate.wait(std::slice::from_ref(&record), Instant::now())
+                .await,
+            GateOutcome::Clock,
+            "back on the replica: the gate waits again"
+        );
     }
 
     #[test]

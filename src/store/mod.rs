@@ -22,7 +22,7 @@ mod pg;
 pub mod setup;
 mod sql;
 
-pub use lag::{Lsn, ReplicaProbe};
+pub use lag::{Lsn, ReplicaProbe, ReplicaStatus};
 pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 
 /// A database failure, with the operation it happened in.

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +24,10 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// is configured, or when reads are forced to the primary). Counts the queries it issues
 /// ([`PgStore::query_count`]).
 ///
+/// Replica reads go to the primary pool while a distinct replica is known to be out of
+/// recovery (promoted: it no longer receives the primary's commits), and back to the replica
+/// once it reports being in recovery again ([`PgStore::check_replica`]).
+///
 /// Connections carry `application_name=runfeed` and, when configured, a `statement_timeout`
 /// startup option (note: PgBouncer rejects startup options unless told to ignore them; use 0
 /// behind it). No session `TimeZone` is needed: timestamps are bound and decoded as
@@ -34,6 +38,8 @@ pub struct PgStore {
     replica: PgPool,
     /// The replica is a different pool from the primary (so a miss is worth re-reading there).
     distinct_replica: bool,
+    /// The distinct replica was last seen out of recovery: replica reads go to the primary.
+    replica_bypassed: AtomicBool,
     queries: AtomicU64,
     sql: SqlCache,
     /// Instruments (acquire waits); no-op until [`PgStore::set_metrics`].
@@ -162,6 +168,7 @@ impl PgStore {
             primary,
             replica,
             distinct_replica,
+            replica_bypassed: AtomicBool::new(false),
             queries: AtomicU64::new(0),
             metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
@@ -176,6 +183,7 @@ impl PgStore {
             primary,
             replica,
             distinct_replica,
+            replica_bypassed: AtomicBool::new(false),
             queries: AtomicU64::new(0),
             metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
@@ -234,14 +242,50 @@ impl PgStore {
         &self.primary
     }
 
-    /// The pool replica reads go to (the primary pool when there is no distinct replica).
+    /// The configured replica's pool (the primary pool when there is no distinct replica),
+    /// whether or not replica reads go to it now.
     pub fn replica(&self) -> &PgPool {
         &self.replica
     }
 
-    /// Whether replica reads go to a different server than the primary.
+    /// Whether a replica distinct from the primary is configured (`database.replica_url`).
     pub fn has_distinct_replica(&self) -> bool {
         self.distinct_replica
+    }
+
+    /// Whether replica reads go to the primary because the distinct replica was last seen out
+    /// of recovery (the `runfeed.pg.replica_bypassed` gauge).
+    pub fn replica_bypassed(&self) -> bool {
+        self.replica_bypassed.load(Ordering::Relaxed)
+    }
+
+    /// Records what the distinct replica last said about recovery: out of recovery, replica
+    /// reads go to the primary; in recovery, back to the replica. Logs each change once.
+    pub(super) fn note_replica_recovery(&self, in_recovery: bool) {
+        let bypass = !in_recovery;
+        if self.replica_bypassed.swap(bypass, Ordering::Relaxed) == bypass {
+            return;
+        }
+        if bypass {
+            tracing::warn!("the read replica (database.replica_url) is not in recovery: it was promoted and no longer receives the primary's commits, so replica reads go to the primary (database.url) until it is a replica again");
+        } else {
+            tracing::info!("the read replica (database.replica_url) is in recovery again: replica reads go back to it");
+        }
+    }
+
+    /// Whether replica reads go to a distinct replica now (configured and not bypassed): only
+    /// then is a miss there worth reading again on the primary.
+    fn reads_distinct_replica(&self) -> bool {
+        self.distinct_replica && !self.replica_bypassed()
+    }
+
+    /// The pool replica reads go to now.
+    fn read_pool(&self) -> &PgPool {
+        if self.replica_bypassed() {
+            &self.primary
+        } else {
+            &self.replica
+        }
     }
 
     fn count(&self) {
@@ -338,16 +382,17 @@ impl PgStore {
         Ok(conn)
     }
 
-    /// Runs `read` on the replica; when the standby cancelled it (a recovery conflict, a normal
-    /// and transient condition of a hot standby), runs it again on the primary instead of
-    /// failing the request.
+    /// Runs `read` on the replica (the primary while the replica is bypassed); when the standby
+    /// cancelled it (a recovery conflict, a normal and transient condition of a hot standby),
+    /// runs it again on the primary instead of failing the request.
     async fn on_replica<'a, T, F, Fut>(&'a self, read: F) -> Result<T, StoreError>
     where
         F: Fn(&'a PgPool) -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>> + 'a,
     {
-        match read(&self.replica).await {
-            Err(err) if self.distinct_replica && err.is_recovery_conflict() => {
+        let distinct = self.reads_distinct_replica();
+        match read(self.read_pool()).await {
+            Err(err) if distinct && err.is_recovery_conflict() => {
                 tracing::debug!(op = err.op, error = %err.source, "replica read cancelled by recovery; reading the primary");
                 read(&self.primary).await
             }
@@ -477,7 +522,7 @@ impl RunStore for PgStore {
         {
             return Ok(Some(row));
         }
-        if self.distinct_replica {
+        if self.reads_distinct_replica() {
             return self.read_one_on(&self.primary, env_id, run_id, cols).await;
         }
         Ok(None)
@@ -542,7 +587,7 @@ impl RunStore for PgStore {
         {
             return Ok(Some(run));
         }
-        if self.distinct_replica {
+        if self.reads_distinct_replica() {
             return self.find_run_on(&self.primary, env_id, friendly_id).await;
         }
         Ok(None)
@@ -559,7 +604,7 @@ impl RunStore for PgStore {
         {
             return Ok(Some(batch));
         }
-        if self.distinct_replica {
+        if self.reads_distinct_replica() {
             return self.find_batch_on(&self.primary, env_id, friendly_id).await;
         }
         Ok(None)

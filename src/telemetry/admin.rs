@@ -19,9 +19,20 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// A readiness check: `Ok` when the dependency answers, `Err(reason)` otherwise.
+/// A readiness check: `Ok` when the dependency answers (with how it serves), `Err(reason)`
+/// otherwise.
 pub type Check =
-    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<Health, String>> + Send>> + Send + Sync>;
+
+/// What a passing readiness check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// The dependency answers and serves as configured (`"ok"` in the body).
+    Ok,
+    /// The dependency answers, but runfeed works around it and requests are still served:
+    /// `/readyz` stays 200, its status is `"degraded"` and the check's entry is this reason.
+    Degraded(String),
+}
 
 /// Each `/readyz` check is bounded by this.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -99,8 +110,9 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     }
 }
 
-/// 200 `{"status":"ready","checks":{…:"ok"}}` when every check passes, else 503 with the
-/// failing checks' reasons.
+/// 200 `{"status":"ready","checks":{…:"ok"}}` when every check passes, 200 with status
+/// `"degraded"` when some only pass degraded (their entries give the reason), else 503 with
+/// status `"not ready"` and the failing checks' reasons.
 async fn readyz(State(state): State<AdminState>) -> Response {
     let results = futures::future::join_all(state.checks.iter().map(|(name, check)| async move {
         let result = match tokio::time::timeout(CHECK_TIMEOUT, check()).await {
@@ -110,42 +122,60 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         (*name, result)
     }))
     .await;
+    let (status, body) = verdict(results);
+    (status, Json(body)).into_response()
+}
+
+/// The `/readyz` status and body for the checks' `results`.
+fn verdict(
+    results: Vec<(&'static str, Result<Health, String>)>,
+) -> (StatusCode, serde_json::Value) {
     let ready = results.iter().all(|(_, r)| r.is_ok());
+    let degraded = results
+        .iter()
+        .any(|(_, r)| matches!(r, Ok(Health::Degraded(_))));
     let checks: serde_json::Map<String, serde_json::Value> = results
         .into_iter()
         .map(|(name, r)| {
-            (
-                name.to_string(),
-                json!(r.err().unwrap_or_else(|| "ok".to_string())),
-            )
+            let text = match r {
+                Ok(Health::Ok) => "ok".to_string(),
+                Ok(Health::Degraded(reason)) | Err(reason) => reason,
+            };
+            (name.to_string(), json!(text))
         })
         .collect();
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
+    let (status, word) = match (ready, degraded) {
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not ready"),
+        (true, true) => (StatusCode::OK, "degraded"),
+        (true, false) => (StatusCode::OK, "ready"),
     };
-    (
-        status,
-        Json(json!({"status": if ready { "ready" } else { "not ready" }, "checks": checks})),
-    )
-        .into_response()
+    (status, json!({"status": word, "checks": checks}))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn check(ok: bool) -> Check {
+    fn check(result: Result<Health, String>) -> Check {
         Arc::new(move || {
-            Box::pin(async move {
-                if ok {
-                    Ok(())
-                } else {
-                    Err("down".to_string())
-                }
-            })
+            let result = result.clone();
+            Box::pin(async move { result })
         })
+    }
+
+    #[test]
+    fn a_degraded_check_keeps_readyz_200_and_names_its_reason() {
+        let (status, body) = verdict(vec![
+            ("postgres", Ok(Health::Ok)),
+            ("postgres_replica", Ok(Health::Degraded("bypassed".into()))),
+        ]);
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            body,
+            json!({"status": "degraded", "checks": {"postgres": "ok", "postgres_replica": "bypassed"}})
+        );
+        let (status, body) = verdict(vec![("postgres", Ok(Health::Ok))]);
+        assert_eq!((status, &body["status"]), (StatusCode::OK, &json!("ready")));
     }
 
     #[tokio::test]
@@ -154,7 +184,14 @@ mod tests {
         let admin = Admin::start(
             "127.0.0.1:0",
             prometheus::Registry::new(),
-            vec![("postgres", check(true)), ("redis", check(false))],
+            vec![
+                ("postgres", check(Ok(Health::Ok))),
+                (
+                    "postgres_replica",
+                    check(Ok(Health::Degraded("bypassed".into()))),
+                ),
+                ("redis", check(Err("down".into()))),
+            ],
             shutdown.clone(),
             &tasks,
         )
@@ -175,7 +212,9 @@ mod tests {
         let ready = get("/readyz").await;
         assert!(ready.starts_with("HTTP/1.0 503"), "{ready}");
         assert!(
-            ready.contains(r#""redis":"down""#) && ready.contains(r#""postgres":"ok""#),
+            ready.contains(r#""redis":"down""#)
+                && ready.contains(r#""postgres":"ok""#)
+                && ready.contains(r#""postgres_replica":"bypassed""#),
             "{ready}"
         );
         assert!(get("/healthz").await.starts_with("HTTP/1.0 200"));

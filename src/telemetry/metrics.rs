@@ -853,6 +853,7 @@ pub struct Observed {
 /// | `runfeed.http.accept_errors` | `runfeed_http_accept_errors_total` | `http::serve::accept_errors` (process-wide) |
 /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |
 /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
+/// | `runfeed.pg.replica_bypassed` | `runfeed_pg_replica_bypassed` | `PgStore::replica_bypassed` (1 = replica reads go to the primary) |
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
 /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
 /// | `runfeed.redis.commands`, `purpose` = cursor_read \| cursor_write \| concurrency | `runfeed_redis_commands_total` | `redis::CommandCounts` |
@@ -985,6 +986,15 @@ pub mod observed {
         unit: "{error}",
         labels: &["kind"],
         description: "Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
+    };
+
+    /// `runfeed.pg.replica_bypassed` (gauge).
+    pub const PG_REPLICA_BYPASSED: Observed = Observed {
+        name: "runfeed.pg.replica_bypassed",
+        kind: ObservedKind::Gauge,
+        unit: "",
+        labels: &[],
+        description: "Whether replica reads go to the primary (1) because database.replica_url is not in recovery (promoted), or to the replica (0)",
     };
 
     /// `runfeed.notifier.messages_received` (counter).
@@ -1134,7 +1144,7 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 30] = [
+    pub const ALL: [&Observed; 31] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -1145,6 +1155,7 @@ pub mod observed {
         &RUNSET_ADMISSION_IN_USE,
         &PG_QUERIES,
         &PG_ERRORS,
+        &PG_REPLICA_BYPASSED,
         &NOTIFIER_MESSAGES_RECEIVED,
         &NOTIFIER_ACTIVE_SUBSCRIPTIONS,
         &NOTIFIER_PUBLISHES,

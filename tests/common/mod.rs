@@ -432,6 +432,8 @@ pub struct TestServer {
     publisher: Option<Publisher>,
     redis: Option<fred::clients::Client>,
     db_name: String,
+    /// The admin URL of the Postgres server holding the database (dropped there at the end).
+    db_admin: String,
     /// The configuration the server was started with.
     pub config: Config,
 }
@@ -493,7 +495,17 @@ impl TestServer {
 
     /// A server with the given live hold; `tweak` edits the config before start.
     pub async fn start_with(hold_ms: u64, tweak: impl FnOnce(&mut Config)) -> TestServer {
-        let db = within(WAIT, "create test database", TestDb::create(PG_ADMIN))
+        Self::start_on(PG_ADMIN, hold_ms, tweak).await
+    }
+
+    /// [`TestServer::start_with`] on a new database of the Postgres server at `admin` (e.g. an
+    /// own instance of scripts/pg-instance.sh); the database is dropped there at the end.
+    pub async fn start_on(
+        admin: &str,
+        hold_ms: u64,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestServer {
+        let db = within(WAIT, "create test database", TestDb::create(admin))
             .await
             .expect("create test database");
         let mut config = test_config(&db.url, hold_ms);
@@ -531,6 +543,7 @@ impl TestServer {
             publisher: Some(publisher),
             redis: Some(redis),
             db_name,
+            db_admin: admin.to_string(),
             config,
         }
     }
@@ -968,7 +981,7 @@ impl Drop for TestServer {
         drop(self.running.take());
         drop(self.publisher.take());
         drop(self.redis.take());
-        let name = self.db_name.clone();
+        let (name, admin) = (self.db_name.clone(), self.db_admin.clone());
         drop(self.db.take());
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
@@ -978,7 +991,7 @@ impl Drop for TestServer {
                 let _ = rt.block_on(async {
                     tokio::time::timeout(
                         Duration::from_secs(20),
-                        runfeed::store::setup::drop_database(PG_ADMIN, &name),
+                        runfeed::store::setup::drop_database(&admin, &name),
                     )
                     .await
                 });

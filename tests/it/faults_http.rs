@@ -6,6 +6,9 @@
 //!   give a JSON 503 with `Retry-After` within the pool's acquire bound (never a hang),
 //!   `/readyz` names `postgres`, and service resumes without restarting runfeed (an own
 //!   PostgreSQL instance from scripts/pg-instance.sh, never the shared one);
+//! - a read replica promoted while the primary keeps taking the writes (a streaming replica of
+//!   that own instance, scripts/replica.sh): reads go to the primary, followers get every later
+//!   change, `/readyz` stays 200 naming `postgres_replica`;
 //! - descriptors exhausted: the real binary under a low `RLIMIT_NOFILE` closes what it cannot
 //!   serve, does not spin, counts refused connections, and serves again once descriptors free;
 //! - a stalled SSE reader: its stream ends once its queue stays full, the metric counts it, its
@@ -97,19 +100,30 @@ struct OwnPostgres {
     port: u16,
 }
 
+/// `bash scripts/<script> <args>`.
+fn script_command(script: &str, args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new("bash");
+    command
+        .arg(format!("{}/scripts/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args);
+    command
+}
+
+/// Runs `scripts/<script>` with `args`; asserts it succeeded.
+fn run_script(script: &str, args: &[&str]) {
+    let out = script_command(script, args)
+        .output()
+        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "{script} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 impl OwnPostgres {
     fn script(args: &[&str]) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-instance.sh");
-        let out = std::process::Command::new("bash")
-            .arg(script)
-            .args(args)
-            .output()
-            .expect("run scripts/pg-instance.sh");
-        assert!(
-            out.status.success(),
-            "pg-instance.sh {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_script("pg-instance.sh", args);
     }
 
     fn start(max_connections: u32) -> OwnPostgres {
@@ -140,11 +154,11 @@ impl OwnPostgres {
 
 impl Drop for OwnPostgres {
     fn drop(&mut self) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-instance.sh");
-        let _ = std::process::Command::new("bash")
-            .arg(script)
-            .args(["destroy", "--port", &self.port.to_string()])
-            .output();
+        let _ = script_command(
+            "pg-instance.sh",
+            &["destroy", "--port", &self.port.to_string()],
+        )
+        .output();
     }
 }
 
@@ -325,6 +339,145 @@ async fn max_connections_exhausted_by_another_client_gets_a_json_503_then_servic
     wait_served(&http, &fresh_url, &headers).await;
     running.stop().await;
     db.pool.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A read replica promoted while the primary keeps taking the writes
+
+/// A streaming replica (scripts/replica.sh, no apply delay) of an [`OwnPostgres`] on a free
+/// port; stopped and removed on drop.
+struct OwnReplica {
+    port: u16,
+}
+
+impl OwnReplica {
+    fn start(primary: &OwnPostgres) -> OwnReplica {
+        let port = free_port();
+        run_script(
+            "replica.sh",
+            &[
+                "start",
+                "--port",
+                &port.to_string(),
+                "--primary-port",
+                &primary.port.to_string(),
+                "--delay-ms",
+                "0",
+            ],
+        );
+        OwnReplica { port }
+    }
+
+    fn admin(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}", self.port)
+    }
+
+    /// `pg_ctl promote` (on a blocking thread); returns once the replica left recovery.
+    async fn promote(&self) {
+        let port = self.port.to_string();
+        tokio::task::spawn_blocking(move || {
+            run_script("replica.sh", &["promote", "--port", &port])
+        })
+        .await
+        .expect("promote task");
+    }
+}
+
+impl Drop for OwnReplica {
+    fn drop(&mut self) {
+        let _ = script_command("replica.sh", &["stop", "--port", &self.port.to_string()]).output();
+    }
+}
+
+/// `database.replica_url` is a streaming replica that gets promoted (`pg_is_in_recovery()`
+/// false) while `database.url` keeps taking the writes: the promoted copy no longer receives
+/// the primary's commits, so runfeed reads the primary instead. A follower of a run gets the
+/// version committed on the primary after the promotion; `/readyz` stays 200 and names
+/// `postgres_replica`; `runfeed_pg_replica_bypassed` is 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_is_not_read_while_the_primary_takes_writes() {
+    let pg = OwnPostgres::start(50);
+    let replica = OwnReplica::start(&pg);
+    let replica_admin = replica.admin();
+    let srv = TestServer::start_on(&pg.admin(), 2_000, |c| {
+        let name = runfeed::store::setup::database_name(&c.database.url).expect("db name");
+        c.database.replica_url = Some(fixtures::database_url(&replica_admin, &name));
+    })
+    .await;
+    let env = srv.env().await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    // The copy about to be promoted holds the environment and the run's first version.
+    let on_replica = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy(
+            srv.config
+                .database
+                .replica_url
+                .as_deref()
+                .expect("replica url"),
+        )
+        .expect("replica pool");
+    let streamed = async {
+        loop {
+            let found = sqlx::query(r#"SELECT 1 FROM "TaskRun" WHERE id = $1"#)
+                .bind(&run.id)
+                .fetch_optional(&on_replica)
+                .await;
+            if matches!(found, Ok(Some(_))) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    within(WAIT, "the run streamed to the replica", streamed).await;
+    on_replica.close().await;
+    let headers = modern(&srv.token(&env, &["read:runs"]));
+    let url = run_url(&run.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &headers).await;
+    snap.assert_status(200);
+
+    // A follower holds the run feed; the replica is promoted; the primary commits a new
+    // version and publishes its change record.
+    let ([mut last], ()) = srv
+        .polls_during(
+            [url.live_after(&snap)],
+            &headers,
+            |held| held.0 == 1,
+            async {
+                replica.promote().await;
+                srv.change(&env, &run.id, &[], None, "COMPLETED_SUCCESSFULLY")
+                    .await;
+            },
+        )
+        .await;
+    // The follower gets it (an answer at the hold's end without it is followed by the next
+    // live poll, as a client does).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !last.text.contains("COMPLETED_SUCCESSFULLY") {
+        last.assert_status(200);
+        assert!(
+            Instant::now() < deadline,
+            "the follower never got the version committed after the promotion: {}",
+            last.text
+        );
+        last = srv.fetch(&url.live_after(&last), &headers).await;
+    }
+
+    // Reads still work, so the server stays ready, but says why it reads the primary.
+    let ready = get(&srv.http, &format!("{}/readyz", srv.admin_base()), &[]).await;
+    assert_eq!(ready.status, 200, "{}", ready.text);
+    let check = ready.json["checks"]["postgres_replica"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(check.contains("not in recovery"), "{}", ready.text);
+    assert_eq!(ready.json["checks"]["postgres"], "ok", "{}", ready.text);
+    let metrics = srv.scrape_text().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("runfeed_pg_replica_bypassed") && l.ends_with(" 1")),
+        "runfeed_pg_replica_bypassed is 1"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

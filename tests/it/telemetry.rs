@@ -65,6 +65,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_http_accept_errors_total",
     "runfeed_pg_queries_total",
     "runfeed_pg_errors_total",
+    "runfeed_pg_replica_bypassed",
     "runfeed_redis_errors_total",
     "runfeed_redis_connected",
     "runfeed_redis_commands_total",
@@ -233,8 +234,8 @@ async fn scrape_until(srv: &TestServer, what: &str, cond: impl Fn(&Scrape) -> bo
 // Fixtures
 
 /// A second URL for the same database: runfeed treats it as a distinct replica, so the
-/// read-your-writes gate (and its instruments) is on; the "replica" is not in recovery, so the
-/// gate never waits.
+/// read-your-writes gate (and its instruments) is on; the "replica" is not in recovery, so
+/// replica reads go to the primary (`runfeed_pg_replica_bypassed` 1) and the gate never waits.
 fn gate_on(config: &mut runfeed::config::Config) {
     let sep = if config.database.url.contains('?') {
         '&'
@@ -607,6 +608,11 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         assert!(s9.has(series), "{series} is exported");
     }
     assert!(s9.get("runfeed_replica_lag_estimate_milliseconds", &[]) >= 0.0);
+    assert_eq!(
+        s9.get("runfeed_pg_replica_bypassed", &[]),
+        1.0,
+        "the second URL's server is not in recovery: replica reads go to the primary"
+    );
     assert_eq!(s9.get("runfeed_redis_connected", &[]), 1.0);
     assert!(s9.get("runfeed_process_resident_memory_bytes", &[]) > 1_000_000.0);
     assert_eq!(

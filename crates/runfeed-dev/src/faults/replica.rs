@@ -4,7 +4,8 @@
 //! (`pg_ctl promote`: it leaves recovery and stops following the primary) while `--feeds`
 //! followers hold live polls and `--rate` changes/s are committed on the primary. Figures:
 //! snapshot probes every 50 ms (all 5xx must be JSON 503 with `Retry-After`, none may hang past
-//! the client's 60 s timeout), `/readyz` samples every 100 ms that name `postgres_replica`,
+//! the client's 60 s timeout), `/readyz` samples every 100 ms that name `postgres_replica`
+//! (503 while it is down, 200 degraded while it is promoted and reads go to the primary),
 //! followers behind 60 s after the writer stopped (lost updates), and the time until every
 //! follower converged.
 
@@ -48,8 +49,17 @@ pub struct ReplicaArgs {
     pub load: LoadArgs,
 }
 
-/// `/readyz` samples: `(samples, 503s naming postgres_replica, one such body)`.
-type Readiness = (u64, u64, Option<String>);
+/// `/readyz` samples that name `postgres_replica` (not `ok`).
+#[derive(Default)]
+struct Readiness {
+    samples: u64,
+    /// 503s naming it, and one such body.
+    failing: u64,
+    failing_body: Option<String>,
+    /// 200s naming it (degraded: reads go to the primary), and one such body.
+    degraded: u64,
+    degraded_body: Option<String>,
+}
 
 /// Polls `/readyz` every 100 ms while `polling`.
 fn spawn_readyz(t: &Target, polling: &Arc<AtomicBool>) -> tokio::task::JoinHandle<Readiness> {
@@ -61,20 +71,30 @@ fn spawn_readyz(t: &Target, polling: &Arc<AtomicBool>) -> tokio::task::JoinHandl
             .timeout(Duration::from_secs(10))
             .build()
             .unwrap_or_default();
-        let (mut n, mut named, mut body) = (0, 0, None);
+        let mut r = Readiness::default();
         while polling.load(Ordering::Relaxed) {
-            n += 1;
+            r.samples += 1;
             if let Ok(resp) = http.get(&url).send().await {
                 let status = resp.status().as_u16();
-                let text = resp.text().await.unwrap_or_default();
-                if status == 503 && text.contains("postgres_replica") {
-                    named += 1;
-                    body.get_or_insert(text);
+                let body: serde_json::Value = resp.json().await.unwrap_or_default();
+                let named = body["checks"]["postgres_replica"]
+                    .as_str()
+                    .is_some_and(|c| c != "ok");
+                match status {
+                    503 if named => {
+                        r.failing += 1;
+                        r.failing_body.get_or_insert(body.to_string());
+                    }
+                    200 if named => {
+                        r.degraded += 1;
+                        r.degraded_body.get_or_insert(body.to_string());
+                    }
+                    _ => {}
                 }
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        (n, named, body)
+        r
     })
 }
 
@@ -101,11 +121,16 @@ pub async fn run(a: ReplicaArgs) -> anyhow::Result<()> {
     let status = tokio::task::spawn_blocking(move || script.status()).await??;
     anyhow::ensure!(status.success(), "scripts/replica.sh {:?} failed", a.fault);
     let mut rows = after_fault(&load, &probing, probes, writer, fault_at.elapsed()).await?;
-    let (ready_samples, ready_named, ready_body) = readyz.await?;
+    let ready = readyz.await?;
     rows.extend([
-        ("/readyz samples (every 100 ms)", json!(ready_samples)),
-        ("/readyz 503 naming postgres_replica", json!(ready_named)),
-        ("/readyz body while down", json!(ready_body)),
+        ("/readyz samples (every 100 ms)", json!(ready.samples)),
+        ("/readyz 503 naming postgres_replica", json!(ready.failing)),
+        ("/readyz body while down", json!(ready.failing_body)),
+        (
+            "/readyz 200 degraded naming postgres_replica",
+            json!(ready.degraded),
+        ),
+        ("/readyz body while degraded", json!(ready.degraded_body)),
     ]);
     report(
         "replica",

@@ -12,21 +12,45 @@ pub const RECENT_MAX: usize = 64;
 /// `instance:epoch:seq:wall_ms` (instance in hex), then `;run,ms,hash` per recent run version
 /// (runs whose id contains `;` or `,` are left out).
 pub fn encode(cursor: &ReplayCursor, recent: &[(RunId, Version)]) -> String {
-    use std::fmt::Write as _;
     let shown = recent.len().min(RECENT_MAX);
     let mut out = String::with_capacity(48 + shown * 48);
-    // Writing into a String cannot fail.
-    let _ = write!(
-        out,
-        "{:x}:{}:{}:{}",
-        cursor.instance, cursor.epoch, cursor.seq, cursor.wall_ms
-    );
+    // Written without `fmt` (every recorded state encodes one).
+    let mut n = itoa::Buffer::new();
+    push_hex(&mut out, cursor.instance);
+    out.push(':');
+    out.push_str(n.format(cursor.epoch));
+    out.push(':');
+    out.push_str(n.format(cursor.seq));
+    out.push(':');
+    out.push_str(n.format(cursor.wall_ms));
     for (id, v) in recent.iter().take(RECENT_MAX) {
         if !id.contains([';', ',']) {
-            let _ = write!(out, ";{id},{},{:x}", v.ms, v.hash);
+            out.push(';');
+            out.push_str(id);
+            out.push(',');
+            out.push_str(n.format(v.ms));
+            out.push(',');
+            push_hex(&mut out, v.hash);
         }
     }
     out
+}
+
+/// Appends `value` in lowercase hex without leading zeros (`{:x}`).
+fn push_hex(out: &mut String, value: u64) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [0u8; 16];
+    let mut at = digits.len();
+    let mut rest = value;
+    loop {
+        at -= 1;
+        digits[at] = HEX[(rest & 0xf) as usize];
+        rest >>= 4;
+        if rest == 0 {
+            break;
+        }
+    }
+    out.extend(digits[at..].iter().map(|d| char::from(*d)));
 }
 
 pub fn decode(value: &str) -> Option<(ReplayCursor, Vec<(RunId, Version)>)> {
@@ -86,6 +110,16 @@ mod tests {
             decode(&encode(&c, &recent)),
             Some((c, vec![recent[0].clone()]))
         );
+        // The text is pinned: other instances and versions read it.
+        assert_eq!(
+            encode(&c, &recent),
+            "deadbeef:3:42:1700000000000;run1,5,abc"
+        );
+        for n in [0, 1, 0xf, 0x10, 0xdead_beef, u64::MAX] {
+            let mut hex = String::new();
+            push_hex(&mut hex, n);
+            assert_eq!(hex, format!("{n:x}"));
+        }
         for bad in [
             "",
             "x",

@@ -350,8 +350,12 @@ impl Feeds {
             offset,
             headers: ElectricHeaders {
                 handle,
-                offset: Some(offset.to_string()),
-                cursor: Some(next_cursor(req.cursor.as_deref(), gap_of(shape)).to_string()),
+                offset: Some(offset.text()),
+                cursor: Some(
+                    itoa::Buffer::new()
+                        .format(next_cursor(req.cursor.as_deref(), gap_of(shape)))
+                        .to_owned(),
+                ),
                 schema: shape.schema.then(|| schema_header(req.cols)),
                 up_to_date: true,
             },

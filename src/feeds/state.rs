@@ -67,7 +67,7 @@ impl Feeds {
                     .is_some_and(|at| now.saturating_sub(at) < rewrite_after);
             if !fresh {
                 let value = cursors::encode(&state.cursor, &state.recent);
-                store.set(&req.env_id, handle, &offset.to_string(), value);
+                store.set(&req.env_id, handle, &offset.text(), value);
                 state.shared_at_ms = (state.cursor.epoch != 0).then_some(now);
             }
         }
@@ -96,7 +96,7 @@ impl Feeds {
             // Another instance answered the previous poll (or this one forgot it).
             // Boxed: a poll with a local state never carries, or moves, the Redis read.
             (None, Some(store)) => {
-                match Box::pin(store.get(&req.env_id, handle, &offset.to_string(), cursors::decode))
+                match Box::pin(store.get(&req.env_id, handle, &offset.text(), cursors::decode))
                     .await
                 {
                     Some((cursor, recent)) => (

@@ -93,25 +93,30 @@ pub fn schema_header(cols: ColumnSet) -> String {
 /// instant is outside chrono's range (never for real `timestamp(3)` values).
 pub fn format_timestamp_ms(ms: i64) -> Option<String> {
     let dt = DateTime::from_timestamp_millis(ms)?;
-    let mut out = String::with_capacity(23);
     let year = dt.year();
-    if (0..=9999).contains(&year) {
-        let _ = write!(
-            out,
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}",
-            year,
-            dt.month(),
-            dt.day(),
-            dt.hour(),
-            dt.minute(),
-            dt.second(),
-            dt.timestamp_subsec_millis()
-        );
-    } else {
-        // Outside four-digit years: chrono's signed year form; no client can meet these anyway.
-        let _ = write!(out, "{}", dt.format("%Y-%m-%dT%H:%M:%S%.3f"));
+    if let Ok(year @ 0..=9999) = u32::try_from(year) {
+        // `YYYY-MM-DD'T'HH:MM:SS.mmm`, digits written in place (every serialized row has
+        // several timestamps).
+        let mut out = *b"0000-00-00T00:00:00.000";
+        for (range, value) in [
+            (0..4, year),
+            (5..7, dt.month()),
+            (8..10, dt.day()),
+            (11..13, dt.hour()),
+            (14..16, dt.minute()),
+            (17..19, dt.second()),
+            (20..23, dt.timestamp_subsec_millis().min(999)),
+        ] {
+            let mut rest = value;
+            for digit in out[range].iter_mut().rev() {
+                *digit = b'0' + (rest % 10) as u8;
+                rest /= 10;
+            }
+        }
+        return Some(out.iter().map(|b| char::from(*b)).collect());
     }
-    Some(out)
+    // Outside four-digit years: chrono's signed year form; no client can meet these anyway.
+    Some(dt.format("%Y-%m-%dT%H:%M:%S%.3f").to_string())
 }
 
 /// Formats a float8 exactly like JavaScript `String(number)` (SER-02, docs/trigger-dev.md §1.4):
@@ -560,6 +565,16 @@ pub(crate) mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The in-place digits write what chrono's formatter writes, for every four-digit year.
+        #[test]
+        fn timestamps_match_chronos_format(ms in -62_167_219_200_000i64..253_402_300_800_000) {
+            let dt = DateTime::from_timestamp_millis(ms).expect("in range");
+            prop_assert_eq!(
+                format_timestamp_ms(ms),
+                Some(dt.format("%Y-%m-%dT%H:%M:%S%.3f").to_string())
+            );
+        }
 
         #[test]
         fn ser_07_array_literal_round_trips_through_electric_parser(

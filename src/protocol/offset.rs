@@ -105,14 +105,38 @@ impl std::str::FromStr for Offset {
     }
 }
 
+impl Offset {
+    /// The two numbers of the text form, formatted into `a` and `b`: `<ms>`, `<seq>`, or the
+    /// LSN form `<ms × 10⁶ + seq>`, `0` when `seq == 0` (so that it parses back to itself).
+    fn parts<'a>(&self, a: &'a mut itoa::Buffer, b: &'a mut itoa::Buffer) -> (&'a str, &'a str) {
+        match (self.seq, self.lsn()) {
+            (0, Some(lsn)) => (a.format(lsn), "0"),
+            _ => (a.format(self.ms), b.format(self.seq)),
+        }
+    }
+
+    /// The offset as sent in `electric-offset` (what [`Display`](std::fmt::Display) writes),
+    /// built without `fmt` into a string of its exact size: every response writes one.
+    pub fn text(&self) -> String {
+        let (mut a, mut b) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (first, second) = self.parts(&mut a, &mut b);
+        let mut out = String::with_capacity(first.len() + 1 + second.len());
+        out.push_str(first);
+        out.push('_');
+        out.push_str(second);
+        out
+    }
+}
+
 impl std::fmt::Display for Offset {
     /// `<ms>_<seq>`; an offset with `seq == 0` is written in its LSN form `<ms × 10⁶>_0` so that
     /// it parses back to itself.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.seq, self.lsn()) {
-            (0, Some(lsn)) => write!(f, "{lsn}_0"),
-            _ => write!(f, "{}_{}", self.ms, self.seq),
-        }
+        let (mut a, mut b) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (first, second) = self.parts(&mut a, &mut b);
+        f.write_str(first)?;
+        f.write_str("_")?;
+        f.write_str(second)
     }
 }
 
@@ -210,6 +234,7 @@ mod tests {
         fn offset_round_trips(ms in 0i64.., seq in 1u64..) {
             let o = Offset { ms, seq };
             prop_assert_eq!(OffsetParam::parse(Some(&o.to_string())), Ok(OffsetParam::At(o)));
+            prop_assert_eq!(o.text(), format!("{ms}_{seq}"));
         }
 
         #[test]
@@ -218,6 +243,11 @@ mod tests {
             prop_assert_eq!(o.lsn(), Some(lsn));
             prop_assert_eq!(OffsetParam::parse(Some(&format!("{lsn}_0"))), Ok(OffsetParam::At(o)));
             prop_assert_eq!(OffsetParam::parse(Some(&o.to_string())), Ok(OffsetParam::At(o)));
+            let reference = match (o.seq, o.lsn()) {
+                (0, Some(lsn)) => format!("{lsn}_0"),
+                _ => format!("{}_{}", o.ms, o.seq),
+            };
+            prop_assert_eq!(o.text(), reference);
         }
 
         #[test]

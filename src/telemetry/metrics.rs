@@ -259,16 +259,11 @@ impl FixedCounter {
         let counts: Arc<[std::sync::atomic::AtomicU64]> =
             labels.iter().map(|_| Default::default()).collect();
         let read = counts.clone();
-        meter
-            .u64_observable_counter(spec.name)
-            .with_unit(spec.unit)
-            .with_description(spec.description)
-            .with_callback(move |o| {
-                for (count, attrs) in read.iter().zip(&labels) {
-                    o.observe(count.load(std::sync::atomic::Ordering::Relaxed), attrs);
-                }
-            })
-            .build();
+        observable_counter(meter, spec, move |o| {
+            for (count, attrs) in read.iter().zip(&labels) {
+                o.observe(count.load(std::sync::atomic::Ordering::Relaxed), attrs);
+            }
+        });
         FixedCounter { counts }
     }
 
@@ -313,20 +308,15 @@ where
         let counts: Arc<std::sync::RwLock<HashMap<K, Arc<std::sync::atomic::AtomicU64>, _>>> =
             Arc::default();
         let read = counts.clone();
-        meter
-            .u64_observable_counter(spec.name)
-            .with_unit(spec.unit)
-            .with_description(spec.description)
-            .with_callback(move |o| {
-                let counts = read.read().unwrap_or_else(|p| p.into_inner());
-                for (key, count) in counts.iter() {
-                    o.observe(
-                        count.load(std::sync::atomic::Ordering::Relaxed),
-                        &attrs(key),
-                    );
-                }
-            })
-            .build();
+        observable_counter(meter, spec, move |o| {
+            let counts = read.read().unwrap_or_else(|p| p.into_inner());
+            for (key, count) in counts.iter() {
+                o.observe(
+                    count.load(std::sync::atomic::Ordering::Relaxed),
+                    &attrs(key),
+                );
+            }
+        });
         KeyedCounter { counts }
     }
 
@@ -352,6 +342,20 @@ where
             .get(key)
             .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
+}
+
+/// Registers the observable counter `spec`; `report` observes its series at each collection.
+fn observable_counter(
+    meter: &Meter,
+    spec: &Recorded,
+    report: impl Fn(&dyn AsyncInstrument<u64>) + Send + Sync + 'static,
+) {
+    meter
+        .u64_observable_counter(spec.name)
+        .with_unit(spec.unit)
+        .with_description(spec.description)
+        .with_callback(move |o| report(o))
+        .build();
 }
 
 fn counter(meter: &Meter, spec: &Recorded) -> Counter<u64> {

@@ -71,7 +71,7 @@ else
   units() { curl -s "$ADMIN/metrics" | awk '/^runfeed_feeds_emitted_rows_count/ { s += $NF } END { print s + 0 }'; }
   HELD=90
   "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
-    --kind run --rate 20 --envs 2 --runs 10 --held 100 --duration-s "$((WINDOW_S + 30))" >"$OUT/churn.txt" 2>&1 &
+    --kind run --rate 20 --envs 2 --runs 10 --held 100 --transport "${TRANSPORT:-long-poll}" --duration-s "$((WINDOW_S + 30))" >"$OUT/churn.txt" 2>&1 &
 fi
 BENCH_PID=$!
 for _ in $(seq 1 600); do

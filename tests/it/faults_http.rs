@@ -731,3 +731,89 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
     .await;
     drop(stalled);
 }
+
+/// SSE streams that register behind a change of their run (a stalled stream between two holds,
+/// here streams opened at an offset the change came after) replay it from the router's buffer:
+/// one store read and one serialization of the row for all of them, so each keeps a reference
+/// to the same bytes instead of a private copy of the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_behind_a_change_share_one_store_read_of_its_row() {
+    let (srv, env) = TestServer::start_with_env(20_000, |c| {
+        // The streams open after the change: its record must still be replayable then, on a
+        // slow machine too.
+        c.router.replay_window_ms = 60_000;
+    })
+    .await;
+    let run = srv.run(&env, RunSpec::default()).await;
+    let token = srv.token(&env, &["read:runs"]);
+    let url = run_url(&run.friendly_id);
+    let snap = srv.fetch(&url.snapshot(), &modern(&token)).await;
+    snap.assert_status(200);
+    let sse = url
+        .live_at(&snap)
+        .q("experimental_live_sse", "true")
+        .q("live_sse", "true");
+    // The change reaches the router while no feed holds the run: nothing hydrates it then.
+    let routed = srv.routed_batches();
+    let marker = "shared-row-marker";
+    let output = format!(
+        "{{\"marker\":\"{marker}\",\"pad\":\"{}\"}}",
+        "x".repeat(64 * 1024)
+    );
+    let ms = srv
+        .update(
+            &run.id,
+            RunUpdate {
+                output: Some(output),
+                ..RunUpdate::default()
+            },
+        )
+        .await;
+    srv.publish(&TestServer::record(&env, &run.id, &[], None, ms))
+        .await;
+    srv.wait_routed(routed, "the change was routed").await;
+    let stats = srv.running().router.stats();
+    let (hydrates, replays) = (
+        srv.hydrates(),
+        stats
+            .replays_delivered
+            .load(std::sync::atomic::Ordering::SeqCst),
+    );
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let streams = 8;
+    let mut stalled = Vec::new();
+    for _ in 0..streams {
+        stalled.push(stalled_sse(&addr, &sse.render(), &token).await);
+    }
+    let mut reading = srv
+        .http
+        .get(format!("{}{}", srv.base, sse.render()))
+        .header("authorization", format!("Bearer {token}"))
+        .header("x-trigger-electric-version", ELECTRIC_VERSION)
+        .send()
+        .await
+        .expect("reading SSE");
+    assert_eq!(reading.status(), 200);
+    let mut seen = String::new();
+    while !seen.contains(marker) {
+        let chunk = within(WAIT, "the reading stream got the change", reading.chunk())
+            .await
+            .expect("SSE read")
+            .expect("the stream went on");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    wait_until(WAIT, "every stream replayed the change", || {
+        stats
+            .replays_delivered
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > replays + streams
+    })
+    .await;
+    assert_eq!(
+        srv.hydrates() - hydrates,
+        1,
+        "{} streams replaying one change read its row once",
+        streams + 1
+    );
+    drop(stalled);
+}

@@ -1914,3 +1914,28 @@ async fn gate_10_applied_gate_trusts_records_without_watermark() {
     assert_eq!(ids(&w.rows), vec!["r1"]);
     assert_eq!(h.store.hydrate_count(), 1);
 }
+
+/// Replays share their read only when the read-your-writes gate let it through: a replay the
+/// gate gave up on (the replica still behind) is handed to its feed but not kept, so the next
+/// feed reads again; once the replica caught up, one read serves every later replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_the_gate_gave_up_on_is_not_shared() {
+    let (h, replica) = gated(50, 0);
+    let (_holder, c0) = h.holder().await;
+    replica.primary.store(20, Ordering::SeqCst); // the replica (at 10) lags the commit
+    h.store.put(row("r1", &[], None));
+    h.push(full("r1", &[]));
+    h.routed(1).await;
+    assert_eq!(h.store.hydrate_count(), 0, "no held feed wanted r1");
+    for _ in 0..2 {
+        let f = h.reg(run_feed("r1"), Some(c0)).await;
+        assert_eq!(ids(&f.take().rows), vec!["r1"]);
+    }
+    assert_eq!(h.store.hydrate_count(), 2, "unsettled reads are not kept");
+    replica.replayed.store(20, Ordering::SeqCst);
+    for _ in 0..3 {
+        let f = h.reg(run_feed("r1"), Some(c0)).await;
+        assert_eq!(ids(&f.take().rows), vec!["r1"]);
+    }
+    assert_eq!(h.store.hydrate_count(), 3, "a settled read is shared");
+}

@@ -4,31 +4,106 @@
 
 use super::*;
 
+/// Most bytes of replayed rows kept for sharing ([`SharedReplays`]): a few hundred large rows.
+const SHARED_REPLAY_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The buffered records one replay hydrates: the environment's incarnation (`epoch`, unique
+/// per process) and each record's run and sequence. A sequence names one merged record of
+/// its run, so two replays with the same key read the same versions' worth of records.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ReplayKey {
+    env_id: EnvId,
+    epoch: u64,
+    cols: ColumnSet,
+    runs: Vec<(RunId, u64)>,
+}
+
+/// The rows one replay hydrated, and whether the read-your-writes gate let it through (a read
+/// the gate gave up on is handed to the feeds waiting for it, but not kept).
+struct ReplayRows {
+    rows: HashMap<RunId, SerializedRow>,
+    settled: bool,
+}
+
+/// Replay hydrates shared by every registration replaying the same buffered records within
+/// the replay window: one store read and one serialization per row version, however many
+/// feeds replay it (identical concurrent replays share the read in flight). Without it, feeds
+/// that register just after a change of their run — an SSE stream between two holds, a
+/// long-poll between its response and its next poll — each hydrate and keep a private copy
+/// of the same row.
+pub(super) struct SharedReplays {
+    cache: moka::future::Cache<ReplayKey, Arc<ReplayRows>, foldhash::fast::RandomState>,
+}
+
+impl SharedReplays {
+    /// Kept for `window` (the replay window: older records are no longer replayed), at most
+    /// [`SHARED_REPLAY_MAX_BYTES`] of rows.
+    pub(super) fn new(window: Duration) -> SharedReplays {
+        SharedReplays {
+            cache: moka::future::Cache::builder()
+                .max_capacity(SHARED_REPLAY_MAX_BYTES)
+                .weigher(|_k: &ReplayKey, v: &Arc<ReplayRows>| {
+                    let bytes: usize = v.rows.values().map(|r| r.fragment.len() + 128).sum();
+                    u32::try_from(bytes + 64).unwrap_or(u32::MAX)
+                })
+                .time_to_live(window.max(Duration::from_millis(1)))
+                .build_with_hasher(foldhash::fast::RandomState::default()),
+        }
+    }
+}
+
 impl Inner {
     /// Hydrates buffered records for one feed: behind the read-your-writes gate like the live
     /// path (a record still in its batch's gate wait must not be read early from the replica),
-    /// then the feed's authoritative filter (REP-06/07).
+    /// then the feed's authoritative filter (REP-06/07). Feeds replaying the same records
+    /// share one gate wait, read and serialization ([`SharedReplays`]).
     pub(super) async fn replay(
         &self,
-        env_id: &EnvId,
+        env: &Env,
         filter: &FeedFilter,
         cols: ColumnSet,
         buffered: &[Buffered],
     ) -> Result<Vec<SerializedRow>, ()> {
-        if let Some(gate) = &self.gate {
-            let newest = buffered.iter().map(|b| b.received_at).max();
-            if let Some(newest) = newest {
-                let records: Vec<ChangeRecord> =
-                    buffered.iter().map(|b| b.record.clone()).collect();
-                gate.wait(&records, tokio::time::Instant::from_std(newest))
-                    .await;
+        let key = ReplayKey {
+            env_id: env.id.clone(),
+            epoch: lock(&env.state).epoch,
+            cols,
+            runs: buffered
+                .iter()
+                .map(|b| (b.record.run_id.clone(), b.seq))
+                .collect(),
+        };
+        let read = async {
+            let mut settled = true;
+            if let Some(gate) = &self.gate {
+                let newest = buffered.iter().map(|b| b.received_at).max();
+                if let Some(newest) = newest {
+                    let records: Vec<ChangeRecord> =
+                        buffered.iter().map(|b| b.record.clone()).collect();
+                    let outcome = gate
+                        .wait(&records, tokio::time::Instant::from_std(newest))
+                        .await;
+                    settled = matches!(outcome, GateOutcome::Applied | GateOutcome::NoReplica);
+                }
             }
+            let ids: Vec<RunId> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
+            let rows = self.hydrate(&env.id, &ids, cols).await?;
+            Ok::<_, ()>(Arc::new(ReplayRows { rows, settled }))
+        };
+        let shared = self
+            .replays
+            .cache
+            .try_get_with(key.clone(), read)
+            .await
+            .map_err(|_| ())?;
+        if !shared.settled {
+            self.replays.cache.invalidate(&key).await;
         }
-        let ids: Vec<RunId> = buffered.iter().map(|b| b.record.run_id.clone()).collect();
-        let rows = self.hydrate(env_id, &ids, cols).await?;
-        Ok(rows
-            .into_values()
+        Ok(shared
+            .rows
+            .values()
             .filter(|r| filter.accepts(&r.meta))
+            .cloned()
             .collect())
     }
 

@@ -247,6 +247,8 @@ struct Inner {
     /// This router's identity in cursors (random, non-zero).
     instance: u64,
     stats: RouterStats,
+    /// Replay hydrates shared by the registrations replaying the same buffered records.
+    replays: fanout::SharedReplays,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,7 +280,6 @@ impl Router {
             max_runs: cfg.hydrate_batch_max_runs,
         };
         let inner = Arc::new(Inner {
-            cfg,
             source,
             store,
             gate,
@@ -287,8 +288,10 @@ impl Router {
             envs: Mutex::new(FastMap::default()),
             next_epoch: AtomicU64::new(1),
             next_feed_id: AtomicU64::new(1),
+            replays: fanout::SharedReplays::new(Duration::from_millis(cfg.replay_window_ms)),
             instance: rand::random::<u64>() | 1,
             stats: RouterStats::default(),
+            cfg,
         });
         let _ = inner
             .batcher

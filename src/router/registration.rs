@@ -48,7 +48,12 @@ impl Router {
         if replay_enabled && !replay_ids.is_empty() {
             // Boxed: a poll with nothing to replay (the common case) does not carry, or move,
             // the hydrate's future.
-            match Box::pin(self.inner.replay(env_id, &filter, cols, &replay_ids)).await {
+            match Box::pin(
+                self.inner
+                    .replay(&registration.env, &filter, cols, &replay_ids),
+            )
+            .await
+            {
                 Ok(rows) => {
                     let counter = if rows.is_empty() {
                         &self.inner.stats.replays_empty
@@ -159,7 +164,7 @@ impl Registration {
         }
         match self
             .inner
-            .replay(&self.env.id, &self.slot.filter, self.slot.cols, &replay)
+            .replay(&self.env, &self.slot.filter, self.slot.cols, &replay)
             .await
         {
             Ok(rows) => {

@@ -1137,7 +1137,12 @@ async fn gap_04_evicted_cursor_not_covered() {
 
     let g1 = h.reg(tag_feed(&[]), Some(c1)).await;
     assert!(g1.covered(), "everything after c1 is still buffered");
-    assert_eq!(h.store.id_lists()[1], strings(&["r2", "r3"]));
+    assert_eq!(sorted(ids(&g1.take().rows)), strings(&["r2", "r3"]));
+    assert_eq!(
+        h.store.id_lists().len(),
+        1,
+        "the same buffered records: g's read is shared"
+    );
     drop(g1);
 }
 
@@ -1178,7 +1183,8 @@ async fn rep_03_zero_window_disables_replay() {
 }
 
 /// REP-05/11: replay candidates per feed kind (run: same id; batch: same batch or partial;
-/// tag: overlap or partial; unfiltered tag: everything), one hydrate per registration.
+/// tag: overlap or partial; unfiltered tag: everything), one hydrate per distinct set of
+/// buffered records (registrations replaying the same records share it).
 #[tokio::test]
 async fn rep_05_replay_candidates_per_feed_kind() {
     let h = Harness::with_rows(
@@ -1222,7 +1228,6 @@ async fn rep_05_replay_candidates_per_feed_kind() {
         vec![
             strings(&["r2"]),
             strings(&["r1", "r3"]),
-            strings(&["r1", "r3"]),
             strings(&["r2", "r3"]),
             strings(&["r1", "r2", "r3"]),
         ]
@@ -1235,7 +1240,8 @@ async fn rep_05_replay_candidates_per_feed_kind() {
 }
 
 /// REP-07 + RTR-23: replay stats (delivered / empty) and hydrated-row counts; a replayed row
-/// is authoritatively re-checked (floor) and the replay uses the feed's own column set.
+/// is authoritatively re-checked (floor) per feed, also when its read is shared, and the replay
+/// uses the feed's own column set.
 #[tokio::test]
 async fn rep_07_replay_stats_and_authoritative_check() {
     let h = Harness::new(cfg());
@@ -1256,8 +1262,8 @@ async fn rep_07_replay_stats_and_authoritative_check() {
     let ok = h.reg_cols(tag_feed(&["t"]), lean, Some(c0)).await;
     assert_eq!(ids(&ok.take().rows), vec!["r1"]);
     assert_eq!((load(&s.replays_delivered), load(&s.replays_empty)), (1, 1));
-    assert_eq!(load(&s.hydrates), 2);
-    assert_eq!(load(&s.hydrated_rows), 2);
+    assert_eq!(load(&s.hydrates), 1, "both replays of r1 share one read");
+    assert_eq!(load(&s.hydrated_rows), 1);
     assert!(h.store.calls().iter().all(|c| c.cols == lean));
 }
 
@@ -1907,4 +1913,29 @@ async fn gate_10_applied_gate_trusts_records_without_watermark() {
     let w = wake(&f).await;
     assert_eq!(ids(&w.rows), vec!["r1"]);
     assert_eq!(h.store.hydrate_count(), 1);
+}
+
+/// Replays share their read only when the read-your-writes gate let it through: a replay the
+/// gate gave up on (the replica still behind) is handed to its feed but not kept, so the next
+/// feed reads again; once the replica caught up, one read serves every later replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_the_gate_gave_up_on_is_not_shared() {
+    let (h, replica) = gated(50, 0);
+    let (_holder, c0) = h.holder().await;
+    replica.primary.store(20, Ordering::SeqCst); // the replica (at 10) lags the commit
+    h.store.put(row("r1", &[], None));
+    h.push(full("r1", &[]));
+    h.routed(1).await;
+    assert_eq!(h.store.hydrate_count(), 0, "no held feed wanted r1");
+    for _ in 0..2 {
+        let f = h.reg(run_feed("r1"), Some(c0)).await;
+        assert_eq!(ids(&f.take().rows), vec!["r1"]);
+    }
+    assert_eq!(h.store.hydrate_count(), 2, "unsettled reads are not kept");
+    replica.replayed.store(20, Ordering::SeqCst);
+    for _ in 0..3 {
+        let f = h.reg(run_feed("r1"), Some(c0)).await;
+        assert_eq!(ids(&f.take().rows), vec!["r1"]);
+    }
+    assert_eq!(h.store.hydrate_count(), 3, "a settled read is shared");
 }

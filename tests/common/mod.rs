@@ -857,6 +857,18 @@ impl TestServer {
         ms
     }
 
+    /// Sets the output of a run (untagged, no batch) and publishes its change record.
+    pub async fn change_output(&self, env: &DemoEnv, run_id: &str, output: String) -> i64 {
+        let set = RunUpdate {
+            output: Some(output),
+            ..RunUpdate::default()
+        };
+        let ms = self.update(run_id, set).await;
+        self.publish(&Self::record(env, run_id, &[], None, ms))
+            .await;
+        ms
+    }
+
     // ----- credentials -----
 
     /// A public access token for `env` with `scopes` (15 min).

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use common::*;
 use runfeed::app;
-use runfeed_dev::fixtures::{self, RunSpec, RunUpdate, TestDb};
+use runfeed_dev::fixtures::{self, CreatedRun, DemoEnv, RunSpec, TestDb};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -633,16 +633,12 @@ async fn stalled_sse(addr: &str, target: &str, token: &str) -> tokio::net::TcpSt
     stream
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_gets_every_change() {
-    let (srv, env) = TestServer::start_with_env(20_000, |c| {
-        c.feeds.sse_max_queued_bytes = 64 * 1024;
-        c.feeds.sse_max_queued_events = 8;
-        c.feeds.sse_stall_timeout_ms = 1_000;
-        // The connection-level bound must not be what ends it.
-        c.server.write_stall_timeout_ms = 120_000;
-    })
-    .await;
+/// A server configured by `tweak` (20 s holds), a run on it, a token for it, the SSE live URL
+/// at the run's snapshot offset and the server's `host:port`.
+async fn sse_run(
+    tweak: impl FnOnce(&mut runfeed::config::Config),
+) -> (TestServer, DemoEnv, CreatedRun, String, Url, String) {
+    let (srv, env) = TestServer::start_with_env(20_000, tweak).await;
     let run = srv.run(&env, RunSpec::default()).await;
     let token = srv.token(&env, &["read:runs"]);
     let url = run_url(&run.friendly_id);
@@ -653,16 +649,35 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
         .q("experimental_live_sse", "true")
         .q("live_sse", "true");
     let addr = srv.base.trim_start_matches("http://").to_string();
-    let stalled = stalled_sse(&addr, &sse.render(), &token).await;
-    let mut healthy = srv
+    (srv, env, run, token, sse, addr)
+}
+
+/// An SSE request for `sse` whose body the caller reads (status 200 checked).
+async fn reading_sse(srv: &TestServer, sse: &Url, token: &str) -> reqwest::Response {
+    let resp = srv
         .http
         .get(format!("{}{}", srv.base, sse.render()))
         .header("authorization", format!("Bearer {token}"))
         .header("x-trigger-electric-version", ELECTRIC_VERSION)
         .send()
         .await
-        .expect("healthy SSE");
-    assert_eq!(healthy.status(), 200);
+        .expect("SSE request");
+    assert_eq!(resp.status(), 200);
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_gets_every_change() {
+    let (srv, env, run, token, sse, addr) = sse_run(|c| {
+        c.feeds.sse_max_queued_bytes = 64 * 1024;
+        c.feeds.sse_max_queued_events = 8;
+        c.feeds.sse_stall_timeout_ms = 1_000;
+        // The connection-level bound must not be what ends it.
+        c.server.write_stall_timeout_ms = 120_000;
+    })
+    .await;
+    let stalled = stalled_sse(&addr, &sse.render(), &token).await;
+    let mut healthy = reading_sse(&srv, &sse, &token).await;
     wait_until(WAIT, "both streams hold the run", || {
         srv.running().router.held_feeds().0 == 2
     })
@@ -694,17 +709,7 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
     });
     for n in 0..changes {
         let output = format!("{{\"n\":{n},\"pad\":\"{big}\"}}");
-        let ms = srv
-            .update(
-                &run.id,
-                RunUpdate {
-                    output: Some(output),
-                    ..RunUpdate::default()
-                },
-            )
-            .await;
-        srv.publish(&TestServer::record(&env, &run.id, &[], None, ms))
-            .await;
+        srv.change_output(&env, &run.id, output).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     reader.await.expect("healthy reader");
@@ -729,5 +734,63 @@ async fn a_stalled_sse_reader_is_ended_past_its_queue_bound_and_a_reading_one_ge
         server_socket_closed(server_port, client_port)
     })
     .await;
+    drop(stalled);
+}
+
+/// SSE streams that register behind a change of their run (a stalled stream between two holds,
+/// here streams opened at an offset the change came after) replay it from the router's buffer:
+/// one store read and one serialization of the row for all of them, so each keeps a reference
+/// to the same bytes instead of a private copy of the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_behind_a_change_share_one_store_read_of_its_row() {
+    let (srv, env, run, token, sse, addr) = sse_run(|c| {
+        // The streams open after the change: its record must still be replayable then, on a
+        // slow machine too.
+        c.router.replay_window_ms = 60_000;
+    })
+    .await;
+    // The change reaches the router while no feed holds the run: nothing hydrates it then.
+    let routed = srv.routed_batches();
+    let marker = "shared-row-marker";
+    let output = format!(
+        "{{\"marker\":\"{marker}\",\"pad\":\"{}\"}}",
+        "x".repeat(64 * 1024)
+    );
+    srv.change_output(&env, &run.id, output).await;
+    srv.wait_routed(routed, "the change was routed").await;
+    let stats = srv.running().router.stats();
+    let (hydrates, replays) = (
+        srv.hydrates(),
+        stats
+            .replays_delivered
+            .load(std::sync::atomic::Ordering::SeqCst),
+    );
+    let streams = 8;
+    let mut stalled = Vec::new();
+    for _ in 0..streams {
+        stalled.push(stalled_sse(&addr, &sse.render(), &token).await);
+    }
+    let mut reading = reading_sse(&srv, &sse, &token).await;
+    let mut seen = String::new();
+    while !seen.contains(marker) {
+        let chunk = within(WAIT, "the reading stream got the change", reading.chunk())
+            .await
+            .expect("SSE read")
+            .expect("the stream went on");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    wait_until(WAIT, "every stream replayed the change", || {
+        stats
+            .replays_delivered
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > replays + streams
+    })
+    .await;
+    assert_eq!(
+        srv.hydrates() - hydrates,
+        1,
+        "{} streams replaying one change read its row once",
+        streams + 1
+    );
     drop(stalled);
 }

@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
 use super::load::{Load, LoadArgs};
-use super::{metric_sum, pct, proc_rss, report, scrape, Target};
+use super::{metric_sum, metric_with, pct, proc_rss, report, scrape, Target};
 use crate::fixtures::{self, RunSpec, RunUpdate};
 
 /// `runfeed-faults stalled`.
@@ -101,6 +101,7 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_open = proc_rss(pid).unwrap_or(f64::NAN);
+    let metrics_open = scrape(&http, &a.target).await?;
     let _ = load.take_latencies();
     let pad = "x".repeat(a.output_kb * 1024);
     for n in 0..a.changes {
@@ -130,6 +131,7 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_changed = proc_rss(pid).unwrap_or(f64::NAN);
+    let metrics_changed = scrape(&http, &a.target).await?;
     let during = load.take_latencies();
     tokio::time::sleep(Duration::from_secs(a.settle_s)).await;
     let rss_settled = proc_rss(pid).unwrap_or(f64::NAN);
@@ -141,6 +143,11 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     let _ = writer.await;
     let (behind, _) = load.converge(Duration::from_secs(60)).await;
     load.stop();
+    // What the big changes cost the store and the router (healthy feeds' share included),
+    // from the streams being open to the RSS sample after the changes.
+    let delta = |name: &str, label: &str| {
+        metric_with(&metrics_changed, name, label) - metric_with(&metrics_open, name, label)
+    };
     let per = |rss: f64| (rss - rss_before) / a.stalled.max(1) as f64 / 1024.0;
     report(
         "stalled",
@@ -160,6 +167,35 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
                 json!(per(rss_settled)),
             ),
             ("streams ended by the queue bound", json!(ended)),
+            (
+                "Postgres queries during the changes",
+                json!(delta("runfeed_pg_queries_total", "")),
+            ),
+            (
+                "router hydrates during the changes",
+                json!(delta("runfeed_router_hydrates_total", "")),
+            ),
+            (
+                "router replays delivered during the changes",
+                json!(delta("runfeed_router_replays_total", "delivered")),
+            ),
+            (
+                "run-set resolves miss / hit / coalesced",
+                json!(format!(
+                    "{} / {} / {}",
+                    delta("runfeed_runset_resolves_total", "\"miss\""),
+                    delta("runfeed_runset_resolves_total", "\"hit\""),
+                    delta("runfeed_runset_resolves_total", "\"coalesced\"")
+                )),
+            ),
+            (
+                "live polls cold / full re-check",
+                json!(format!(
+                    "{} / {}",
+                    delta("runfeed_feeds_live_polls_total", "cold-resolve"),
+                    delta("runfeed_feeds_live_polls_total", "full-resolve")
+                )),
+            ),
             (
                 "healthy delivery p50 without, ms",
                 json!(pct(&baseline, 50.0)),

@@ -37,8 +37,102 @@ impl Version {
     }
 }
 
-/// Run id → version, shared structurally between a connection's successive responses.
-pub type WorkingSet = imbl::HashMap<RunId, Version>;
+/// Run id → version: what a connection's client has. Every recorded per-connection state keeps
+/// one, so its size is memory per held feed: up to [`SMALL_WORKING_SET`] runs (a run feed, a
+/// quiet tag feed) it is a short list of `(run, version)` pairs of a few dozen bytes; larger
+/// sets are an `imbl` map shared structurally between a connection's successive responses (one
+/// map node is about 1.5 KiB, too much for a set of one).
+#[derive(Clone, Debug, Default)]
+pub struct WorkingSet(Repr);
+
+/// Runs a [`WorkingSet`] keeps as a list before it becomes a map.
+pub const SMALL_WORKING_SET: usize = 8;
+
+#[derive(Clone, Debug)]
+enum Repr {
+    Small(Vec<(RunId, Version)>),
+    Large(imbl::HashMap<RunId, Version>),
+}
+
+impl Default for Repr {
+    fn default() -> Self {
+        Repr::Small(Vec::new())
+    }
+}
+
+impl WorkingSet {
+    /// An empty set.
+    pub fn new() -> WorkingSet {
+        WorkingSet::default()
+    }
+
+    /// The version of `id` the client has.
+    pub fn get<Q>(&self, id: &Q) -> Option<&Version>
+    where
+        RunId: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        use std::borrow::Borrow;
+        match &self.0 {
+            Repr::Small(list) => list
+                .iter()
+                .find(|(have, _)| Borrow::<Q>::borrow(have) == id)
+                .map(|(_, v)| v),
+            Repr::Large(map) => map.get(id),
+        }
+    }
+
+    /// Sets the version of `id`.
+    pub fn insert(&mut self, id: RunId, version: Version) {
+        match &mut self.0 {
+            Repr::Small(list) => {
+                if let Some((_, have)) = list.iter_mut().find(|(have, _)| *have == id) {
+                    *have = version;
+                } else if list.len() < SMALL_WORKING_SET {
+                    list.push((id, version));
+                } else {
+                    let mut map: imbl::HashMap<RunId, Version> = list.drain(..).collect();
+                    map.insert(id, version);
+                    self.0 = Repr::Large(map);
+                }
+            }
+            Repr::Large(map) => {
+                map.insert(id, version);
+            }
+        }
+    }
+
+    /// Runs in the set.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Repr::Small(list) => list.len(),
+            Repr::Large(map) => map.len(),
+        }
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every `(run, version)` of the set, in no particular order.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = (&RunId, &Version)> + '_> {
+        match &self.0 {
+            Repr::Small(list) => Box::new(list.iter().map(|(id, v)| (id, v))),
+            Repr::Large(map) => Box::new(map.iter()),
+        }
+    }
+}
+
+impl FromIterator<(RunId, Version)> for WorkingSet {
+    fn from_iter<I: IntoIterator<Item = (RunId, Version)>>(iter: I) -> WorkingSet {
+        let mut set = WorkingSet::new();
+        for (id, version) in iter {
+            set.insert(id, version);
+        }
+        set
+    }
+}
 
 /// What the server knows the client has.
 #[derive(Clone, Debug)]
@@ -159,6 +253,29 @@ mod tests {
 
     use super::*;
     use crate::protocol::RunMeta;
+
+    #[test]
+    fn a_working_set_keeps_every_version_as_it_grows_from_a_list_into_a_map() {
+        let v = |ms| Version { ms, hash: 1 };
+        let mut ws = WorkingSet::new();
+        for i in 0..(SMALL_WORKING_SET as i64 * 3) {
+            ws.insert(RunId::from(format!("run{i}").as_str()), v(i));
+            ws.insert(RunId::from("run0"), v(100 + i));
+            assert_eq!(ws.len(), (i + 1) as usize);
+            assert_eq!(ws.get("run0"), Some(&v(100 + i)));
+            for j in 1..=i {
+                assert_eq!(
+                    ws.get(format!("run{j}").as_str()),
+                    Some(&v(j)),
+                    "{j} of {i}"
+                );
+            }
+            assert_eq!(ws.get("missing"), None);
+            assert_eq!(ws.iter().count(), ws.len());
+        }
+        let copied: WorkingSet = ws.iter().map(|(id, v)| (id.clone(), *v)).collect();
+        assert_eq!(copied.len(), ws.len());
+    }
 
     fn row(id: &str, ms: i64, hash: u64) -> SerializedRow {
         SerializedRow {

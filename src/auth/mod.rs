@@ -247,12 +247,17 @@ where
     }
 }
 
-/// A store lookup whose found environment is shared: cache hits hand out the same record
-/// instead of copying its strings on every request.
-async fn shared(
+/// An environment lookup through `cache` ([`cached`]) whose found record is shared: cache hits
+/// hand out the same record instead of copying its strings on every request.
+async fn cached_env<K>(
+    cache: Option<&Cache<K, Option<Arc<EnvRecord>>, Hasher>>,
+    key: K,
     lookup: impl std::future::Future<Output = Result<Option<EnvRecord>, StoreError>>,
-) -> Result<Option<Arc<EnvRecord>>, StoreError> {
-    Ok(lookup.await?.map(Arc::new))
+) -> Result<Option<Arc<EnvRecord>>, StoreError>
+where
+    K: std::hash::Hash + Eq + Send + Sync + 'static,
+{
+    cached(cache, key, async { Ok(lookup.await?.map(Arc::new)) }).await
 }
 
 /// `sanitizeBranchName` (`packages/core/src/v3/utils/gitBranch.ts`): empty → `None`; strips
@@ -511,27 +516,17 @@ impl Authenticator {
 
     async fn env_by_api_key(&self, key: &str) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_api_key);
-        cached(
-            cache,
-            key.to_string(),
-            shared(self.store.env_by_api_key(key)),
-        )
-        .await
+        cached_env(cache, key.to_string(), self.store.env_by_api_key(key)).await
     }
 
     async fn env_by_revoked_key(&self, key: &str) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_revoked_key);
-        cached(
-            cache,
-            key.to_string(),
-            shared(self.store.env_by_revoked_key(key)),
-        )
-        .await
+        cached_env(cache, key.to_string(), self.store.env_by_revoked_key(key)).await
     }
 
     async fn env_by_id(&self, id: &EnvId) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.by_id);
-        cached(cache, id.clone(), shared(self.store.env_by_id(id))).await
+        cached_env(cache, id.clone(), self.store.env_by_id(id)).await
     }
 
     async fn branch_env(
@@ -541,7 +536,7 @@ impl Authenticator {
     ) -> Result<Option<Arc<EnvRecord>>, StoreError> {
         let cache = self.caches.as_ref().map(|c| &c.branch);
         let key = (parent_id.clone(), branch.to_string());
-        cached(cache, key, shared(self.store.branch_env(parent_id, branch))).await
+        cached_env(cache, key, self.store.branch_env(parent_id, branch)).await
     }
 
     async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {

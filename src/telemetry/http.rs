@@ -31,15 +31,6 @@ pub const UNMATCHED: &str = "unmatched";
 /// matched anything).
 pub type RouteOf = fn(&str) -> &'static str;
 
-/// The request span service of [`trace_layer`].
-pub type TraceService<S> = tower_http::trace::Trace<
-    S,
-    SharedClassifier<ServerErrorsAsFailures>,
-    RequestSpan,
-    DefaultOnRequest,
-    ResponseLog,
->;
-
 /// The request span layer (tower-http `TraceLayer` with runfeed's span and response log);
 /// `route_of` names the route of a request path.
 pub fn trace_layer(

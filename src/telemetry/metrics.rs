@@ -289,9 +289,7 @@ impl FixedCounter {
 /// (BENCHMARKS.md "Cost per unit of work").
 pub struct KeyedCounter<K> {
     counts: Arc<
-        std::sync::RwLock<
-            HashMap<K, Arc<std::sync::atomic::AtomicU64>, foldhash::fast::RandomState>,
-        >,
+        std::sync::RwLock<HashMap<K, std::sync::atomic::AtomicU64, foldhash::fast::RandomState>>,
     >,
 }
 
@@ -305,7 +303,7 @@ where
         spec: &Recorded,
         attrs: impl Fn(&K) -> Vec<KeyValue> + Send + Sync + 'static,
     ) -> KeyedCounter<K> {
-        let counts: Arc<std::sync::RwLock<HashMap<K, Arc<std::sync::atomic::AtomicU64>, _>>> =
+        let counts: Arc<std::sync::RwLock<HashMap<K, std::sync::atomic::AtomicU64, _>>> =
             Arc::default();
         let read = counts.clone();
         observable_counter(meter, spec, move |o| {
@@ -333,14 +331,6 @@ where
             .entry(key)
             .or_default()
             .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The count of the label set `key` so far (0 when never counted).
-    pub fn get(&self, key: &K) -> u64 {
-        let counts = self.counts.read().unwrap_or_else(|p| p.into_inner());
-        counts
-            .get(key)
-            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 

@@ -417,6 +417,7 @@ async fn a_promoted_replica_is_not_read_while_the_primary_takes_writes() {
                 .expect("replica url"),
         )
         .expect("replica pool");
+    // Replication signals nothing a test can await: poll the replica until the row is there.
     let streamed = async {
         loop {
             let found = sqlx::query(r#"SELECT 1 FROM "TaskRun" WHERE id = $1"#)

@@ -44,7 +44,7 @@ esac
 RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
 RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG="${SERVER_LOG:-info}" \
-  valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out.%p" \
+  valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
   "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
 PID=$!
 cleanup() {

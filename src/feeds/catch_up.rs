@@ -64,16 +64,17 @@ impl Feeds {
         pending.extend(late.rows);
         let changes = pending.changes(known);
         let ws = pending.next_working_set(known);
-        // The state recorded for the offset the client presented (read once).
-        let presented = self.conns.get(&poll.key(offset));
-        let recent = Self::recent(presented.as_deref(), known, &pending, &ws);
+        // The state recorded for the offset the client presented, as the poll read it when it
+        // began (the one its claims came from).
+        let presented = poll.state;
+        let recent = Self::recent(presented.map(|s| &**s), known, &pending, &ws);
         if changes.is_empty() {
             // Nothing new: the offset stays what the client sent (docs/protocol.md §10); its
             // state keeps the same working set and moves the replay cursor forward.
-            let prev = presented.as_ref().and_then(|s| s.prev);
+            let prev = presented.and_then(|s| s.prev);
             // Nothing new: the shared store's value for this offset still holds, and the
             // client's cursor will carry how far it got.
-            let shared_at_ms = presented.as_ref().and_then(|s| s.shared_at_ms);
+            let shared_at_ms = presented.and_then(|s| s.shared_at_ms);
             self.record(
                 req,
                 handle,
@@ -85,6 +86,7 @@ impl Feeds {
                     recent,
                     shared_at_ms,
                     claims: claims.clone(),
+                    tags: req.target.tags(),
                 },
             );
             return self.reply(req, handle.clone(), offset, &changes, shape);
@@ -104,6 +106,7 @@ impl Feeds {
                 recent,
                 shared_at_ms: None,
                 claims: claims.clone(),
+                tags: req.target.tags(),
             },
         );
         self.reply(req, handle.clone(), next, &changes, shape)

@@ -34,6 +34,21 @@ impl Feeds {
             && claims.columns == req.cols.bits()
     }
 
+    /// Whether `state` (recorded by this instance under a handle it accepted) is for the feed
+    /// `req` asks for: [`Feeds::same_feed`] with its claims, except that a tag filter sent
+    /// exactly as the state's own was is not hashed again.
+    pub(super) fn same_feed_as(&self, req: &FeedRequest, state: &ConnState) -> bool {
+        match (&req.target, &state.tags) {
+            (Target::Tag { tags, .. }, Some(checked)) if **tags == **checked => {
+                let claims = &state.claims;
+                claims.kind == FeedKind::Tag
+                    && claims.env_id == req.env_id
+                    && claims.columns == req.cols.bits()
+            }
+            _ => self.same_feed(req, &state.claims),
+        }
+    }
+
     pub(super) fn verify(
         &self,
         req: &FeedRequest,

@@ -25,7 +25,6 @@ mod state;
 use std::sync::Arc;
 use std::time::Duration;
 
-use moka::sync::Cache;
 use rand::Rng;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +46,7 @@ use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
 pub use sets::{Freshness, ReadError, RunSet, Sets, Target};
-use state::ConnKey;
+use state::{ConnKey, ConnStates};
 pub use state::{ConnState, HOP_BACK_AFTER_MS, SHARED_REWRITE_AFTER};
 
 /// What a feed request asks for, after authentication, resource lookup and scope checks.
@@ -107,7 +106,7 @@ pub struct Feeds {
     router: Router,
     handles: HandleKey,
     sets: Sets,
-    conns: Cache<ConnKey, Arc<ConnState>, foldhash::fast::RandomState>,
+    conns: ConnStates,
     /// Cancelled when the server shuts down: held polls answer at once, new live polls are not
     /// held.
     shutdown: CancellationToken,
@@ -173,10 +172,10 @@ impl Feeds {
         router: Router,
         handles: HandleKey,
     ) -> Feeds {
-        let conns = Cache::builder()
-            .max_capacity(caches.working_set_max_entries.saturating_mul(2))
-            .time_to_live(Duration::from_millis(caches.working_set_ttl_ms.max(1)))
-            .build_with_hasher(foldhash::fast::RandomState::default());
+        let conns = ConnStates::new(
+            caches.working_set_max_entries.saturating_mul(2),
+            caches.working_set_ttl_ms,
+        );
         Feeds {
             sets: Sets::new(store, router.clone(), &cfg, caches),
             cfg,
@@ -204,11 +203,10 @@ impl Feeds {
         self
     }
 
-    /// Per-connection states kept now (working sets with replay cursors). Runs the cache's
-    /// pending housekeeping first (metrics read it once per collection), so the count is exact.
+    /// Per-connection states kept now (working sets with replay cursors), expired ones
+    /// included until they are swept out (at most half the working-set TTL after expiry).
     pub fn working_set_size(&self) -> u64 {
-        self.conns.run_pending_tasks();
-        self.conns.entry_count()
+        self.conns.len()
     }
 
     /// The shared cursor store's counters (`None` when cursors are per-instance only).
@@ -265,7 +263,7 @@ impl Feeds {
         let state = self
             .conns
             .get(&(req.env_id.clone(), handle.clone(), offset));
-        let claims = match state.as_ref().filter(|s| self.same_feed(&req, &s.claims)) {
+        let claims = match state.as_ref().filter(|s| self.same_feed_as(&req, s)) {
             Some(state) => state.claims.clone(),
             None => Arc::new(self.verify(&req, handle)?),
         };

@@ -32,6 +32,16 @@ pub enum Target {
     Batch { batch_id: BatchId },
 }
 
+impl Target {
+    /// A tag feed's tag filter, as the request sent it (`None` for run and batch feeds).
+    pub fn tags(&self) -> Option<Arc<[String]>> {
+        match self {
+            Target::Tag { tags, .. } => Some(tags.clone()),
+            _ => None,
+        }
+    }
+}
+
 /// Whether a URL-id lookup may be served from the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Freshness {

@@ -83,6 +83,7 @@ impl Feeds {
                 recent,
                 shared_at_ms: None,
                 claims,
+                tags: req.target.tags(),
             },
         );
         let shape = ReplyShape {

@@ -319,22 +319,35 @@ impl Params {
 /// replaced). A pair without `%` or `+` is borrowed as is: what the clients send (offsets,
 /// handles, cursors, `live=true`) needs no decoding, so nothing is copied for it.
 fn query_pairs(raw: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
-    // One word-at-a-time search per character over the whole query (what clients send has
-    // neither), instead of a byte-by-byte test of every pair.
-    let encoded = raw.contains('%') || raw.contains('+');
-    raw.split('&')
-        .filter(|pair| !pair.is_empty())
-        .map(move |pair| {
-            if encoded && (pair.contains('%') || pair.contains('+')) {
-                // One pair (no `&` inside): the decoder yields exactly it.
+    // Vectorised searches (`memchr`): one over the whole query for `%` and `+` (what clients
+    // send has neither), one for the `&`s, and one short one per pair for its `=`.
+    let bytes = raw.as_bytes();
+    let encoded = memchr::memchr2(b'%', b'+', bytes).is_some();
+    let ends = memchr::memchr_iter(b'&', bytes).chain(std::iter::once(bytes.len()));
+    let mut start = 0;
+    ends.filter_map(move |end| {
+        // `&` is ASCII: both ends are character boundaries.
+        let pair = raw.get(start..end);
+        start = end + 1;
+        let pair = pair?;
+        if pair.is_empty() {
+            return None;
+        }
+        if encoded && memchr::memchr2(b'%', b'+', pair.as_bytes()).is_some() {
+            // One pair (no `&` inside): the decoder yields exactly it.
+            return Some(
                 form_urlencoded::parse(pair.as_bytes())
                     .next()
-                    .unwrap_or_default()
-            } else {
-                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                (Cow::Borrowed(k), Cow::Borrowed(v))
-            }
-        })
+                    .unwrap_or_default(),
+            );
+        }
+        let (k, v) = match memchr::memchr(b'=', pair.as_bytes()) {
+            // `=` is ASCII: both sides are character boundaries.
+            Some(at) => (&pair[..at], &pair[at + 1..]),
+            None => (pair, ""),
+        };
+        Some((Cow::Borrowed(k), Cow::Borrowed(v)))
+    })
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {

@@ -48,18 +48,19 @@ pub fn record_env_id(env_id: &str) {
 }
 
 /// Whether the query asks for a live poll (`live=true`, last value wins like the feed parser).
-/// Looks for `live=` only (one substring search) instead of splitting every pair: it runs on
-/// every request.
+/// One vectorised substring search for `live=` (`memchr::memmem`), no split of every pair: it
+/// runs on every request.
 fn is_live(query: Option<&str>) -> bool {
     let Some(query) = query else {
         return false;
     };
+    let bytes = query.as_bytes();
     let mut live = false;
-    for (at, _) in query.match_indices("live=") {
-        let starts_pair = at == 0 || query.as_bytes().get(at - 1) == Some(&b'&');
-        if starts_pair {
-            let rest = &query[at + "live=".len()..];
-            live = rest.split('&').next() == Some("true");
+    for at in memchr::memmem::find_iter(bytes, b"live=") {
+        if at == 0 || bytes[at - 1] == b'&' {
+            let value = &bytes[at + b"live=".len()..];
+            let end = memchr::memchr(b'&', value).unwrap_or(value.len());
+            live = &value[..end] == b"true";
         }
     }
     live

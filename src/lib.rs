@@ -14,6 +14,7 @@
 
 pub mod app;
 pub mod auth;
+pub mod cache;
 pub mod changes;
 pub mod cli;
 pub mod clock;

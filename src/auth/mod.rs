@@ -151,7 +151,7 @@ struct Caches {
     /// Public tokens already verified with their environment's current signing key: a live
     /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
     /// largest single cost of a delivery (BENCHMARKS.md "Cost per unit of work").
-    verified: Cache<String, VerifiedToken, Hasher>,
+    verified: crate::cache::TtlCache<String, Arc<VerifiedToken>>,
 }
 
 /// What a verified public token grants, kept so the next request with the same token skips the
@@ -219,7 +219,7 @@ impl Caches {
                 .build_with_hasher(Hasher::default()),
             branch: build(ttl),
             revoked_keys: build(ttl),
-            verified: build(found_by_id_ttl.max(ttl)),
+            verified: crate::cache::TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl.max(ttl)),
         }
     }
 }
@@ -430,7 +430,7 @@ impl Authenticator {
         if !token.contains('.') {
             return Ok(None);
         }
-        let Some(verified) = caches.verified.get(token).await else {
+        let Some(verified) = caches.verified.get(token) else {
             return Ok(None);
         };
         if !verified.usable_at(jwt::now_s()) {
@@ -446,8 +446,8 @@ impl Authenticator {
         }
         Ok(Some(Principal {
             env: AuthedEnv::of(&env),
-            ability: verified.ability,
-            skip_columns: verified.skip_columns,
+            ability: verified.ability.clone(),
+            skip_columns: verified.skip_columns.clone(),
         }))
     }
 
@@ -471,7 +471,7 @@ impl Authenticator {
             ability: Ability::from_scopes(&jwt::scopes_claim(claims)),
             skip_columns: jwt::skip_columns_claim(claims),
         };
-        caches.verified.insert(token.to_string(), verified).await;
+        caches.verified.insert(token.to_string(), Arc::new(verified));
     }
 
     async fn authenticate_secret_key(

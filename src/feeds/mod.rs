@@ -174,7 +174,7 @@ impl Feeds {
     ) -> Feeds {
         let conns = ConnStates::new(
             caches.working_set_max_entries.saturating_mul(2),
-            caches.working_set_ttl_ms,
+            Duration::from_millis(caches.working_set_ttl_ms.max(1)),
         );
         Feeds {
             sets: Sets::new(store, router.clone(), &cfg, caches),
@@ -206,7 +206,7 @@ impl Feeds {
     /// Per-connection states kept now (working sets with replay cursors), expired ones
     /// included until they are swept out (at most half the working-set TTL after expiry).
     pub fn working_set_size(&self) -> u64 {
-        self.conns.len()
+        self.conns.len() as u64
     }
 
     /// The shared cursor store's counters (`None` when cursors are per-instance only).

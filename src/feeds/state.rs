@@ -43,122 +43,9 @@ pub const SHARED_REWRITE_AFTER: f64 = 0.5;
 pub(super) type ConnKey = (EnvId, Handle, Offset);
 
 /// The per-connection states of this instance, by (environment, handle, offset): bounded in
-/// number (`caches.working_set_max_entries` × 2, least useful first) and expiring
-/// `caches.working_set_ttl_ms` after they were recorded.
-///
-/// A `quick_cache` map rather than moka's: every poll reads one state and records one, and
-/// moka's bookkeeping per operation (its access log, expiry timer wheel and housekeeping) cost
-/// about a tenth of an ended poll's instructions (BENCHMARKS.md "Cost per unit of work").
-/// Expiry is checked when a state is read; the expired states nobody reads again are swept
-/// out by the first record after each half TTL, so their memory comes back without a
-/// background task.
-pub(super) struct ConnStates {
-    states: quick_cache::sync::Cache<
-        ConnKey,
-        Recorded,
-        quick_cache::UnitWeighter,
-        foldhash::fast::RandomState,
-    >,
-    /// How long a state lives after it was recorded, ms.
-    ttl_ms: i64,
-    /// When expired states were last swept out (epoch ms).
-    swept_ms: std::sync::atomic::AtomicI64,
-}
-
-/// A state and when it was recorded.
-#[derive(Clone)]
-struct Recorded {
-    state: Arc<ConnState>,
-    at_ms: i64,
-}
-
-/// The map's initial size: it grows to the bound as states are recorded.
-const CONN_STATES_INITIAL: u64 = 1024;
-
-impl ConnStates {
-    /// At most `max_entries` states, each kept `ttl_ms` after it was recorded.
-    pub(super) fn new(max_entries: u64, ttl_ms: u64) -> ConnStates {
-        let max_entries = max_entries.max(1);
-        let options = quick_cache::OptionsBuilder::new()
-            .estimated_items_capacity(
-                usize::try_from(max_entries.min(CONN_STATES_INITIAL)).unwrap_or(1024),
-            )
-            .weight_capacity(max_entries)
-            .build();
-        let states = match options {
-            Ok(options) => quick_cache::sync::Cache::with_options(
-                options,
-                quick_cache::UnitWeighter,
-                foldhash::fast::RandomState::default(),
-                Default::default(),
-            ),
-            // The builder only refuses a missing capacity, which is set above.
-            Err(_) => quick_cache::sync::Cache::with(
-                usize::try_from(max_entries.min(CONN_STATES_INITIAL)).unwrap_or(1024),
-                max_entries,
-                quick_cache::UnitWeighter,
-                foldhash::fast::RandomState::default(),
-                Default::default(),
-            ),
-        };
-        ConnStates {
-            states,
-            ttl_ms: i64::try_from(ttl_ms.max(1)).unwrap_or(i64::MAX),
-            swept_ms: std::sync::atomic::AtomicI64::new(now_ms()),
-        }
-    }
-
-    /// The state recorded for `key`, unless it expired.
-    pub(super) fn get(&self, key: &ConnKey) -> Option<Arc<ConnState>> {
-        self.get_at(key, now_ms())
-    }
-
-    /// [`ConnStates::get`] at `now` (epoch ms).
-    fn get_at(&self, key: &ConnKey, now: i64) -> Option<Arc<ConnState>> {
-        let recorded = self.states.get(key)?;
-        (now.saturating_sub(recorded.at_ms) < self.ttl_ms).then_some(recorded.state)
-    }
-
-    /// Records `state` for `key` (replacing what was there).
-    pub(super) fn insert(&self, key: ConnKey, state: Arc<ConnState>) {
-        self.insert_at(key, state, now_ms());
-    }
-
-    /// [`ConnStates::insert`] at `now` (epoch ms).
-    fn insert_at(&self, key: ConnKey, state: Arc<ConnState>, now: i64) {
-        self.states.insert(key, Recorded { state, at_ms: now });
-        let swept = self.swept_ms.load(std::sync::atomic::Ordering::Relaxed);
-        if now.saturating_sub(swept) >= self.ttl_ms / 2
-            && self
-                .swept_ms
-                .compare_exchange(
-                    swept,
-                    now,
-                    std::sync::atomic::Ordering::Relaxed,
-                    std::sync::atomic::Ordering::Relaxed,
-                )
-                .is_ok()
-        {
-            self.sweep(now);
-        }
-    }
-
-    /// Forgets the state of `key`.
-    pub(super) fn invalidate(&self, key: &ConnKey) {
-        self.states.remove(key);
-    }
-
-    /// States kept now, expired ones included until they are swept or read.
-    pub(super) fn len(&self) -> u64 {
-        self.states.len() as u64
-    }
-
-    /// Drops every state that expired by `now` (epoch ms).
-    fn sweep(&self, now: i64) {
-        self.states
-            .retain(|_, recorded| now.saturating_sub(recorded.at_ms) < self.ttl_ms);
-    }
-}
+/// number (`caches.working_set_max_entries` × 2) and expiring `caches.working_set_ttl_ms` after
+/// they were recorded.
+pub(super) type ConnStates = crate::cache::TtlCache<ConnKey, Arc<ConnState>>;
 
 /// What a poll knows about the offset its client echoed.
 pub(super) struct Resume {
@@ -210,7 +97,7 @@ impl Feeds {
         if let Some(state) = &state {
             if let Some(prev) = state.prev {
                 // The client has moved past `prev`: its state can go.
-                self.conns.invalidate(&poll.key(prev));
+                self.conns.remove(&poll.key(prev));
             }
         }
         let (cursor, recent) = match (&state, &self.cursors) {
@@ -300,75 +187,5 @@ impl Feeds {
         }
         out.truncate(cursors::RECENT_MAX);
         out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::protocol::handle::FeedKind;
-
-    fn state() -> Arc<ConnState> {
-        Arc::new(ConnState {
-            ws: WorkingSet::default(),
-            cursor: ReplayCursor::at_wall(1, 0),
-            prev: None,
-            recent: Vec::new(),
-            shared_at_ms: None,
-            claims: Arc::new(HandleClaims {
-                kind: FeedKind::Run,
-                env_id: EnvId::from("env"),
-                target: "run".into(),
-                floor_ms: None,
-                columns: 1,
-                nonce: 1,
-            }),
-            tags: None,
-        })
-    }
-
-    fn key(n: i64) -> ConnKey {
-        (EnvId::from("env"), Handle::from(format!("h{n}")), Offset { ms: n, seq: 1 })
-    }
-
-    #[test]
-    fn a_connection_state_expires_its_ttl_after_it_was_recorded() {
-        let states = ConnStates::new(100, 1_000);
-        let t0 = now_ms();
-        states.insert_at(key(1), state(), t0);
-        assert!(states.get_at(&key(1), t0 + 999).is_some());
-        assert!(states.get_at(&key(1), t0 + 1_000).is_none());
-        // Recording it again starts its TTL again.
-        states.insert_at(key(1), state(), t0 + 1_500);
-        assert!(states.get_at(&key(1), t0 + 2_000).is_some());
-        states.invalidate(&key(1));
-        assert!(states.get_at(&key(1), t0 + 2_000).is_none());
-    }
-
-    #[test]
-    fn expired_connection_states_are_swept_out_by_a_record_after_half_the_ttl() {
-        let states = ConnStates::new(100, 1_000);
-        let t0 = states.swept_ms.load(std::sync::atomic::Ordering::Relaxed);
-        for n in 0..10 {
-            states.insert_at(key(n), state(), t0);
-        }
-        assert_eq!(states.len(), 10);
-        // Half a TTL later the record sweeps, but nothing has expired yet.
-        states.insert_at(key(10), state(), t0 + 500);
-        assert_eq!(states.len(), 11);
-        // The next sweep (half a TTL after the last) drops the ten expired ones.
-        states.insert_at(key(11), state(), t0 + 1_000);
-        assert_eq!(states.len(), 2);
-    }
-
-    #[test]
-    fn connection_states_stay_within_their_bound() {
-        let states = ConnStates::new(64, 60_000);
-        let t0 = now_ms();
-        for n in 0..1_000 {
-            states.insert_at(key(n), state(), t0);
-        }
-        assert!(states.len() <= 64, "{}", states.len());
-        assert!(states.get_at(&key(999), t0).is_some(), "the newest state is kept");
     }
 }

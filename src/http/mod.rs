@@ -23,7 +23,7 @@ use std::sync::Arc;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
@@ -350,22 +350,31 @@ fn query_pairs(raw: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> 
     })
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+/// `x-trigger-electric-version`: present (non-empty) on requests of the modern clients.
+const ELECTRIC_VERSION: HeaderName = HeaderName::from_static("x-trigger-electric-version");
+/// `x-trigger-api-version`.
+const API_VERSION: HeaderName = HeaderName::from_static("x-trigger-api-version");
+/// `x-trigger-branch`: the preview branch a secret key addresses.
+const BRANCH: HeaderName = HeaderName::from_static("x-trigger-branch");
+
+/// A request header's value as text (`None` when absent or not visible ASCII). The names are
+/// constants, so a lookup hashes them without parsing them first.
+fn header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
 async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principal, Ctx), ApiError> {
-    let client = if header(headers, "x-trigger-electric-version").is_none_or(str::is_empty) {
+    let client = if header(headers, &ELECTRIC_VERSION).is_none_or(str::is_empty) {
         ClientGeneration::Legacy
     } else {
         ClientGeneration::Modern
     };
-    let legacy_api_version = header(headers, "x-trigger-api-version") != Some(CURRENT_API_VERSION);
+    let legacy_api_version = header(headers, &API_VERSION) != Some(CURRENT_API_VERSION);
     let principal = state
         .auth
         .authenticate(
-            header(headers, "authorization"),
-            header(headers, "x-trigger-branch"),
+            header(headers, &http::header::AUTHORIZATION),
+            header(headers, &BRANCH),
         )
         .await?;
     crate::telemetry::http::record_env_id(&principal.env.id);
@@ -662,15 +671,23 @@ const FEED_RESPONSE_HEADERS: usize = 13;
 const JSON: HeaderValue = HeaderValue::from_static("application/json");
 const NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 
+/// The static headers of every feed 200 (content type, cache-control, CORS), in a map sized for
+/// all of them: a response clones it (static values, one allocation) instead of hashing each
+/// name in again.
+static FEED_HEADERS: std::sync::LazyLock<HeaderMap> = std::sync::LazyLock::new(|| {
+    let mut headers = HeaderMap::with_capacity(FEED_RESPONSE_HEADERS);
+    headers.insert(CONTENT_TYPE, JSON);
+    headers.insert(CACHE_CONTROL, NO_STORE);
+    cors::add_response_headers(&mut headers);
+    headers
+});
+
 /// A feed's 200: its headers are built in one map sized once, from static values plus the
 /// reply's Electric values (whose strings become header values without a copy), CORS included
 /// (the layer then leaves the response alone). This is the fan-out write path: one change to
 /// N feeds builds N of these (BENCHMARKS.md "Fan-out").
 fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
-    let mut headers = HeaderMap::with_capacity(FEED_RESPONSE_HEADERS);
-    headers.insert(CONTENT_TYPE, JSON);
-    headers.insert(CACHE_CONTROL, NO_STORE);
-    cors::add_response_headers(&mut headers);
+    let mut headers = FEED_HEADERS.clone();
     reply
         .headers
         .apply(&mut headers, client == ClientGeneration::Legacy);

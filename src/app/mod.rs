@@ -171,10 +171,12 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             .addr,
         ),
     };
-    let listener =
-        crate::http::serve::bind(&config.server.listen, config.server.socket_send_buffer_bytes)
-            .await
-        .with_context(|| format!("binding {}", config.server.listen))?;
+    let listener = crate::http::serve::bind(
+        &config.server.listen,
+        config.server.socket_send_buffer_bytes,
+    )
+    .await
+    .with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     let service = crate::telemetry::http::instrument(
         app(state),

@@ -630,7 +630,10 @@ mod tests {
             }
             assert!(taken < 8 << 20, "the kernel never stopped taking bytes");
         }
-        assert!(taken <= 512 * 1024, "{taken} bytes taken by a stalled client");
+        assert!(
+            taken <= 512 * 1024,
+            "{taken} bytes taken by a stalled client"
+        );
     }
 
     /// The released range never leaves the buffer and covers only whole pages, for the page

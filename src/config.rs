@@ -62,6 +62,12 @@ pub struct ServerConfig {
     /// A response write that makes no progress for this long closes the connection, ms (a
     /// client that stops reading cannot pin a response in memory). 0 disables.
     pub write_stall_timeout_ms: u64,
+    /// `SO_SNDBUF` of the accepted connections, bytes (Linux doubles it for its own overhead):
+    /// the most response bytes the kernel holds for a client that reads nothing, each copied
+    /// in by a server thread (with autotuning up to `net.ipv4.tcp_wmem`'s maximum, 4 MiB by
+    /// default: docs/faults.md note 1). A reading client still gets about twice this per round
+    /// trip (5 MiB/s at 100 ms with 262 144). 0 = the kernel's autotuning.
+    pub socket_send_buffer_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +80,7 @@ impl Default for ServerConfig {
             max_header_bytes: 32_768,
             header_read_timeout_ms: 10_000,
             write_stall_timeout_ms: 30_000,
+            socket_send_buffer_bytes: 262_144,
         }
     }
 }

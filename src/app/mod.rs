@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -172,9 +171,12 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             .addr,
         ),
     };
-    let listener = TcpListener::bind(&config.server.listen)
-        .await
-        .with_context(|| format!("binding {}", config.server.listen))?;
+    let listener = crate::http::serve::bind(
+        &config.server.listen,
+        config.server.socket_send_buffer_bytes,
+    )
+    .await
+    .with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     let service = crate::telemetry::http::instrument(
         app(state),

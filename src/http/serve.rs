@@ -13,6 +13,10 @@
 //!   so a held poll keeps none of them resident for its ~20 s; HTTP/1 only (no HTTP/2 state per connection; runfeed sits
 //!   behind a load balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection
 //!   clone of the make-service machinery.
+//! - **Kernel memory per connection:** the listener ([`bind`]) sets `SO_SNDBUF`
+//!   (`server.socket_send_buffer_bytes`), which the accepted connections inherit: a client that
+//!   stops reading pins at most that much in the kernel, and the tokio workers copy at most
+//!   that much into its socket, instead of the up to 4 MiB send-buffer autotuning allows.
 //! - **Out of file descriptors (`EMFILE`/`ENFILE`):** the loop keeps one spare descriptor
 //!   (`/dev/null`); when accept fails for lack of descriptors it gives the spare back, accepts
 //!   the connections waiting in the backlog and closes them at once (the client sees a closed
@@ -135,6 +139,51 @@ fn shed_backlog(listener: &TcpListener, spare: &mut Option<std::fs::File>) -> u6
     }
     *spare = spare_descriptor();
     closed
+}
+
+/// A listener on `addr` (`host:port`, resolved like [`TcpListener::bind`]: the first address
+/// that binds) whose accepted connections have an `SO_SNDBUF` of `send_buffer_bytes` (0: the
+/// kernel's autotuning). Accepted sockets inherit the listener's send buffer size (Linux and
+/// the BSDs), so no connection pays a system call for it.
+///
+/// The cap bounds what a client that stops reading costs in the kernel and, above all, the
+/// bytes the server's threads copy into its socket: with autotuning each such socket takes
+/// up to `net.ipv4.tcp_wmem`'s maximum (4 MiB by default) before a write would block, every
+/// byte copied by a tokio worker while other feeds wait for it (docs/faults.md, note 1).
+pub async fn bind(addr: &str, send_buffer_bytes: usize) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host(addr).await? {
+        match bind_one(addr, send_buffer_bytes) {
+            Ok(listener) => return Ok(listener),
+            Err(err) => last = Some(err),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the listen address resolved to no address",
+        )
+    }))
+}
+
+/// Backlog of the listening socket (what [`TcpListener::bind`] uses).
+const LISTEN_BACKLOG: u32 = 1024;
+
+fn bind_one(addr: std::net::SocketAddr, send_buffer_bytes: usize) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As TcpListener::bind does on Unix: a restarted server can bind while old connections
+    // linger in TIME_WAIT.
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    if send_buffer_bytes > 0 {
+        socket.set_send_buffer_size(u32::try_from(send_buffer_bytes).unwrap_or(u32::MAX))?;
+    }
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Per-connection bounds of [`serve`] (`[server]` in the configuration).
@@ -517,6 +566,74 @@ mod tests {
         };
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(io.stall.is_none(), "the timer is dropped once it fired");
+    }
+
+    /// The send buffer size of a socket the kernel accepted (`SO_SNDBUF`, as the kernel reports
+    /// it: Linux doubles what was set).
+    fn send_buffer_of(stream: TcpStream) -> u32 {
+        let std = stream.into_std().expect("into_std");
+        tokio::net::TcpSocket::from_std_stream(std)
+            .send_buffer_size()
+            .expect("SO_SNDBUF")
+    }
+
+    /// An accepted connection carries the configured `SO_SNDBUF` (inherited from the listener);
+    /// 0 leaves it to the kernel, as a plain `TcpListener::bind` does.
+    #[tokio::test]
+    async fn an_accepted_connection_gets_the_configured_send_buffer() {
+        let capped = bind("127.0.0.1:0", 65_536).await.expect("bind");
+        let _client = TcpStream::connect(capped.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = capped.accept().await.expect("accept");
+        let size = send_buffer_of(server);
+        if cfg!(target_os = "linux") {
+            assert_eq!(size, 2 * 65_536, "Linux reports twice the size set");
+        } else {
+            assert!((65_536..=2 * 65_536).contains(&size), "{size}");
+        }
+
+        let plain = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let auto = bind("127.0.0.1:0", 0).await.expect("bind");
+        let mut sizes = Vec::new();
+        for listener in [&plain, &auto] {
+            let _client = TcpStream::connect(listener.local_addr().expect("addr"))
+                .await
+                .expect("connect");
+            let (server, _) = listener.accept().await.expect("accept");
+            sizes.push(send_buffer_of(server));
+        }
+        assert_eq!(sizes[0], sizes[1], "0 = the kernel's own choice");
+    }
+
+    /// A client that reads nothing: the kernel takes at most about the capped send buffer (plus
+    /// what the client's receive buffer holds) before the server's writes would block, instead
+    /// of up to `net.ipv4.tcp_wmem`'s maximum (4 MiB by default) with autotuning.
+    #[tokio::test]
+    async fn a_capped_send_buffer_bounds_what_a_stalled_client_takes() {
+        let listener = bind("127.0.0.1:0", 65_536).await.expect("bind");
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        let _client = socket
+            .connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let chunk = vec![7u8; 64 * 1024];
+        let mut taken = 0usize;
+        loop {
+            server.writable().await.expect("writable");
+            match server.try_write(&chunk) {
+                Ok(n) => taken += n,
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(err) => panic!("write: {err}"),
+            }
+            assert!(taken < 8 << 20, "the kernel never stopped taking bytes");
+        }
+        assert!(
+            taken <= 512 * 1024,
+            "{taken} bytes taken by a stalled client"
+        );
     }
 
     /// The released range never leaves the buffer and covers only whole pages, for the page

@@ -36,6 +36,18 @@ pub fn proc_cpu_s(pid: u32) -> Option<f64> {
     Some(ticks / 100.0)
 }
 
+/// Memory the kernel holds for every TCP socket of the machine, bytes (`/proc/net/sockstat`,
+/// `TCP: … mem <pages>`, pages of 4 KiB): the send and receive queues the processes' own RSS
+/// does not show.
+pub fn tcp_kernel_memory() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/net/sockstat").ok()?;
+    let tcp = stat.lines().find(|l| l.starts_with("TCP:"))?;
+    let mut words = tcp.split_whitespace();
+    words.find(|w| *w == "mem")?;
+    let pages: f64 = words.next()?.parse().ok()?;
+    Some(pages * 4096.0)
+}
+
 /// The `p`-th percentile (0–100) of `sorted`; NaN when empty.
 pub fn pct(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -30,7 +30,7 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::Value;
 
-pub use crate::measure::{metric_sum, pct, proc_rss};
+pub use crate::measure::{metric_sum, pct, proc_cpu_s, proc_rss, tcp_kernel_memory};
 
 /// The server under test and its dependencies.
 #[derive(Args, Clone, Debug)]

@@ -2,8 +2,11 @@
 //! receive buffers) while that run changes `--changes` times with a `--output-kb` output, and
 //! `--feeds` healthy long-poll followers keep receiving `--rate` changes/s. Figures: server RSS
 //! growth per stalled client (after the big changes, and after the queue bound ended the
-//! streams), streams the bound ended (`runfeed_feeds_stalled_streams_total`), and the healthy
-//! followers' delivery p50/p99 without and with the stalled clients.
+//! streams), the kernel's TCP memory per stalled client (the socket buffers RSS does not
+//! show; the machine's, so run it on a machine without other TCP traffic), streams the bound
+//! ended (`runfeed_feeds_stalled_streams_total`), the CPU the server and this tool (the
+//! healthy followers' client) used while the run changed, and the healthy followers' delivery
+//! p50/p99 without and with the stalled clients.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,7 +17,9 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
 use super::load::{Load, LoadArgs};
-use super::{metric_sum, metric_with, pct, proc_rss, report, scrape, Target};
+use super::{
+    metric_sum, metric_with, pct, proc_cpu_s, proc_rss, report, scrape, tcp_kernel_memory, Target,
+};
 use crate::fixtures::{self, RunSpec, RunUpdate};
 
 /// `runfeed-faults stalled`.
@@ -86,6 +91,7 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     );
     let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse()?;
     let rss_before = proc_rss(pid).unwrap_or(f64::NAN);
+    let tcp_before = tcp_kernel_memory().unwrap_or(f64::NAN);
     let metrics_before = scrape(&http, &a.target).await?;
     let mut stalled = Vec::with_capacity(a.stalled);
     for _ in 0..a.stalled {
@@ -103,6 +109,13 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     let rss_open = proc_rss(pid).unwrap_or(f64::NAN);
     let metrics_open = scrape(&http, &a.target).await?;
     let _ = load.take_latencies();
+    let cpu = || {
+        (
+            proc_cpu_s(pid).unwrap_or(f64::NAN),
+            proc_cpu_s(std::process::id()).unwrap_or(f64::NAN),
+        )
+    };
+    let cpu_open = cpu();
     let pad = "x".repeat(a.output_kb * 1024);
     for n in 0..a.changes {
         let output = format!("{{\"n\":{n},\"pad\":\"{pad}\"}}");
@@ -131,6 +144,8 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_changed = proc_rss(pid).unwrap_or(f64::NAN);
+    let tcp_changed = tcp_kernel_memory().unwrap_or(f64::NAN);
+    let cpu_changed = cpu();
     let metrics_changed = scrape(&http, &a.target).await?;
     let during = load.take_latencies();
     tokio::time::sleep(Duration::from_secs(a.settle_s)).await;
@@ -149,6 +164,7 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
         metric_with(&metrics_changed, name, label) - metric_with(&metrics_open, name, label)
     };
     let per = |rss: f64| (rss - rss_before) / a.stalled.max(1) as f64 / 1024.0;
+    let per_tcp = (tcp_changed - tcp_before) / a.stalled.max(1) as f64 / 1024.0;
     report(
         "stalled",
         json!({"stalled": a.stalled, "changes": a.changes, "output_kb": a.output_kb, "feeds": a.load.feeds, "rate": a.load.rate}),
@@ -166,7 +182,19 @@ pub async fn run(a: StalledArgs) -> anyhow::Result<()> {
                 "RSS per stalled client, after the bound, KiB",
                 json!(per(rss_settled)),
             ),
+            (
+                "kernel TCP memory per stalled client, after the changes, KiB",
+                json!(per_tcp),
+            ),
             ("streams ended by the queue bound", json!(ended)),
+            (
+                "server CPU while the run changed, s",
+                json!(cpu_changed.0 - cpu_open.0),
+            ),
+            (
+                "this tool's CPU while the run changed, s",
+                json!(cpu_changed.1 - cpu_open.1),
+            ),
             (
                 "Postgres queries during the changes",
                 json!(delta("runfeed_pg_queries_total", "")),

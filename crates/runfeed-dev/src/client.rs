@@ -568,8 +568,9 @@ mod tests {
         assert!(r2.path_and_query.contains("cursor=7"));
     }
 
-    #[test]
-    fn update_merges_and_409_resets() {
+    /// A follower of `run_1` after its snapshot: one row (`PENDING`, metadata `m0`), handle
+    /// `H`, offset `5_1`, cursor `7`, up-to-date.
+    fn followed_run() -> Follower {
         let mut f = Follower::new(FeedUrl::run("run_1"), "tok");
         let r0 = f.request(false);
         f.apply(
@@ -584,6 +585,12 @@ mod tests {
                 ]),
             ),
         );
+        f
+    }
+
+    #[test]
+    fn update_merges_and_409_resets() {
+        let mut f = followed_run();
         let r1 = f.request(false);
         f.apply(
             &r1,
@@ -627,20 +634,7 @@ mod tests {
 
     #[test]
     fn an_sse_batch_applies_and_moves_to_the_lsn_offset() {
-        let mut f = Follower::new(FeedUrl::run("run_1"), "tok");
-        let r0 = f.request(false);
-        f.apply(
-            &r0,
-            &resp(
-                200,
-                "H",
-                "5_1",
-                json!([
-                    {"key": "k", "value": {"id": "r", "status": "PENDING", "metadata": "m0"}, "headers": {"operation": "insert"}},
-                    {"headers": {"control": "up-to-date"}}
-                ]),
-            ),
-        );
+        let mut f = followed_run();
         let sse = f.sse_request();
         assert_eq!(sse.kind, RequestKind::Sse);
         assert_eq!(

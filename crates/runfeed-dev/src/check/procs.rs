@@ -505,24 +505,40 @@ pub async fn restart_cluster_node(
     node: usize,
     down: Duration,
 ) -> anyhow::Result<()> {
+    cluster_script(
+        repo,
+        &[
+            "restart-node".to_string(),
+            node.to_string(),
+            "--base-port".to_string(),
+            base_port.to_string(),
+            "--down-ms".to_string(),
+            down.as_millis().to_string(),
+        ],
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Runs `scripts/redis-cluster.sh` with `args`; returns its standard output.
+///
+/// # Errors
+/// When the script cannot be run or fails (its standard error in the message).
+async fn cluster_script(repo: &Path, args: &[String]) -> anyhow::Result<String> {
     let out = Command::new("bash")
         .arg(repo.join("scripts/redis-cluster.sh"))
-        .arg("restart-node")
-        .arg(node.to_string())
-        .arg("--base-port")
-        .arg(base_port.to_string())
-        .arg("--down-ms")
-        .arg(down.as_millis().to_string())
+        .args(args)
         .output()
         .await
-        .context("run scripts/redis-cluster.sh restart-node")?;
+        .with_context(|| format!("run scripts/redis-cluster.sh {}", args.join(" ")))?;
     if !out.status.success() {
         bail!(
-            "scripts/redis-cluster.sh restart-node {node} failed: {}",
+            "scripts/redis-cluster.sh {} failed: {}",
+            args.join(" "),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Replicas in the local Redis Cluster at `base_port` (from `CLUSTER NODES` of its first node).
@@ -570,24 +586,19 @@ pub async fn cluster_failover(
         }
     }
     let master = master.with_context(|| format!("no node names the master of slot {slot}"))?;
-    let out = Command::new("bash")
-        .arg(repo.join("scripts/redis-cluster.sh"))
-        .arg("failover")
-        .arg(master.to_string())
-        .arg("--base-port")
-        .arg(base_port.to_string())
-        .arg("--mode")
-        .arg(mode)
-        .output()
-        .await
-        .context("run scripts/redis-cluster.sh failover")?;
-    if !out.status.success() {
-        bail!(
-            "scripts/redis-cluster.sh failover {master} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let promoted = String::from_utf8_lossy(&out.stdout)
+    let out = cluster_script(
+        repo,
+        &[
+            "failover".to_string(),
+            master.to_string(),
+            "--base-port".to_string(),
+            base_port.to_string(),
+            "--mode".to_string(),
+            mode.to_string(),
+        ],
+    )
+    .await?;
+    let promoted = out
         .lines()
         .find_map(|l| l.strip_prefix("PROMOTED=").map(str::to_string))
         .unwrap_or_default();

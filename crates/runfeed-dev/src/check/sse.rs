@@ -19,6 +19,7 @@ use serde_json::Value;
 use tokio::net::TcpSocket;
 use tokio::task::JoinHandle;
 
+use super::io::sse_event_data;
 use crate::client::{ClientError, Request, Response};
 
 /// `SO_RCVBUF` of a stream's socket, bytes (the kernel doubles it).
@@ -158,7 +159,7 @@ impl SseStream {
         loop {
             while let Some(end) = find_event_end(&self.buf) {
                 let event: Vec<u8> = self.buf.drain(..end + 2).collect();
-                let Some(data) = event_data(&event[..end]) else {
+                let Some(data) = sse_event_data(&String::from_utf8_lossy(&event[..end])) else {
                     continue; // a comment (keep-alive)
                 };
                 let Ok(message) = serde_json::from_str::<Value>(&data) else {
@@ -194,27 +195,6 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2).position(|w| w == b"\n\n")
 }
 
-/// The `data` of one event (its `data:` lines joined with `\n`; `None` for a comment-only
-/// event). The WHATWG event-stream format, as `runfeed::protocol::sse` frames it.
-fn event_data(event: &[u8]) -> Option<String> {
-    let text = String::from_utf8_lossy(event);
-    let mut data: Option<String> = None;
-    for line in text.split('\n') {
-        let line = line.strip_suffix('\r').unwrap_or(line);
-        if let Some(value) = line.strip_prefix("data:") {
-            let value = value.strip_prefix(' ').unwrap_or(value);
-            match &mut data {
-                Some(d) => {
-                    d.push('\n');
-                    d.push_str(value);
-                }
-                None => data = Some(value.to_string()),
-            }
-        }
-    }
-    data
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,11 +203,15 @@ mod tests {
     fn events_parse_and_comments_are_skipped() {
         let buf = b": keepalive\n\ndata: {\"a\":1}\n\ndata: {\"b\"";
         let end = find_event_end(buf).expect("an event");
-        assert_eq!(event_data(&buf[..end]), None);
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        assert_eq!(sse_event_data(&text(&buf[..end])), None);
         let rest = &buf[end + 2..];
         let end = find_event_end(rest).expect("a second event");
-        assert_eq!(event_data(&rest[..end]).as_deref(), Some("{\"a\":1}"));
+        assert_eq!(
+            sse_event_data(&text(&rest[..end])).as_deref(),
+            Some("{\"a\":1}")
+        );
         assert_eq!(find_event_end(&rest[end + 2..]), None, "unfinished");
-        assert_eq!(event_data(b"data: a\ndata: b").as_deref(), Some("a\nb"));
+        assert_eq!(sse_event_data("data: a\ndata: b").as_deref(), Some("a\nb"));
     }
 }

@@ -114,6 +114,9 @@ pub enum RequestKind {
     Live,
     /// Non-live with handle, offset and cursor (resume after a pause, `docs/protocol.md` §4.6).
     CatchUp,
+    /// `live=true&live_sse=true` at the last offset: an SSE stream of live batches, each change
+    /// messages then an `up-to-date` (`docs/protocol.md` §13.4, `@electric-sql/client` 1.5).
+    Sse,
 }
 
 /// One request as built by [`Follower::request`].
@@ -294,6 +297,72 @@ impl Follower {
             offset: self.offset.clone(),
             handle: self.handle.clone(),
         }
+    }
+
+    /// The SSE live request (`docs/protocol.md` §13.4) at the current handle, offset and
+    /// cursor, as `@electric-sql/client` 1.5 sends it with `liveSse: true` (it also sends the
+    /// deprecated `experimental_live_sse`, which runfeed ignores). Only once up-to-date.
+    pub fn sse_request(&self) -> Request {
+        let p: Vec<(&str, String)> = vec![
+            ("cursor", self.cursor.clone().unwrap_or_default()),
+            ("handle", self.handle.clone().unwrap_or_default()),
+            ("live", "true".to_string()),
+            ("live_sse", "true".to_string()),
+            ("log", "full".to_string()),
+            ("offset", self.offset.clone()),
+        ];
+        Request {
+            kind: RequestKind::Sse,
+            path_and_query: self.url.render(&p),
+            offset: self.offset.clone(),
+            handle: self.handle.clone(),
+        }
+    }
+
+    /// Adopts the headers of a 200 SSE response (handle and cursor; its offset is the one
+    /// requested).
+    pub fn adopt_sse_headers(&mut self, handle: Option<&str>, cursor: Option<&str>) {
+        if let Some(h) = handle.filter(|h| !h.is_empty()) {
+            self.handle = Some(h.to_string());
+        }
+        if let Some(c) = cursor.filter(|c| !c.is_empty()) {
+            self.cursor = Some(c.to_string());
+        }
+    }
+
+    /// Applies one SSE batch (the messages of `data:` events up to and including an
+    /// `up-to-date`) as the 1.5 client does: the changes onto the view, then the next offset
+    /// `<global_last_seen_lsn>_0` when the `up-to-date` carries that field (else the offset
+    /// stays, `docs/protocol.md` §13.4). Returns the changes, in order.
+    pub fn apply_sse_batch(&mut self, messages: &[Value]) -> Vec<Change> {
+        let batch = Response {
+            status: 200,
+            handle: None,
+            offset: None,
+            cursor: None,
+            has_schema: false,
+            up_to_date_header: false,
+            messages: messages.to_vec(),
+            text: String::new(),
+            elapsed: Duration::ZERO,
+        };
+        let changes = batch.changes();
+        for change in &changes {
+            self.apply_change(change);
+        }
+        let lsn = messages
+            .iter()
+            .rev()
+            .filter_map(|m| m.get("headers"))
+            .find(|h| h.get("control").and_then(Value::as_str) == Some("up-to-date"))
+            .and_then(|h| h.get("global_last_seen_lsn"))
+            .and_then(Value::as_str);
+        if let Some(lsn) = lsn {
+            self.offset = format!("{lsn}_0");
+        }
+        self.up_to_date = true;
+        self.responses += 1;
+        changes
     }
 
     /// Sends `req` to `base` (e.g. `http://127.0.0.1:3030`) and reads the whole response,
@@ -499,8 +568,9 @@ mod tests {
         assert!(r2.path_and_query.contains("cursor=7"));
     }
 
-    #[test]
-    fn update_merges_and_409_resets() {
+    /// A follower of `run_1` after its snapshot: one row (`PENDING`, metadata `m0`), handle
+    /// `H`, offset `5_1`, cursor `7`, up-to-date.
+    fn followed_run() -> Follower {
         let mut f = Follower::new(FeedUrl::run("run_1"), "tok");
         let r0 = f.request(false);
         f.apply(
@@ -515,6 +585,12 @@ mod tests {
                 ]),
             ),
         );
+        f
+    }
+
+    #[test]
+    fn update_merges_and_409_resets() {
+        let mut f = followed_run();
         let r1 = f.request(false);
         f.apply(
             &r1,
@@ -554,6 +630,28 @@ mod tests {
             r3.path_and_query,
             "/realtime/v1/runs/run_1?expired_handle=H&handle=H2&log=full&offset=-1"
         );
+    }
+
+    #[test]
+    fn an_sse_batch_applies_and_moves_to_the_lsn_offset() {
+        let mut f = followed_run();
+        let sse = f.sse_request();
+        assert_eq!(sse.kind, RequestKind::Sse);
+        assert_eq!(
+            sse.path_and_query,
+            "/realtime/v1/runs/run_1?cursor=7&handle=H&live=true&live_sse=true&log=full&offset=5_1"
+        );
+        let changes = f.apply_sse_batch(&[
+            json!({"key": "k", "value": {"id": "r", "status": "EXECUTING"}, "headers": {"operation": "update"}}),
+            json!({"headers": {"control": "up-to-date", "global_last_seen_lsn": "42"}}),
+        ]);
+        assert_eq!(changes.len(), 1);
+        assert_eq!(f.row("r").expect("row")["status"], "EXECUTING");
+        assert_eq!(f.row("r").expect("row")["metadata"], "m0");
+        assert_eq!(f.offset, "42_0");
+        // Without the field the offset stays.
+        f.apply_sse_batch(&[json!({"headers": {"control": "up-to-date"}})]);
+        assert_eq!(f.offset, "42_0");
     }
 
     #[test]

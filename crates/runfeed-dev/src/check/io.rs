@@ -6,7 +6,9 @@
 //!
 //! Used: `runfeed::changes::{Publisher, RedisOptions, ChangeRecord}` (publishing a change
 //! record exactly as trigger.dev does, `docs/trigger-dev.md` §5) and
-//! `runfeed::auth::mint_public_token` (public access tokens, `docs/trigger-dev.md` §2.3).
+//! `runfeed::auth::mint_public_token` (public access tokens, `docs/trigger-dev.md` §2.3) and
+//! `runfeed::changes::channel_name` (the slot of an environment's channel on a Cluster),
+//! `runfeed::protocol::sse::parse_events` (an SSE event's `data`, as the server frames it).
 //! The database is created and migrated by [`crate::fixtures::TestDb`].
 
 use std::time::Duration;
@@ -83,4 +85,15 @@ pub fn mint_token(
     ttl: Duration,
 ) -> anyhow::Result<String> {
     runfeed::auth::mint_public_token(api_key, env_id, scopes, ttl, None).context("mint token")
+}
+
+/// The Redis Cluster hash slot of environment `env_id`'s channel (`realtime:env:{<env>}`).
+pub fn channel_slot(env_id: &str) -> u16 {
+    fred::util::redis_keyslot(runfeed::changes::channel_name(env_id).as_bytes())
+}
+
+/// The `data` of one complete SSE event (its text, without the blank line that ends it): its
+/// `data:` lines joined with `\n`; `None` for a comment (keep-alive).
+pub fn sse_event_data(event: &str) -> Option<String> {
+    runfeed::protocol::sse::parse_events(&format!("{event}\n\n")).pop()
 }

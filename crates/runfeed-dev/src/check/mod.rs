@@ -10,8 +10,9 @@
 //! - [`readers`]: readers follow run, tag and batch feeds with the Rust
 //!   [`crate::client::Follower`] and the real npm clients, hopping between instances,
 //!   dropping responses, aborting and pausing;
-//! - faults: Redis restart, Redis Cluster node restart, replica apply-delay changes, instance
-//!   restart with SIGTERM while polls are held;
+//! - faults: Redis restart, pause and freeze, Redis Cluster node restart and primary failover,
+//!   replica apply-delay changes, instance restart with SIGTERM while polls are held, reconnect
+//!   storms; [`sse`]: slow readers in SSE live mode that stop reading their stream;
 //! - [`props`]: the six properties checked per subscription from the writers' log;
 //! - [`report`]: figures, violations, and the minimal history of each violation.
 //!
@@ -23,6 +24,7 @@ pub mod procs;
 pub mod props;
 pub mod readers;
 pub mod report;
+pub mod sse;
 pub mod world;
 
 use std::collections::BTreeMap;
@@ -31,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
@@ -155,6 +157,48 @@ pub struct CheckArgs {
     /// Restarts of a Redis Cluster node (with --redis-cluster).
     #[arg(long, default_value_t = 1)]
     pub cluster_node_restarts: usize,
+    /// Primary failovers of the Redis Cluster (with --redis-cluster started with `--replicas
+    /// 1`): the master serving environment A's channel is failed over with
+    /// `scripts/redis-cluster.sh failover`.
+    #[arg(long, default_value_t = 0)]
+    pub cluster_failovers: usize,
+    /// How a failover happens: `kill` (the master shut down, its replica promoted after the
+    /// cluster's node timeout), `takeover` (`CLUSTER FAILOVER TAKEOVER` on its replica), or
+    /// `mixed` (a seeded choice per failover).
+    #[arg(long, value_enum, default_value = "mixed")]
+    pub cluster_failover_mode: FailoverMode,
+    /// Reconnect storms: every Rust reader slot with a request or stream open on one instance
+    /// drops it and reconnects to another instance within 1 s (as after a deploy).
+    #[arg(long, default_value_t = 0)]
+    pub storms: usize,
+    /// Share of reader slots (after the npm ones) that follow in SSE live mode
+    /// (`live_sse=true`) over sockets with a 4 KiB receive buffer: slow readers.
+    #[arg(long, default_value_t = 0.0)]
+    pub sse_fraction: f64,
+    /// Per SSE stream: the reader stops reading it once, within its first 2 s.
+    #[arg(long, default_value_t = 0.5)]
+    pub sse_stall_rate: f64,
+    /// How long an SSE reader stops reading, ms (uniform between the two).
+    #[arg(long, value_delimiter = ',', default_value = "300,6000")]
+    pub sse_stall_ms: Vec<u64>,
+    /// With SSE readers: the instances' `feeds.sse_stall_timeout_ms` (a stream whose client
+    /// takes nothing this long with a full queue is ended).
+    #[arg(long, default_value_t = 1_000)]
+    pub sse_stall_timeout_ms: u64,
+    /// With SSE readers: the instances' `feeds.sse_max_duration_ms` (streams end and readers
+    /// reconnect at their offset).
+    #[arg(long, default_value_t = 10_000)]
+    pub sse_max_duration_ms: u64,
+    /// With SSE readers: the bulk run's `output` per version, KiB (a stalled stream only ends
+    /// once the kernel's buffers, about 3 MiB per loopback connection, are full).
+    #[arg(long, default_value_t = 256)]
+    pub bulk_kb: usize,
+    /// With SSE readers: the bulk run's writes per second.
+    #[arg(long, default_value_t = 8.0)]
+    pub bulk_rate: f64,
+    /// With SSE readers: the share of SSE subscriptions that follow the bulk run.
+    #[arg(long, default_value_t = 0.5)]
+    pub bulk_share: f64,
     /// Changes of the replica's apply delay (with --replica).
     #[arg(long, default_value_t = 3)]
     pub replica_delay_changes: usize,
@@ -217,7 +261,10 @@ impl CheckArgs {
         self.redis_pauses = 0;
         self.redis_freezes = 0;
         self.cluster_node_restarts = 0;
+        self.cluster_failovers = 0;
         self.replica_delay_changes = 0;
+        self.storms = 0;
+        self.sse_stall_rate = 0.0;
     }
 
     fn parse_known(&self) -> anyhow::Result<Vec<Known>> {
@@ -238,6 +285,18 @@ impl CheckArgs {
             })
             .collect()
     }
+}
+
+/// How `--cluster-failovers` fail a master over (`scripts/redis-cluster.sh failover --mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailoverMode {
+    /// `SHUTDOWN NOSAVE` on the master; its replica is promoted after the node timeout.
+    Kill,
+    /// `CLUSTER FAILOVER TAKEOVER` on its replica; no node goes down.
+    Takeover,
+    /// A seeded choice per failover.
+    Mixed,
 }
 
 /// Runs a check and prints its report; returns it (and whether it passed in
@@ -295,6 +354,19 @@ pub async fn run(mut args: CheckArgs) -> anyhow::Result<Report> {
     }
     if !cluster {
         args.cluster_node_restarts = 0;
+        args.cluster_failovers = 0;
+    }
+    if args.cluster_failovers > 0 {
+        let base = args
+            .redis_cluster
+            .as_deref()
+            .and_then(procs::cluster_base_port)
+            .context("--cluster-failovers: no port in --redis-cluster")?;
+        if procs::cluster_replicas(base).await? == 0 {
+            bail!(
+                "--cluster-failovers needs replicas: bash scripts/redis-cluster.sh start --base-port {base} --replicas 1"
+            );
+        }
     }
     if args.replica.is_none() {
         args.replica_delay_changes = 0;
@@ -379,32 +451,49 @@ async fn check_with(
                 late_ms: (200, 1_500),
                 partial: args.partial_rate,
                 misroute: if args.no_faults { 0.0 } else { 0.05 },
+                bulk: (args.sse_fraction > 0.0 && args.bulk_rate > 0.0).then_some(
+                    world::BulkConfig {
+                        kb: args.bulk_kb,
+                        rate: args.bulk_rate,
+                    },
+                ),
             },
             seed,
         )
         .await?,
     );
     // Instances.
+    let mut env = vec![
+        (
+            "RUNFEED_SERVER__HANDLE_SECRET".to_string(),
+            format!("check-secret-{seed}"),
+        ),
+        (
+            "RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS".into(),
+            hold.to_string(),
+        ),
+        (
+            "RUNFEED_CACHES__BACKSTOP_SHARE_MS".into(),
+            share.to_string(),
+        ),
+    ];
+    if args.sse_fraction > 0.0 {
+        env.push((
+            "RUNFEED_FEEDS__SSE_STALL_TIMEOUT_MS".into(),
+            args.sse_stall_timeout_ms.to_string(),
+        ));
+        env.push((
+            "RUNFEED_FEEDS__SSE_MAX_DURATION_MS".into(),
+            args.sse_max_duration_ms.to_string(),
+        ));
+    }
     let cfg = InstanceConfig {
         binary: binary.to_path_buf(),
         database_url: db.url.clone(),
         replica_url,
         redis_url: redis_url.to_string(),
         cluster,
-        env: vec![
-            (
-                "RUNFEED_SERVER__HANDLE_SECRET".into(),
-                format!("check-secret-{seed}"),
-            ),
-            (
-                "RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS".into(),
-                hold.to_string(),
-            ),
-            (
-                "RUNFEED_CACHES__BACKSTOP_SHARE_MS".into(),
-                share.to_string(),
-            ),
-        ],
+        env,
         log_dir: log_dir.to_path_buf(),
     };
     let mut instances = Vec::new();
@@ -446,6 +535,15 @@ async fn check_with(
                 [] => (2.0, 12.0),
             },
             hold_ms: hold,
+            sse_fraction: args.sse_fraction,
+            sse_stall: args.sse_stall_rate,
+            sse_stall_ms: match args.sse_stall_ms.as_slice() {
+                [a, b, ..] if a < b => (*a, *b),
+                [a, ..] => (*a, *a + 1),
+                [] => (300, 6_000),
+            },
+            stall_timeout_ms: args.sse_stall_timeout_ms,
+            bulk: world.bulk_run.map(|run| (run, args.bulk_share)),
         },
         churn_until,
         stop_rx,
@@ -465,6 +563,9 @@ async fn check_with(
         replica: replica_ctl,
         redis: own_redis,
         redis_fault_ms: args.redis_fault_ms,
+        readers: &readers,
+        failover_slot: io::channel_slot(&world.envs[0].env_id),
+        failover_mode: args.cluster_failover_mode,
         seed,
     });
     // With a replica: sample its replay lag every 50 ms until the check ends.
@@ -512,10 +613,12 @@ async fn check_with(
         let _ = sampler.await;
     }
     world.verify_log().await?;
+    let mut stalled_streams = 0.0;
     {
         let mut guard = instances.lock().await;
         for inst in guard.iter_mut() {
             let _ = inst.stop(Duration::from_secs(10)).await;
+            stalled_streams += inst.stalled_streams().await;
         }
     }
     let history: History = world
@@ -529,7 +632,7 @@ async fn check_with(
             .with_context(|| format!("write {}", path.display()))?;
     }
     let outcome = props::check(&history, &subs, &bounds, &clock, end);
-    let figures = report::figures(
+    let mut figures = report::figures(
         seed,
         &history,
         &subs,
@@ -538,6 +641,8 @@ async fn check_with(
         args.seconds,
         usize::from(args.instances),
     );
+    figures.sse_server_stalled_streams = stalled_streams as usize;
+    report::count_stalls(&mut figures, &subs, args.sse_stall_timeout_ms);
     let mut violations = BTreeMap::new();
     for p in Property::ALL {
         violations.insert(p.name().to_string(), outcome.count(p));
@@ -587,6 +692,11 @@ struct FaultCtx<'a> {
     redis: Option<RedisServer>,
     /// How long a Redis pause or freeze lasts, ms.
     redis_fault_ms: u64,
+    /// The readers (reconnect storms).
+    readers: &'a readers::Readers,
+    /// The Cluster slot of environment A's channel (its master is the one failed over).
+    failover_slot: u16,
+    failover_mode: FailoverMode,
     seed: u64,
 }
 
@@ -623,6 +733,11 @@ fn fault_plan(
         FaultKind::ReplicaDelay,
         args.replica_delay_changes,
     ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::ClusterFailover,
+        args.cluster_failovers,
+    ));
+    kinds.extend(std::iter::repeat_n(FaultKind::ReconnectStorm, args.storms));
     let mut rng = StdRng::seed_from_u64(seed ^ 0xfa_u64);
     kinds.shuffle(&mut rng);
     let n = kinds.len().max(1) as f64;
@@ -724,6 +839,33 @@ async fn run_faults(mut ctx: FaultCtx<'_>) -> Option<RedisServer> {
                     }
                     None => Ok("skipped (no cluster)".to_string()),
                 }
+            }
+            FaultKind::ClusterFailover => {
+                match ctx.cluster_url.and_then(procs::cluster_base_port) {
+                    Some(base) => {
+                        let mode = match ctx.failover_mode {
+                            FailoverMode::Kill => "kill",
+                            FailoverMode::Takeover => "takeover",
+                            FailoverMode::Mixed if rng.random_bool(0.5) => "kill",
+                            FailoverMode::Mixed => "takeover",
+                        };
+                        let res =
+                            procs::cluster_failover(ctx.repo, base, ctx.failover_slot, mode).await;
+                        let ready = wait_all_ready(ctx.instances).await;
+                        res.and_then(|detail| ready.map(|()| detail))
+                    }
+                    None => Ok("skipped (no cluster)".to_string()),
+                }
+            }
+            FaultKind::ReconnectStorm => {
+                let n = ctx.instances.lock().await.len();
+                let i = rng.random_range(0..n);
+                ctx.readers.storm(i);
+                // The window of the reconnects (each reader waits 0–1 s).
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok(format!(
+                    "instance {i}: every Rust reader's request or stream there dropped, reconnecting within 1 s"
+                ))
             }
             FaultKind::ReplicaDelay => match ctx.replica {
                 Some(ctl) => {

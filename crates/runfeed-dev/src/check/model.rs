@@ -92,6 +92,8 @@ pub enum WriteOp {
     Status,
     Metadata,
     AddTag,
+    /// A metadata write that also sets a large `output` (the bulk run of the slow readers).
+    Output,
 }
 
 /// One committed version of a run.
@@ -213,6 +215,13 @@ pub enum FaultKind {
     RedisPause,
     /// SIGSTOP of the check's own redis-server, then SIGCONT: a partition neither side sees.
     RedisFreeze,
+    /// A Redis Cluster primary failed over: the master serving environment A's channel killed
+    /// (its replica promoted) or replaced by `CLUSTER FAILOVER TAKEOVER` on its replica.
+    ClusterFailover,
+    /// Every Rust reader slot connected to one instance drops its connection and reconnects
+    /// to another instance within 1 s (as after a deploy). Not an outage: the server keeps
+    /// serving, each reader's own reconnect delay is its pause.
+    ReconnectStorm,
 }
 
 impl FaultKind {
@@ -225,12 +234,14 @@ impl FaultKind {
             FaultKind::InstanceRestart => "instance-restart",
             FaultKind::RedisPause => "redis-pause",
             FaultKind::RedisFreeze => "redis-freeze",
+            FaultKind::ClusterFailover => "cluster-failover",
+            FaultKind::ReconnectStorm => "reconnect-storm",
         }
     }
 
     /// Whether the fault is an outage (deliveries during it are excused from timeliness).
     pub fn is_outage(self) -> bool {
-        !matches!(self, FaultKind::ReplicaDelay)
+        !matches!(self, FaultKind::ReplicaDelay | FaultKind::ReconnectStorm)
     }
 }
 
@@ -385,8 +396,11 @@ impl FeedSpec {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ClientKind {
-    /// The Rust follower ([`crate::client::Follower`]).
+    /// The Rust follower ([`crate::client::Follower`]), long-polling.
     Rust,
+    /// The Rust follower in SSE live mode (`live_sse=true`, [`crate::check::sse`]), a slow
+    /// reader that sometimes stops reading its stream.
+    RustSse,
     /// `@electric-sql/client` 1.0.14 `ShapeStream` in node.
     NpmShape,
     /// `@trigger.dev/sdk` 4.8.3 `runs.subscribeTo…` in node.
@@ -394,10 +408,16 @@ pub enum ClientKind {
 }
 
 impl ClientKind {
+    /// The Rust follower (long-poll or SSE): its responses carry the rows it saw.
+    pub fn is_rust(self) -> bool {
+        matches!(self, ClientKind::Rust | ClientKind::RustSse)
+    }
+
     /// The name used in reports.
     pub fn name(self) -> &'static str {
         match self {
             ClientKind::Rust => "rust",
+            ClientKind::RustSse => "rust-sse",
             ClientKind::NpmShape => "npm-shape",
             ClientKind::NpmSdk => "npm-sdk",
         }
@@ -501,8 +521,25 @@ pub enum Event {
     },
     /// The client dropped its view (409 must-refetch).
     Reset { at: Ms },
-    /// The reader paused between polls.
+    /// The reader paused between polls, or stopped reading its SSE stream (a slow reader).
     Paused { from: Ms, to: Ms },
+    /// An SSE stream (a [`RequestKind::Sse`] request answered 200) ended; its batches were
+    /// logged as [`Event::Response`]s to that request. A stream that failed for any other
+    /// reason is an [`Event::Failed`].
+    StreamEnded { req: u32, at: Ms, how: StreamEnd },
+}
+
+/// How an SSE stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamEnd {
+    /// The server ended it cleanly (`feeds.sse_max_duration_ms`, a drain, a failed hold).
+    Closed,
+    /// It broke after the reader had stopped reading for longer than the server's
+    /// `feeds.sse_stall_timeout_ms`: the server's stall bound ended it (expected).
+    StalledOut,
+    /// The reader closed it (its subscription ended).
+    ReaderClosed,
 }
 
 impl Event {
@@ -513,6 +550,7 @@ impl Event {
             | Event::Response { at, .. }
             | Event::Failed { at, .. }
             | Event::Rows { at, .. }
+            | Event::StreamEnded { at, .. }
             | Event::Reset { at } => *at,
             Event::Paused { from, .. } => *from,
         }

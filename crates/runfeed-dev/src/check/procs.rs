@@ -62,6 +62,9 @@ pub struct Instance {
     cfg: InstanceConfig,
     /// Starts so far.
     pub starts: usize,
+    /// `runfeed_feeds_stalled_streams_total` of the processes stopped so far (read before
+    /// each stop).
+    stalled_streams: f64,
 }
 
 impl Instance {
@@ -82,6 +85,7 @@ impl Instance {
             child: None,
             cfg,
             starts: 0,
+            stalled_streams: 0.0,
         };
         inst.spawn().await?;
         Ok(inst)
@@ -192,11 +196,41 @@ impl Instance {
         self.spawn().await
     }
 
+    /// SSE streams the server ended because their client stopped reading
+    /// (`runfeed_feeds_stalled_streams_total`), over every process of this instance so far
+    /// (the running one read now).
+    pub async fn stalled_streams(&self) -> f64 {
+        self.stalled_streams + self.read_stalled_streams().await
+    }
+
+    async fn read_stalled_streams(&self) -> f64 {
+        if self.child.is_none() {
+            return 0.0;
+        }
+        let url = format!("http://127.0.0.1:{}/metrics", self.admin_port);
+        let scrape = async {
+            let text = reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(2))
+                .build()?
+                .get(&url)
+                .send()
+                .await?
+                .text()
+                .await?;
+            Ok::<String, reqwest::Error>(text)
+        };
+        scrape.await.ok().map_or(0.0, |text| {
+            crate::measure::metric_sum(&text, "runfeed_feeds_stalled_streams_total").unwrap_or(0.0)
+        })
+    }
+
     /// SIGTERM and wait for the exit (SIGKILL after `limit`).
     ///
     /// # Errors
     /// When the signal cannot be sent.
     pub async fn stop(&mut self, limit: Duration) -> anyhow::Result<()> {
+        self.stalled_streams += self.read_stalled_streams().await;
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
@@ -471,24 +505,104 @@ pub async fn restart_cluster_node(
     node: usize,
     down: Duration,
 ) -> anyhow::Result<()> {
+    cluster_script(
+        repo,
+        &[
+            "restart-node".to_string(),
+            node.to_string(),
+            "--base-port".to_string(),
+            base_port.to_string(),
+            "--down-ms".to_string(),
+            down.as_millis().to_string(),
+        ],
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Runs `scripts/redis-cluster.sh` with `args`; returns its standard output.
+///
+/// # Errors
+/// When the script cannot be run or fails (its standard error in the message).
+async fn cluster_script(repo: &Path, args: &[String]) -> anyhow::Result<String> {
     let out = Command::new("bash")
         .arg(repo.join("scripts/redis-cluster.sh"))
-        .arg("restart-node")
-        .arg(node.to_string())
-        .arg("--base-port")
-        .arg(base_port.to_string())
-        .arg("--down-ms")
-        .arg(down.as_millis().to_string())
+        .args(args)
         .output()
         .await
-        .context("run scripts/redis-cluster.sh restart-node")?;
+        .with_context(|| format!("run scripts/redis-cluster.sh {}", args.join(" ")))?;
     if !out.status.success() {
         bail!(
-            "scripts/redis-cluster.sh restart-node {node} failed: {}",
+            "scripts/redis-cluster.sh {} failed: {}",
+            args.join(" "),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Replicas in the local Redis Cluster at `base_port` (from `CLUSTER NODES` of its first node).
+///
+/// # Errors
+/// When `redis-cli` cannot be run or the node does not answer.
+pub async fn cluster_replicas(base_port: u16) -> anyhow::Result<usize> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &base_port.to_string(), "cluster", "nodes"])
+        .output()
+        .await
+        .context("run redis-cli cluster nodes")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "redis-cli -p {base_port} cluster nodes failed"
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(2)
+                .is_some_and(|f| f.contains("slave"))
+        })
+        .count())
+}
+
+/// Fails over the master serving `slot` in the local Redis Cluster at `base_port` (3 masters
+/// with a replica each) with `scripts/redis-cluster.sh failover --mode <mode>` (`kill` or
+/// `takeover`; the script waits for `cluster_state:ok` on every node); returns
+/// `master → promoted replica`.
+///
+/// # Errors
+/// When no node names the slot's master or the script fails.
+pub async fn cluster_failover(
+    repo: &Path,
+    base_port: u16,
+    slot: u16,
+    mode: &str,
+) -> anyhow::Result<String> {
+    let mut master = None;
+    for port in base_port..base_port + 6 {
+        if let Ok(m) = crate::faults::cluster::master_of(port, slot).await {
+            master = Some(m);
+            break;
+        }
+    }
+    let master = master.with_context(|| format!("no node names the master of slot {slot}"))?;
+    let out = cluster_script(
+        repo,
+        &[
+            "failover".to_string(),
+            master.to_string(),
+            "--base-port".to_string(),
+            base_port.to_string(),
+            "--mode".to_string(),
+            mode.to_string(),
+        ],
+    )
+    .await?;
+    let promoted = out
+        .lines()
+        .find_map(|l| l.strip_prefix("PROMOTED=").map(str::to_string))
+        .unwrap_or_default();
+    Ok(format!("master {master} → replica {promoted} ({mode})"))
 }
 
 /// The first port of a `redis-cluster://host:port?node=…` (or `redis://host:port,…`) URL.

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::model::{ClientKind, Clock, Event, FeedSpec, History, Ms, RowObs, SubLog};
+use super::model::{Clock, Event, FeedSpec, History, Ms, RowObs, SubLog};
 use crate::client::RequestKind;
 
 /// Replay-lag samples are taken every 50 ms: a version counts as applied on the replica before
@@ -326,7 +326,7 @@ fn walk(h: &History, sub: &SubLog, b: &Bounds, clock: &Clock, out: &mut Outcome)
                     continue;
                 }
                 // npm readers report a response's rows separately (`Event::Rows`).
-                if kind == RequestKind::Snapshot && sub.client == ClientKind::Rust {
+                if kind == RequestKind::Snapshot && sub.client.is_rust() {
                     fresh_start(h, sub, rows, req_at, *at, true, b, clock, out);
                 }
                 if !*dropped {
@@ -378,6 +378,10 @@ fn walk(h: &History, sub: &SubLog, b: &Bounds, clock: &Clock, out: &mut Outcome)
             }
             Event::Reset { at } => tl.resets.push(*at),
             Event::Paused { from, to } => tl.impaired.push((*from, *to)),
+            // A stream's end is no failure: one the server broke after the reader's own stall
+            // follows a pause, and the reader reopens at once (a broken stream without such a
+            // stall is logged as `Event::Failed`).
+            Event::StreamEnded { .. } => {}
         }
     }
     if let Some(since) = impaired_since {
@@ -1077,6 +1081,51 @@ mod tests {
         // Requested after the replica applied v1: a stale snapshot is a violation.
         let o = check(&h, &[stale_at(1_500.0)], &b, &clock(), 1_600.0);
         assert_eq!(o.count(Property::FreshStart), 1, "{:#?}", o.violations);
+    }
+
+    #[test]
+    fn sse_batches_are_checked_like_responses_and_a_stalled_out_stream_is_no_failure() {
+        let h = history();
+        let mut s = sub(vec![
+            req(1, 500.0, RequestKind::Snapshot),
+            resp(1, 510.0, vec![row("r", 10, 0)]),
+            req(2, 511.0, RequestKind::Sse),
+            resp(2, 1_050.0, vec![row("r", 20, 1)]),
+            Event::Paused {
+                from: 1_100.0,
+                to: 2_600.0,
+            },
+            Event::StreamEnded {
+                req: 2,
+                at: 2_601.0,
+                how: StreamEnd::StalledOut,
+            },
+            req(3, 2_602.0, RequestKind::Sse),
+            resp(3, 2_610.0, vec![row("r", 30, 2)]),
+        ]);
+        s.client = ClientKind::RustSse;
+        let o = check(&h, &[s.clone()], &bounds(), &clock(), 6_000.0);
+        assert!(o.violations.is_empty(), "{:#?}", o.violations);
+        assert_eq!(o.figures.timely_excused, 1, "v2 came during the stall");
+        // A stream that breaks without such a stall is a failed request.
+        s.events[5] = Event::Failed {
+            req: 2,
+            at: 2_601.0,
+            error: "connection reset".into(),
+            aborted: false,
+        };
+        let o = check(&h, &[s], &bounds(), &clock(), 6_000.0);
+        assert_eq!(o.count(Property::NoServerErrors), 1, "{:#?}", o.violations);
+        // An SSE batch that goes back is a regression.
+        let mut s = sub(vec![
+            req(1, 500.0, RequestKind::Snapshot),
+            resp(1, 2_100.0, vec![row("r", 30, 2)]),
+            req(2, 2_101.0, RequestKind::Sse),
+            resp(2, 2_200.0, vec![row("r", 20, 1)]),
+        ]);
+        s.client = ClientKind::RustSse;
+        let o = check(&h, &[s], &bounds(), &clock(), 2_300.0);
+        assert_eq!(o.count(Property::Monotonic), 1, "{:#?}", o.violations);
     }
 
     #[test]

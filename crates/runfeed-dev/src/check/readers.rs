@@ -5,6 +5,7 @@
 //! sent, abort held polls, pause between polls, and log everything as [`SubLog`]s.
 
 use std::collections::VecDeque;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,9 +20,10 @@ use tokio::process::Command;
 use tokio::sync::watch;
 
 use super::io::mint_token;
-use super::model::{ClientKind, Clock, Event, FeedSpec, History, Ms, RowObs, SubLog};
+use super::model::{ClientKind, Clock, Event, FeedSpec, History, Ms, RowObs, StreamEnd, SubLog};
+use super::sse::{self, Opened};
 use super::world::TAG_POOL;
-use crate::client::{Applied, ClientError, FeedUrl, Follower, RequestKind};
+use crate::client::{Applied, Change, ClientError, FeedUrl, Follower, Request, RequestKind};
 use crate::fixtures::DemoEnv;
 
 /// How readers behave.
@@ -45,6 +47,85 @@ pub struct ReaderConfig {
     pub lifetime_s: (f64, f64),
     /// The server's live hold, ms (bounds request timeouts and aborts).
     pub hold_ms: u64,
+    /// Share of slots that follow in SSE live mode (slow readers), after the npm slots.
+    pub sse_fraction: f64,
+    /// Per SSE stream: the reader stops reading it once, within its first 2 s.
+    pub sse_stall: f64,
+    /// How long a stall lasts, ms (uniform).
+    pub sse_stall_ms: (u64, u64),
+    /// The instances' `feeds.sse_stall_timeout_ms`: a stream that breaks after a stall at
+    /// least this long was ended by the server's stall bound.
+    pub stall_timeout_ms: u64,
+    /// The bulk run (large versions), and the share of SSE subscriptions that follow it.
+    pub bulk: Option<(usize, f64)>,
+}
+
+/// The error text of a request a reconnect storm aborted.
+pub const STORM: &str = "reconnect storm";
+
+/// What a reader does after a request or stream.
+enum Flow {
+    /// The next request of the subscription.
+    Next,
+    /// The subscription is over (its lifetime, a fatal status, or the check ended).
+    Stop,
+}
+
+/// One Rust subscription in progress.
+struct SubState {
+    f: Follower,
+    log: SubLog,
+    /// The instance the next request goes to.
+    instance: usize,
+    req_id: u32,
+    /// The wait after a failure (grows ×1.3 up to 2 s; reset by a success).
+    backoff: Duration,
+    stop: watch::Receiver<bool>,
+    storm: watch::Receiver<usize>,
+    /// The subscription ends after this (while the churn lasts).
+    until: Ms,
+    /// Bound of one request (and of opening a stream).
+    limit: Duration,
+}
+
+impl SubState {
+    /// Logs `req` as sent now to the current instance; returns its id.
+    fn push_request(&mut self, at: Ms, req: &Request, foreign: bool) -> u32 {
+        self.req_id += 1;
+        self.log.events.push(Event::Request {
+            id: self.req_id,
+            at,
+            instance: self.instance,
+            kind: req.kind,
+            offset: req.offset.clone(),
+            foreign,
+        });
+        self.req_id
+    }
+
+    fn failed(&mut self, req: u32, at: Ms, error: &str, aborted: bool) {
+        self.log.events.push(Event::Failed {
+            req,
+            at,
+            error: error.to_string(),
+            aborted,
+        });
+    }
+
+    fn ended(&mut self, req: u32, at: Ms, how: StreamEnd) {
+        self.log.events.push(Event::StreamEnded { req, at, how });
+    }
+
+    /// The rows of `changes` as the view holds them now.
+    fn observe(&self, changes: &[Change]) -> Vec<RowObs> {
+        changes
+            .iter()
+            .map(|ch| match self.f.view.get(&ch.key) {
+                Some(row) => RowObs::from_wire(&ch.operation, row),
+                None => RowObs::from_wire(&ch.operation, &ch.value),
+            })
+            .collect()
+    }
 }
 
 /// What every reader shares.
@@ -65,6 +146,8 @@ pub struct Readers {
     next_sub: AtomicUsize,
     /// Recently issued handles by feed key, for foreign-handle probes.
     handles: Mutex<VecDeque<(String, String)>>,
+    /// The instance of the last reconnect storm ([`Readers::storm`]).
+    storm: watch::Sender<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -112,16 +195,25 @@ impl Readers {
             subs: Mutex::new(Vec::new()),
             next_sub: AtomicUsize::new(1),
             handles: Mutex::new(VecDeque::new()),
+            storm: watch::Sender::new(0),
         })
+    }
+
+    /// A reconnect storm on `instance`: every Rust reader with a request or stream open there
+    /// drops it and reconnects to another instance within 1 s.
+    pub fn storm(&self, instance: usize) {
+        self.storm.send_replace(instance);
     }
 
     /// Runs every slot until the stop signal; returns every subscription's log.
     pub async fn run(self: Arc<Self>, seed: u64) -> Vec<SubLog> {
         let npm = (self.cfg.readers as f64 * self.cfg.npm_fraction).round() as usize;
+        let sse = (self.cfg.readers as f64 * self.cfg.sse_fraction).round() as usize;
         let mut tasks = Vec::new();
         for slot in 0..self.cfg.readers {
             let me = self.clone();
             let is_npm = slot < npm;
+            let is_sse = !is_npm && slot < npm + sse;
             tasks.push(tokio::spawn(async move {
                 let mut rng = StdRng::seed_from_u64(seed ^ (0x4ead_0000 + slot as u64));
                 // Stagger the start.
@@ -133,7 +225,7 @@ impl Readers {
                     let log = if is_npm {
                         me.npm_sub(&mut rng, slot).await
                     } else {
-                        me.rust_sub(&mut rng, slot).await
+                        me.rust_sub(&mut rng, slot, is_sse).await
                     };
                     let ended = log.ended.is_none();
                     lock(&me.subs).push(log);
@@ -151,15 +243,22 @@ impl Readers {
         subs
     }
 
-    fn choose(&self, rng: &mut StdRng) -> Choice {
+    /// A subscription for a slot; an SSE slot follows the bulk run at the configured share.
+    fn choose(&self, rng: &mut StdRng, sse: bool) -> Choice {
+        if let Some((bulk, share)) = self.cfg.bulk.filter(|_| sse) {
+            if rng.random_bool(share) {
+                return self.choose_run(rng, bulk);
+            }
+        }
         let h = lock(&self.history);
         let env = if rng.random_bool(0.85) { 0 } else { 1 };
         let demo = &self.envs[env];
         let skip = rng.random_bool(0.2).then(|| "payload,output".to_string());
         let roll: f64 = rng.random();
         let (feed, url, scope, key, node_feed) = if roll < 0.4 {
+            let bulk = self.cfg.bulk.map(|(b, _)| b);
             let runs: Vec<usize> = (0..h.runs.len())
-                .filter(|i| h.runs[*i].env == env)
+                .filter(|i| h.runs[*i].env == env && Some(*i) != bulk)
                 .collect();
             let run = runs[rng.random_range(0..runs.len())];
             let fid = h.runs[run].friendly_id.clone();
@@ -246,12 +345,36 @@ impl Readers {
         }
     }
 
+    /// A run feed of run `run`, read with the secret key.
+    fn choose_run(&self, rng: &mut StdRng, run: usize) -> Choice {
+        let h = lock(&self.history);
+        let env = h.runs[run].env;
+        let fid = h.runs[run].friendly_id.clone();
+        let skip = rng.random_bool(0.2).then(|| "payload".to_string());
+        let url = FeedUrl::run(&fid);
+        Choice {
+            feed: FeedSpec::Run { run },
+            url: match &skip {
+                Some(cols) => url.skip_columns(&[cols.as_str()]),
+                None => url,
+            },
+            token: self.envs[env].api_key.clone(),
+            key: format!("run:{env}:{run}:{}", skip.clone().unwrap_or_default()),
+            node_feed: format!("run:{fid}"),
+            skip,
+        }
+    }
+
     fn new_log(&self, slot: usize, client: ClientKind, c: &Choice) -> SubLog {
         SubLog {
             id: self.next_sub.fetch_add(1, Ordering::Relaxed),
             reader: format!(
                 "{}{slot}",
-                if client == ClientKind::Rust { "r" } else { "n" }
+                match client {
+                    ClientKind::Rust => "r",
+                    ClientKind::RustSse => "s",
+                    ClientKind::NpmShape | ClientKind::NpmSdk => "n",
+                }
             ),
             client,
             feed: c.feed.clone(),
@@ -287,177 +410,99 @@ impl Readers {
         self.clock.now() < self.churn_until
     }
 
-    /// One subscription through the Rust follower.
-    async fn rust_sub(&self, rng: &mut StdRng, slot: usize) -> SubLog {
-        let c = self.choose(rng);
-        let mut log = self.new_log(slot, ClientKind::Rust, &c);
-        let mut f = Follower::new(c.url.clone(), &c.token);
+    /// One subscription through the Rust follower: long-polls, or with `sse` an SSE stream
+    /// once up-to-date.
+    async fn rust_sub(&self, rng: &mut StdRng, slot: usize, sse: bool) -> SubLog {
+        let c = self.choose(rng, sse);
+        let client = if sse {
+            ClientKind::RustSse
+        } else {
+            ClientKind::Rust
+        };
+        let log = self.new_log(slot, client, &c);
         let lifetime = rng.random_range(self.cfg.lifetime_s.0..self.cfg.lifetime_s.1) * 1000.0;
-        let until = log.started + lifetime;
+        let mut st = SubState {
+            f: Follower::new(c.url.clone(), &c.token),
+            until: log.started + lifetime,
+            log,
+            instance: rng.random_range(0..self.bases.len()),
+            req_id: 0,
+            backoff: Duration::from_millis(100),
+            stop: self.stop.clone(),
+            storm: self.storm.subscribe(),
+            limit: Duration::from_millis(self.cfg.hold_ms * 13 / 10 + 10_000),
+        };
         let n = self.bases.len();
-        let mut instance = rng.random_range(0..n);
-        let mut req_id = 0u32;
-        let mut backoff = Duration::from_millis(100);
         let mut catch_up = false;
         let mut probed = false;
-        let mut stop = self.stop.clone();
-        let limit = Duration::from_millis(self.cfg.hold_ms * 13 / 10 + 10_000);
         loop {
-            if *stop.borrow() {
+            if *st.stop.borrow() {
                 break;
             }
             let churn = self.churning();
-            if churn && self.clock.now() > until {
-                log.ended = Some(self.clock.now());
+            if churn && self.clock.now() > st.until {
+                st.log.ended = Some(self.clock.now());
                 break;
             }
             if churn && n > 1 && rng.random_bool(self.cfg.hop) {
-                instance = rng.random_range(0..n);
+                st.instance = rng.random_range(0..n);
             }
-            if churn && !probed && f.up_to_date && rng.random_bool(self.cfg.foreign) {
+            // Storms that came while this reader held no connection are not its own.
+            st.storm.borrow_and_update();
+            if churn && !probed && st.f.up_to_date && rng.random_bool(self.cfg.foreign) {
                 probed = true;
                 if let Some(foreign) = self.foreign_handle(rng, &c.key) {
-                    let mut g = f.clone();
-                    g.handle = Some(foreign);
-                    let req = g.request(false);
-                    req_id += 1;
-                    log.events.push(Event::Request {
-                        id: req_id,
-                        at: self.clock.now(),
-                        instance,
-                        kind: req.kind,
-                        offset: req.offset.clone(),
-                        foreign: true,
-                    });
-                    let sent = tokio::select! {
-                        r = g.send(&self.http, &self.bases[instance], &req, limit) => Some(r),
-                        _ = stop.changed() => None,
-                    };
-                    match sent {
-                        Some(Ok(resp)) => log.events.push(Event::Response {
-                            req: req_id,
-                            at: self.clock.now(),
-                            status: resp.status,
-                            offset: resp.offset.clone(),
-                            rows: resp
-                                .changes()
-                                .iter()
-                                .map(|ch| RowObs::from_wire(&ch.operation, &ch.value))
-                                .collect(),
-                            dropped: true,
-                        }),
-                        Some(Err(e)) => log.events.push(Event::Failed {
-                            req: req_id,
-                            at: self.clock.now(),
-                            error: e.to_string(),
-                            aborted: false,
-                        }),
-                        None => break,
-                    }
-                }
-            }
-            let req = f.request(catch_up);
-            catch_up = false;
-            req_id += 1;
-            log.events.push(Event::Request {
-                id: req_id,
-                at: self.clock.now(),
-                instance,
-                kind: req.kind,
-                offset: req.offset.clone(),
-                foreign: false,
-            });
-            let abort_after =
-                (churn && req.kind == RequestKind::Live && rng.random_bool(self.cfg.abort))
-                    .then(|| Duration::from_millis(rng.random_range(20..self.cfg.hold_ms.max(40))));
-            enum Outcome {
-                Done(Result<crate::client::Response, ClientError>),
-                Aborted,
-                Stopped,
-            }
-            let outcome = tokio::select! {
-                r = f.send(&self.http, &self.bases[instance], &req, limit) => Outcome::Done(r),
-                _ = sleep_opt(abort_after) => Outcome::Aborted,
-                _ = stop.changed() => Outcome::Stopped,
-            };
-            match outcome {
-                Outcome::Stopped => {
-                    log.events.push(Event::Failed {
-                        req: req_id,
-                        at: self.clock.now(),
-                        error: "check ended".into(),
-                        aborted: true,
-                    });
-                    break;
-                }
-                Outcome::Aborted => {
-                    log.events.push(Event::Failed {
-                        req: req_id,
-                        at: self.clock.now(),
-                        error: "aborted by the reader".into(),
-                        aborted: true,
-                    });
-                }
-                Outcome::Done(Err(e)) => {
-                    log.events.push(Event::Failed {
-                        req: req_id,
-                        at: self.clock.now(),
-                        error: e.to_string(),
-                        aborted: false,
-                    });
-                    // Like a load balancer taking a dead instance out: try another.
-                    if n > 1 {
-                        instance = (instance + 1 + rng.random_range(0..n - 1)) % n;
-                    }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff.mul_f64(1.3)).min(Duration::from_secs(2));
-                }
-                Outcome::Done(Ok(resp)) => {
-                    let at = self.clock.now();
-                    let drop = churn && resp.status == 200 && rng.random_bool(self.cfg.drop);
-                    let rows: Vec<RowObs> = if drop {
-                        resp.changes()
-                            .iter()
-                            .map(|ch| RowObs::from_wire(&ch.operation, &ch.value))
-                            .collect()
-                    } else {
-                        match f.apply(&req, &resp) {
-                            Applied::Changes(changes) => changes
-                                .iter()
-                                .map(|ch| match f.view.get(&ch.key) {
-                                    Some(row) => RowObs::from_wire(&ch.operation, row),
-                                    None => RowObs::from_wire(&ch.operation, &ch.value),
-                                })
-                                .collect(),
-                            _ => Vec::new(),
-                        }
-                    };
-                    log.events.push(Event::Response {
-                        req: req_id,
-                        at,
-                        status: resp.status,
-                        offset: resp.offset.clone(),
-                        rows,
-                        dropped: drop,
-                    });
-                    if resp.status == 409 && !drop {
-                        log.events.push(Event::Reset { at });
-                    }
-                    if let Some(h) = &resp.handle {
-                        if (200..300).contains(&resp.status) {
-                            self.remember_handle(&c.key, h);
-                        }
-                    }
-                    if resp.status >= 500 || resp.status == 429 {
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff.mul_f64(1.3)).min(Duration::from_secs(2));
-                    } else if (400..500).contains(&resp.status) && resp.status != 409 {
-                        // Fatal for the real client (`docs/protocol.md` §5.1): give up.
-                        log.ended = Some(at);
+                    if self.foreign_probe(&mut st, foreign).await.is_break() {
                         break;
-                    } else {
-                        backoff = Duration::from_millis(100);
                     }
+                }
+            }
+            if sse && st.f.up_to_date && !catch_up {
+                match self.sse_stream(rng, &mut st, &c).await {
+                    Flow::Next => {}
+                    Flow::Stop => break,
+                }
+            } else {
+                let req = st.f.request(catch_up);
+                catch_up = false;
+                let id = st.push_request(self.clock.now(), &req, false);
+                let abort_after = (churn
+                    && req.kind == RequestKind::Live
+                    && rng.random_bool(self.cfg.abort))
+                .then(|| Duration::from_millis(rng.random_range(20..self.cfg.hold_ms.max(40))));
+                enum Outcome {
+                    Done(Result<crate::client::Response, ClientError>),
+                    Aborted,
+                    Storm,
+                    Stopped,
+                }
+                let outcome = tokio::select! {
+                    r = st.f.send(&self.http, &self.bases[st.instance], &req, st.limit) => Outcome::Done(r),
+                    _ = sleep_opt(abort_after) => Outcome::Aborted,
+                    _ = storm_hit(&mut st.storm, st.instance) => Outcome::Storm,
+                    _ = st.stop.changed() => Outcome::Stopped,
+                };
+                let flow = match outcome {
+                    Outcome::Stopped => {
+                        st.failed(id, self.clock.now(), "check ended", true);
+                        Flow::Stop
+                    }
+                    Outcome::Aborted => {
+                        st.failed(id, self.clock.now(), "aborted by the reader", true);
+                        Flow::Next
+                    }
+                    Outcome::Storm => self.storm_reconnect(rng, &mut st, id).await,
+                    Outcome::Done(Err(e)) => {
+                        self.failure(rng, &mut st, id, e.to_string()).await;
+                        Flow::Next
+                    }
+                    Outcome::Done(Ok(resp)) => {
+                        let drop = churn && resp.status == 200 && rng.random_bool(self.cfg.drop);
+                        self.response(&mut st, &c, &req, id, &resp, drop).await
+                    }
+                };
+                if let Flow::Stop = flow {
+                    break;
                 }
             }
             if self.churning() && rng.random_bool(self.cfg.pause) {
@@ -465,21 +510,262 @@ impl Readers {
                 let d = Duration::from_millis(rng.random_range(200..2_500));
                 tokio::select! {
                     _ = tokio::time::sleep(d) => {}
-                    _ = stop.changed() => {}
+                    _ = st.stop.changed() => {}
                 }
-                log.events.push(Event::Paused {
+                st.log.events.push(Event::Paused {
                     from,
                     to: self.clock.now(),
                 });
                 catch_up = rng.random_bool(0.5);
             }
         }
-        log
+        st.log
+    }
+
+    /// One request with another feed's handle (must be a 409); logged as a dropped response.
+    async fn foreign_probe(&self, st: &mut SubState, foreign: String) -> ControlFlow<()> {
+        let mut g = st.f.clone();
+        g.handle = Some(foreign);
+        let req = g.request(false);
+        let id = st.push_request(self.clock.now(), &req, true);
+        let sent = tokio::select! {
+            r = g.send(&self.http, &self.bases[st.instance], &req, st.limit) => Some(r),
+            _ = st.stop.changed() => None,
+        };
+        match sent {
+            Some(Ok(resp)) => st.log.events.push(Event::Response {
+                req: id,
+                at: self.clock.now(),
+                status: resp.status,
+                offset: resp.offset.clone(),
+                rows: resp
+                    .changes()
+                    .iter()
+                    .map(|ch| RowObs::from_wire(&ch.operation, &ch.value))
+                    .collect(),
+                dropped: true,
+            }),
+            Some(Err(e)) => st.failed(id, self.clock.now(), &e.to_string(), false),
+            None => return ControlFlow::Break(()),
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// A request that produced no response: logged; like a load balancer taking a dead
+    /// instance out, the next request goes to another instance after a backoff.
+    async fn failure(&self, rng: &mut StdRng, st: &mut SubState, id: u32, error: String) {
+        st.failed(id, self.clock.now(), &error, false);
+        let n = self.bases.len();
+        if n > 1 {
+            st.instance = (st.instance + 1 + rng.random_range(0..n - 1)) % n;
+        }
+        tokio::time::sleep(st.backoff).await;
+        st.backoff = (st.backoff.mul_f64(1.3)).min(Duration::from_secs(2));
+    }
+
+    /// A response to request `id`: applied (unless `drop`), logged with the rows the view
+    /// holds after it; backs off after a 5xx or 429; a 4xx other than 409 ends the
+    /// subscription, as it does for the real client (`docs/protocol.md` §5.1).
+    async fn response(
+        &self,
+        st: &mut SubState,
+        c: &Choice,
+        req: &crate::client::Request,
+        id: u32,
+        resp: &crate::client::Response,
+        drop: bool,
+    ) -> Flow {
+        let at = self.clock.now();
+        let rows: Vec<RowObs> = if drop {
+            resp.changes()
+                .iter()
+                .map(|ch| RowObs::from_wire(&ch.operation, &ch.value))
+                .collect()
+        } else {
+            match st.f.apply(req, resp) {
+                Applied::Changes(changes) => st.observe(&changes),
+                _ => Vec::new(),
+            }
+        };
+        st.log.events.push(Event::Response {
+            req: id,
+            at,
+            status: resp.status,
+            offset: resp.offset.clone(),
+            rows,
+            dropped: drop,
+        });
+        if resp.status == 409 && !drop {
+            st.log.events.push(Event::Reset { at });
+        }
+        if let Some(h) = &resp.handle {
+            if (200..300).contains(&resp.status) {
+                self.remember_handle(&c.key, h);
+            }
+        }
+        if resp.status >= 500 || resp.status == 429 {
+            tokio::time::sleep(st.backoff).await;
+            st.backoff = (st.backoff.mul_f64(1.3)).min(Duration::from_secs(2));
+        } else if (400..500).contains(&resp.status) && resp.status != 409 {
+            st.log.ended = Some(at);
+            return Flow::Stop;
+        } else {
+            st.backoff = Duration::from_millis(100);
+        }
+        Flow::Next
+    }
+
+    /// A reconnect storm hit request `id`: the connection is dropped (the request aborted),
+    /// and the reader reconnects to another instance after 0–1 s (its own pause).
+    async fn storm_reconnect(&self, rng: &mut StdRng, st: &mut SubState, id: u32) -> Flow {
+        st.failed(id, self.clock.now(), STORM, true);
+        let from = self.clock.now();
+        let d = Duration::from_millis(rng.random_range(0..1_000));
+        let stopped = tokio::select! {
+            _ = tokio::time::sleep(d) => false,
+            _ = st.stop.changed() => true,
+        };
+        st.log.events.push(Event::Paused {
+            from,
+            to: self.clock.now(),
+        });
+        let n = self.bases.len();
+        if n > 1 {
+            st.instance = (st.instance + 1 + rng.random_range(0..n - 1)) % n;
+        }
+        if stopped {
+            Flow::Stop
+        } else {
+            Flow::Next
+        }
+    }
+
+    /// One SSE stream at the follower's offset: each batch is applied and logged as a response
+    /// to the stream's request. With `--sse-stall` the reader stops reading it once, for a
+    /// random while (sometimes longer than the server's stall timeout, which then ends the
+    /// stream); it then reads on, and reconnects at its last offset when the stream ends.
+    async fn sse_stream(&self, rng: &mut StdRng, st: &mut SubState, c: &Choice) -> Flow {
+        let req = st.f.sse_request();
+        let id = st.push_request(self.clock.now(), &req, false);
+        let opened = tokio::select! {
+            r = sse::open(&self.bases[st.instance], &req, &st.f.headers, st.limit) => Some(r),
+            _ = st.stop.changed() => None,
+        };
+        let mut stream = match opened {
+            None => {
+                st.failed(id, self.clock.now(), "check ended", true);
+                return Flow::Stop;
+            }
+            Some(Err(e)) => {
+                self.failure(rng, st, id, e.to_string()).await;
+                return Flow::Next;
+            }
+            Some(Ok(Opened::Status(resp))) => {
+                return self.response(st, c, &req, id, &resp, false).await;
+            }
+            Some(Ok(Opened::Stream {
+                stream,
+                handle,
+                cursor,
+            })) => {
+                st.f.adopt_sse_headers(handle.as_deref(), cursor.as_deref());
+                if let Some(h) = &st.f.handle {
+                    self.remember_handle(&c.key, h);
+                }
+                st.backoff = Duration::from_millis(100);
+                stream
+            }
+        };
+        let now = tokio::time::Instant::now();
+        let churn = self.churning();
+        let (lo, hi) = self.cfg.sse_stall_ms;
+        let mut stall = (churn && rng.random_bool(self.cfg.sse_stall)).then(|| {
+            (
+                now + Duration::from_millis(rng.random_range(0..2_000)),
+                Duration::from_millis(rng.random_range(lo..hi.max(lo + 1))),
+            )
+        });
+        let mut close_at = churn
+            .then(|| now + Duration::from_millis((st.until - self.clock.now()).max(0.0) as u64));
+        let mut stalled_out = false;
+        loop {
+            let stall_at = stall.map(|(at, _)| at);
+            // What was received is taken first: a stream that broke is seen as broken.
+            tokio::select! {
+                biased;
+                batch = stream.next_batch() => match batch {
+                    Ok(Some(messages)) => {
+                        let changes = st.f.apply_sse_batch(&messages);
+                        let rows = st.observe(&changes);
+                        st.log.events.push(Event::Response {
+                            req: id,
+                            at: self.clock.now(),
+                            status: 200,
+                            offset: Some(st.f.offset.clone()),
+                            rows,
+                            dropped: false,
+                        });
+                    }
+                    Ok(None) => {
+                        st.ended(id, self.clock.now(), StreamEnd::Closed);
+                        return Flow::Next;
+                    }
+                    Err(_) if stalled_out => {
+                        st.ended(id, self.clock.now(), StreamEnd::StalledOut);
+                        return Flow::Next;
+                    }
+                    Err(e) => {
+                        self.failure(rng, st, id, e.to_string()).await;
+                        return Flow::Next;
+                    }
+                },
+                _ = sleep_until_opt(stall_at) => {
+                    let d = stall.take().map_or(Duration::ZERO, |(_, d)| d);
+                    let from = self.clock.now();
+                    enum Woken { Slept, Storm, Stopped }
+                    let woken = tokio::select! {
+                        _ = tokio::time::sleep(d) => Woken::Slept,
+                        _ = storm_hit(&mut st.storm, st.instance) => Woken::Storm,
+                        _ = st.stop.changed() => Woken::Stopped,
+                    };
+                    let to = self.clock.now();
+                    st.log.events.push(Event::Paused { from, to });
+                    stalled_out = to - from >= self.cfg.stall_timeout_ms as f64;
+                    match woken {
+                        // Read on for a second at least: a stream the server ended during the
+                        // stall is then seen to break (the end arrives through hyper's
+                        // connection task, after the reader resumed).
+                        Woken::Slept => {
+                            let read_on = tokio::time::Instant::now() + Duration::from_secs(1);
+                            close_at = close_at.map(|c| c.max(read_on));
+                        }
+                        Woken::Storm => return self.storm_reconnect(rng, st, id).await,
+                        Woken::Stopped => {
+                            st.failed(id, to, "check ended", true);
+                            return Flow::Stop;
+                        }
+                    }
+                }
+                _ = sleep_until_opt(close_at) => {
+                    let at = self.clock.now();
+                    st.ended(id, at, StreamEnd::ReaderClosed);
+                    st.log.ended = Some(at);
+                    return Flow::Stop;
+                }
+                _ = storm_hit(&mut st.storm, st.instance) => {
+                    return self.storm_reconnect(rng, st, id).await;
+                }
+                _ = st.stop.changed() => {
+                    st.failed(id, self.clock.now(), "check ended", true);
+                    return Flow::Stop;
+                }
+            }
+        }
     }
 
     /// One subscription through the real npm clients (a node process).
     async fn npm_sub(&self, rng: &mut StdRng, slot: usize) -> SubLog {
-        let c = self.choose(rng);
+        let c = self.choose(rng, false);
         let sdk = rng.random_bool(0.4);
         let client = if sdk {
             ClientKind::NpmSdk
@@ -659,6 +945,25 @@ impl Readers {
             }
             _ => None,
         }
+    }
+}
+
+/// Returns when a storm hits `instance` (storms on other instances are passed over).
+async fn storm_hit(rx: &mut watch::Receiver<usize>, instance: usize) {
+    loop {
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if *rx.borrow_and_update() == instance {
+            return;
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -8,8 +8,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::model::{ClientKind, Event, Fate, FaultKind, History, Ms, SubLog};
+use super::model::{Event, Fate, FaultKind, History, Ms, StreamEnd, SubLog};
 use super::props::{quantile, Outcome, Property, Violation};
+use super::readers::STORM;
+use crate::client::RequestKind;
 
 /// A property whose violations are known (a regression test pins them; `--known`).
 #[derive(Clone, Debug, Serialize)]
@@ -41,6 +43,21 @@ pub struct Figures {
     pub foreign_probes: usize,
     pub resets: usize,
     pub failed_requests: usize,
+    /// SSE streams opened (slow readers, `--sse-fraction`).
+    pub sse_streams: usize,
+    /// Times an SSE reader stopped reading an open stream.
+    pub sse_stalls: usize,
+    /// Of those, stalls at least as long as the server's stall timeout.
+    pub sse_stalls_over_timeout: usize,
+    /// Streams that broke after such a stall (ended by the server's stall bound); the
+    /// reader reconnected at its last offset.
+    pub sse_stalled_out: usize,
+    /// Streams the server ended cleanly (`feeds.sse_max_duration_ms`, a drain).
+    pub sse_closed_by_server: usize,
+    /// `runfeed_feeds_stalled_streams_total` summed over every instance process.
+    pub sse_server_stalled_streams: usize,
+    /// Requests and streams a reconnect storm dropped (each reopened within 1 s).
+    pub storm_reconnects: usize,
     /// Injected faults by kind.
     pub faults: BTreeMap<String, usize>,
     pub publishes_lost: usize,
@@ -111,10 +128,13 @@ pub fn figures(
         f.hops += s.hops();
         for e in &s.events {
             match e {
-                Event::Request { foreign, .. } => {
+                Event::Request { foreign, kind, .. } => {
                     f.requests += 1;
                     if *foreign {
                         f.foreign_probes += 1;
+                    }
+                    if *kind == RequestKind::Sse {
+                        f.sse_streams += 1;
                     }
                 }
                 Event::Response { dropped, .. } => {
@@ -123,7 +143,9 @@ pub fn figures(
                     }
                 }
                 Event::Failed { aborted, error, .. } => {
-                    if *aborted && error != "check ended" {
+                    if error == STORM {
+                        f.storm_reconnects += 1;
+                    } else if *aborted && error != "check ended" {
                         f.aborted_polls += 1;
                     } else if !*aborted {
                         f.failed_requests += 1;
@@ -131,6 +153,11 @@ pub fn figures(
                 }
                 Event::Paused { .. } => f.pauses += 1,
                 Event::Reset { .. } => f.resets += 1,
+                Event::StreamEnded { how, .. } => match how {
+                    StreamEnd::StalledOut => f.sse_stalled_out += 1,
+                    StreamEnd::Closed => f.sse_closed_by_server += 1,
+                    StreamEnd::ReaderClosed => {}
+                },
                 Event::Rows { .. } => {}
             }
         }
@@ -178,6 +205,27 @@ pub fn figures(
     f
 }
 
+/// Counts the SSE readers' stalls: pauses while a stream was open, and those at least
+/// `stall_timeout_ms` long.
+pub fn count_stalls(f: &mut Figures, subs: &[SubLog], stall_timeout_ms: u64) {
+    for s in subs {
+        let mut open = false;
+        for e in &s.events {
+            match e {
+                Event::Request { kind, .. } => open = *kind == RequestKind::Sse,
+                Event::StreamEnded { .. } | Event::Failed { .. } => open = false,
+                Event::Paused { from, to } if open => {
+                    f.sse_stalls += 1;
+                    if to - from >= stall_timeout_ms as f64 {
+                        f.sse_stalls_over_timeout += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 fn ms(v: Option<f64>) -> String {
     match v {
         Some(x) if x.is_finite() => format!("{x:.0} ms"),
@@ -218,6 +266,25 @@ pub fn summary(r: &Report) -> String {
         "  reader faults: {} dropped responses, {} aborted polls, {} pauses, {} foreign-handle probes, {} 409 resets, {} failed requests",
         f.dropped_responses, f.aborted_polls, f.pauses, f.foreign_probes, f.resets, f.failed_requests
     );
+    if f.sse_streams > 0 {
+        let _ = writeln!(
+            out,
+            "  SSE readers: {} streams, {} stalls ({} at least the stall timeout), {} streams ended by the server's stall bound and reopened (the instances counted {}), {} closed by the server",
+            f.sse_streams,
+            f.sse_stalls,
+            f.sse_stalls_over_timeout,
+            f.sse_stalled_out,
+            f.sse_server_stalled_streams,
+            f.sse_closed_by_server
+        );
+    }
+    if f.storm_reconnects > 0 || f.faults.contains_key(FaultKind::ReconnectStorm.name()) {
+        let _ = writeln!(
+            out,
+            "  reconnect storms: {} requests and streams dropped and reopened on another instance",
+            f.storm_reconnects
+        );
+    }
     let _ = writeln!(
         out,
         "  injected faults: {}; publishes lost {}, duplicated {}, late {}, failed {}",
@@ -429,7 +496,7 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
                     wanted_requests.insert(*req);
                     true
                 }
-                Event::Reset { .. } | Event::Paused { .. } => true,
+                Event::Reset { .. } | Event::Paused { .. } | Event::StreamEnded { .. } => true,
             };
         }
         for (i, e) in in_window.iter().enumerate() {
@@ -481,7 +548,7 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
                 } => format!(
                     "resp#{req} {status} offset={} {}{}",
                     offset.as_deref().unwrap_or("-"),
-                    if s.client == ClientKind::Rust {
+                    if s.client.is_rust() {
                         describe_rows(rows)
                     } else {
                         String::new()
@@ -509,6 +576,7 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
                     describe_rows(rows)
                 ),
                 Event::Reset { .. } => "must-refetch: view dropped".to_string(),
+                Event::StreamEnded { req, how, .. } => format!("stream req#{req} ended: {how:?}"),
                 Event::Paused { to, .. } => format!("paused until {}", t(*to)),
             };
             let _ = writeln!(out, "    {} {line}", t(at));
@@ -530,11 +598,13 @@ pub fn explain(h: &History, subs: &[SubLog], v: &Violation) -> String {
 }
 
 /// Fault kinds in report order.
-pub const FAULT_KINDS: [FaultKind; 6] = [
+pub const FAULT_KINDS: [FaultKind; 8] = [
     FaultKind::InstanceRestart,
     FaultKind::RedisRestart,
     FaultKind::RedisPause,
     FaultKind::RedisFreeze,
     FaultKind::ClusterNodeRestart,
+    FaultKind::ClusterFailover,
     FaultKind::ReplicaDelay,
+    FaultKind::ReconnectStorm,
 ];

@@ -21,6 +21,18 @@ use crate::fixtures::{self, DemoEnv, RunSpec, RunUpdate};
 /// Tags the writers use (runs carry one or two at creation; more are added later).
 pub const TAG_POOL: &[&str] = &["t0", "t1", "t2", "t3"];
 
+/// The tag of the bulk run ([`WriterConfig::bulk`]); no reader's tag feed follows it.
+pub const BULK_TAG: &str = "bulk";
+
+/// A run to create.
+struct NewRun {
+    env: usize,
+    batch: Option<usize>,
+    created_at_ms: Option<i64>,
+    tags: Vec<String>,
+    publish: bool,
+}
+
 /// Non-final statuses a run moves through.
 const LIVE_STATUSES: &[&str] = &[
     "EXECUTING",
@@ -49,6 +61,19 @@ pub struct WriterConfig {
     pub partial: f64,
     /// Share of environment B writes that also publish a misrouted record on A's channel.
     pub misroute: f64,
+    /// The bulk run: one run of environment A (tag `bulk`, which no tag feed follows) whose
+    /// versions carry a large `output`, written by a writer of its own, so that an SSE reader
+    /// that stops reading it fills the server's buffers within seconds. `None`: no bulk run.
+    pub bulk: Option<BulkConfig>,
+}
+
+/// The bulk run's writes.
+#[derive(Clone, Copy, Debug)]
+pub struct BulkConfig {
+    /// `output` size of each version, KiB.
+    pub kb: usize,
+    /// Writes per second.
+    pub rate: f64,
 }
 
 /// Shared state of the writers.
@@ -64,6 +89,8 @@ pub struct World {
     locks: Mutex<Vec<Arc<tokio::sync::Mutex<()>>>>,
     /// Late publishes still pending.
     late: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The bulk run (index into [`History::runs`]), when configured.
+    pub bulk_run: Option<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -119,7 +146,7 @@ impl World {
                 env,
             });
         }
-        let world = World {
+        let mut world = World {
             pool,
             envs: vec![a, b],
             history: Arc::new(Mutex::new(h)),
@@ -128,6 +155,7 @@ impl World {
             cfg,
             locks: Mutex::new(Vec::new()),
             late: Mutex::new(Vec::new()),
+            bulk_run: None,
         };
         let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0001);
         let now = chrono::Utc::now().timestamp_millis();
@@ -147,6 +175,10 @@ impl World {
         for i in 0..4 {
             let batch = (i == 0).then_some(2);
             world.create_run(&mut rng, 1, batch, None, false).await?;
+        }
+        if world.cfg.bulk.is_some() {
+            let tags = vec![BULK_TAG.to_string()];
+            world.bulk_run = Some(world.create_run_with(&mut rng, 0, tags, false).await?);
         }
         Ok(world)
     }
@@ -168,6 +200,21 @@ impl World {
                     // Poisson-ish pacing around the mean interval.
                     let jitter = rng.random_range(0.5..1.5);
                     next += interval.mul_f64(jitter);
+                    tokio::time::sleep_until(next).await;
+                }
+            }));
+        }
+        if let (Some(bulk), Some(run)) = (self.cfg.bulk, self.bulk_run) {
+            let world = self.clone();
+            let interval = Duration::from_secs_f64(1.0 / bulk.rate.max(0.01));
+            tasks.push(tokio::spawn(async move {
+                let mut rng = StdRng::seed_from_u64(seed ^ 0xb01c);
+                let mut next = tokio::time::Instant::now();
+                while world.clock.now() < until {
+                    if let Err(e) = world.update(&mut rng, run, WriteOp::Output).await {
+                        eprintln!("check: bulk writer: {e:#}");
+                    }
+                    next += interval;
                     tokio::time::sleep_until(next).await;
                 }
             }));
@@ -225,7 +272,9 @@ impl World {
             .runs
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.env == env && r.last().is_some_and(|v| !v.is_final()))
+            .filter(|(i, r)| {
+                r.env == env && r.last().is_some_and(|v| !v.is_final()) && self.bulk_run != Some(*i)
+            })
             .map(|(i, _)| i)
             .collect();
         if open.is_empty() {
@@ -266,6 +315,48 @@ impl World {
                 tags.push(t);
             }
         }
+        self.create_run_in(
+            rng,
+            NewRun {
+                env,
+                batch,
+                created_at_ms,
+                tags,
+                publish,
+            },
+        )
+        .await
+    }
+
+    /// A set-up run of `env` with exactly `tags`, created now, in no batch.
+    async fn create_run_with(
+        &self,
+        rng: &mut StdRng,
+        env: usize,
+        tags: Vec<String>,
+        publish: bool,
+    ) -> anyhow::Result<usize> {
+        self.create_run_in(
+            rng,
+            NewRun {
+                env,
+                batch: None,
+                created_at_ms: None,
+                tags,
+                publish,
+            },
+        )
+        .await
+    }
+
+    async fn create_run_in(&self, rng: &mut StdRng, new: NewRun) -> anyhow::Result<usize> {
+        let NewRun {
+            env,
+            batch,
+            created_at_ms,
+            tags,
+            publish,
+        } = new;
         let metadata = format!("{{\"ck\":0,\"n\":{}}}", rng.random_range(0..1_000_000));
         let batch_id = batch.map(|b| lock(&self.history).batches[b].id.clone());
         let spec = RunSpec {
@@ -341,6 +432,17 @@ impl World {
                     LIVE_STATUSES[rng.random_range(0..LIVE_STATUSES.len())].to_string()
                 };
                 set.status = Some(status.clone());
+            }
+            WriteOp::Output => {
+                metadata = format!("{{\"ck\":{},\"n\":0}}", run.next_ver);
+                ck = Some(run.next_ver);
+                set.metadata = Some(metadata.clone());
+                let kb = self.cfg.bulk.map_or(1, |b| b.kb);
+                set.output = Some(format!(
+                    "{{\"v\":{},\"pad\":\"{}\"}}",
+                    run.next_ver,
+                    "x".repeat(kb * 1024)
+                ));
             }
             WriteOp::Metadata => {
                 metadata = format!(

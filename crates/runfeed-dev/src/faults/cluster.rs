@@ -51,7 +51,10 @@ pub struct FailoverArgs {
 }
 
 /// The port of the master serving `slot`, from `CLUSTER NODES` of the node on `port`.
-async fn master_of(port: u16, slot: u16) -> anyhow::Result<u16> {
+///
+/// # Errors
+/// When `redis-cli` cannot be run or no live master serves the slot.
+pub async fn master_of(port: u16, slot: u16) -> anyhow::Result<u16> {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string(), "cluster", "nodes"])
         .output()

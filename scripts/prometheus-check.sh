@@ -55,7 +55,9 @@ tcp_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 free_port() {
   local port i
   for i in $(seq 1 50); do
-    port=$(( 20000 + (RANDOM * 32768 + RANDOM) % 40000 ))
+    # Below the kernel's ephemeral range (32768-60999 by default): a port there can be taken
+    # by another test's outgoing connection between this check and Prometheus' bind.
+    port=$(( 20000 + (RANDOM * 32768 + RANDOM) % 12700 ))
     if ! tcp_open 127.0.0.1 "$port"; then echo "$port"; return 0; fi
   done
   die "no free port found"

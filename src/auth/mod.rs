@@ -471,7 +471,9 @@ impl Authenticator {
             ability: Ability::from_scopes(&jwt::scopes_claim(claims)),
             skip_columns: jwt::skip_columns_claim(claims),
         };
-        caches.verified.insert(token.to_string(), Arc::new(verified));
+        caches
+            .verified
+            .insert(token.to_string(), Arc::new(verified));
     }
 
     async fn authenticate_secret_key(

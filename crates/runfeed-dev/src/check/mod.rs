@@ -529,19 +529,11 @@ async fn check_with(
             abort: args.abort_rate,
             pause: args.pause_rate,
             foreign: args.foreign_rate,
-            lifetime_s: match args.sub_seconds.as_slice() {
-                [a, b, ..] if a < b => (*a, *b),
-                [a, ..] => (*a, *a + 0.001),
-                [] => (2.0, 12.0),
-            },
+            lifetime_s: range_arg(&args.sub_seconds, 0.001, (2.0, 12.0)),
             hold_ms: hold,
             sse_fraction: args.sse_fraction,
             sse_stall: args.sse_stall_rate,
-            sse_stall_ms: match args.sse_stall_ms.as_slice() {
-                [a, b, ..] if a < b => (*a, *b),
-                [a, ..] => (*a, *a + 1),
-                [] => (300, 6_000),
-            },
+            sse_stall_ms: range_arg(&args.sse_stall_ms, 1, (300, 6_000)),
             stall_timeout_ms: args.sse_stall_timeout_ms,
             bulk: world.bulk_run.map(|run| (run, args.bulk_share)),
         },
@@ -928,5 +920,18 @@ fn bounds(args: &CheckArgs, hold: u64, share: u64) -> Bounds {
         converge_ms: backstop,
         fault_margin_ms: 1_000.0,
         window_slack_ms: 65_000,
+    }
+}
+
+/// A `[low, high]` command-line range: both given (in order), one value (then `[v, v + step)`),
+/// or none (`default`).
+fn range_arg<T>(given: &[T], step: T, default: (T, T)) -> (T, T)
+where
+    T: Copy + PartialOrd + std::ops::Add<Output = T>,
+{
+    match given {
+        [a, b, ..] if a < b => (*a, *b),
+        [a, ..] => (*a, *a + step),
+        [] => default,
     }
 }

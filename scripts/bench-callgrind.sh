@@ -61,14 +61,10 @@ done
 [ -n "$BASE" ] || { log "server never listened"; cat "$LOG" >&2; exit 1; }
 ADMIN="http://127.0.0.1:$ADMIN_PORT"
 if [ "$SCENARIO" = poll ]; then
-  # Units: answered requests (each an ended poll and its re-poll).
-  units() { curl -s "$ADMIN/metrics" | awk '/^runfeed_http_requests_total/ { s += $NF } END { print s + 0 }'; }
   # The feeds re-poll for the whole window plus their set-up.
   "$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
     --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
 else
-  # Units: live emissions (each a delivery to one feed and its re-poll).
-  units() { curl -s "$ADMIN/metrics" | awk '/^runfeed_feeds_emitted_rows_count/ { s += $NF } END { print s + 0 }'; }
   HELD=90
   "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
     --kind run --rate 20 --envs 2 --runs 10 --held 100 --transport "${TRANSPORT:-long-poll}" --duration-s "$((WINDOW_S + 30))" >"$OUT/churn.txt" 2>&1 &
@@ -81,16 +77,22 @@ for _ in $(seq 1 600); do
 done
 sleep 3
 callgrind_control -z "$PID" >/dev/null
-r0=$(units)
 sleep "$WINDOW_S"
-r1=$(units)
 callgrind_control -d "$PID" >/dev/null
 kill "$BENCH_PID" 2>/dev/null
 sleep 1
 # The last dump file holds the window's counts (the counters were zeroed at its start).
 dump=$(ls -t "$OUT"/callgrind.out."$PID"* | head -n1)
 ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1; exit }')
-n=$((r1 - r0))
+# The units are counted in the dump itself, as calls of the function that records each one
+# (`Metrics::http_request` per answered request, `Metrics::emitted` per live reply), not from
+# two scrapes of the admin /metrics inside the window: a scrape costs as much as a few hundred
+# polls (every series encoded), which a Prometheus pays every 15 s or so.
+case "$SCENARIO" in
+  poll) counted='runfeed::telemetry::metrics::Metrics::http_request' ;;
+  *) counted='runfeed::telemetry::metrics::Metrics::emitted' ;;
+esac
+n=$(awk -v f="$counted" '/^cfn=/ { m = (substr($0, 5) == f) } /^calls=/ { if (m) { split($0, a, /[= ]/); s += a[2] } m = 0 } END { print s + 0 }' "$dump")
 unit=$([ "$SCENARIO" = poll ] && echo "ended poll" || echo "delivery")
 log "binary $BIN: $ir instructions over $n units ($unit)"
 awk -v ir="$ir" -v n="$n" -v u="$unit" 'BEGIN { if (n > 0) printf "instructions per %s: %.0f\n", u, ir / n }'

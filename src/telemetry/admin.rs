@@ -94,6 +94,18 @@ fn router(state: AdminState) -> axum::Router {
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .with_state(state)
+        // The request span and the 5xx log, as on the feed listener.
+        .layer(super::http::trace_layer(admin_route))
+}
+
+/// The `route` of an admin request path.
+fn admin_route(path: &str) -> &'static str {
+    match path {
+        "/metrics" => "/metrics",
+        "/healthz" => "/healthz",
+        "/readyz" => "/readyz",
+        _ => super::http::UNMATCHED,
+    }
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {

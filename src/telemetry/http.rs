@@ -1,10 +1,13 @@
-//! HTTP observability: one `tracing` span per request at `debug` level ([`trace_layer`]) and
-//! the request metrics middleware ([`instrument`]).
+//! HTTP observability: the feed listener's one middleware ([`instrument`]: request metrics, the
+//! request span, the 5xx error log), and the same span and log as a tower-http layer for the
+//! admin listener ([`trace_layer`]).
 //!
-//! The span carries method, route (the matched path pattern), path, `live`, the environment id
-//! (recorded by the handler once authenticated, [`record_env_id`]), status, outcome and
-//! latency. Headers and the query string are never recorded: bearer tokens stay out of the
-//! logs.
+//! The span, at `debug` level, carries method, route (the matched path pattern), path, `live`,
+//! the environment id (recorded by the handler once authenticated, [`record_env_id`]), status,
+//! outcome and latency. Headers and the query string are never recorded: bearer tokens stay out
+//! of the logs. On the feed listener [`Track`] makes the span itself, from the start time it
+//! keeps for the metrics anyway: a second layer would read the clock again, wrap the response
+//! body and box it once more on every poll (BENCHMARKS.md "Cost per unit of work").
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -14,7 +17,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use tokio::time::Instant;
 use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
 use tower_http::trace::{DefaultOnRequest, MakeSpan, OnResponse, TraceLayer};
@@ -31,8 +34,9 @@ pub const UNMATCHED: &str = "unmatched";
 /// matched anything).
 pub type RouteOf = fn(&str) -> &'static str;
 
-/// The request span layer (tower-http `TraceLayer` with runfeed's span and response log);
-/// `route_of` names the route of a request path.
+/// The request span layer (tower-http `TraceLayer` with runfeed's span and response log) for
+/// listeners other than the feed listener (the admin listener); `route_of` names the route of a
+/// request path. The feed listener's [`Track`] makes the same span and logs without a layer.
 pub fn trace_layer(
     route_of: RouteOf,
 ) -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, RequestSpan, DefaultOnRequest, ResponseLog>
@@ -54,9 +58,12 @@ fn is_live(query: Option<&str>) -> bool {
     let Some(query) = query else {
         return false;
     };
+    // Built once: a searcher built per call cost more than the search.
+    static LIVE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"live="));
     let bytes = query.as_bytes();
     let mut live = false;
-    for at in memchr::memmem::find_iter(bytes, b"live=") {
+    for at in LIVE.find_iter(bytes) {
         if at == 0 || bytes[at - 1] == b'&' {
             let value = &bytes[at + b"live=".len()..];
             let end = memchr::memchr(b'&', value).unwrap_or(value.len());
@@ -151,26 +158,35 @@ where
     }
 
     fn call(&mut self, req: Request) -> Self::Future {
+        let route = (self.route_of)(req.uri().path());
+        // `Span::none()` unless `debug` is enabled for this module: no field is evaluated then.
+        let span = RequestSpan(self.route_of).make_span(&req);
         let pending = Pending {
-            route: (self.route_of)(req.uri().path()),
+            route,
             method: req.method().clone(),
             live: is_live(req.uri().query()),
             started: Instant::now(),
             metrics: self.metrics.clone(),
             done: false,
         };
+        let inner = {
+            let _entered = span.enter();
+            self.inner.call(req)
+        };
         TrackFuture {
-            inner: self.inner.call(req),
+            inner,
             pending,
+            span,
         }
     }
 }
 
-/// Response future of [`Track`]: counts the response (or a 499 if dropped first) and wraps
-/// its body in a [`CountedBody`].
+/// Response future of [`Track`]: polls the inner future inside the request span, then counts
+/// the response (or a 499 if dropped first), logs it (5xx at `error`) and counts its body bytes.
 pub struct TrackFuture<F> {
     inner: F,
     pending: Pending,
+    span: Span,
 }
 
 impl<F, E> std::future::Future for TrackFuture<F>
@@ -181,18 +197,37 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let response = std::task::ready!(Pin::new(&mut this.inner).poll(cx))?;
-        let pending = &mut this.pending;
+        let response = {
+            let _entered = this.span.enter();
+            std::task::ready!(Pin::new(&mut this.inner).poll(cx))?
+        };
+        let (pending, span) = (&mut this.pending, &this.span);
         pending.done = true;
         let status = response.status().as_u16();
+        let latency = pending.started.elapsed();
         let m = &pending.metrics;
         m.http_request(
             pending.route,
             pending.method.as_str(),
             status,
             pending.live,
-            pending.started.elapsed(),
+            latency,
         );
+        if !span.is_disabled() {
+            ResponseLog.on_response(&response, latency, span);
+        }
+        if status >= 500 {
+            let latency_ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+            tracing::error!(parent: span, status, latency_ms, route = pending.route, "response failed");
+        }
+        // A body of known length (every feed response but an SSE stream) is counted now, as
+        // it is handed to the connection; only a stream is wrapped to count what it yields.
+        if let Some(bytes) = response.body().size_hint().exact() {
+            if bytes > 0 {
+                m.http_bytes(pending.route, bytes);
+            }
+            return Poll::Ready(Ok(response));
+        }
         let (parts, body) = response.into_parts();
         let counted = CountedBody {
             inner: body,
@@ -305,50 +340,59 @@ mod tests {
         }
     }
 
-    #[test]
-    fn request_span_has_route_env_and_status_but_no_credentials() {
+    /// Log output (JSON lines) of `req` sent through `app` wrapped by [`instrument`], with
+    /// `max_level` enabled.
+    fn logged(
+        app: axum::Router,
+        req: axum::http::Request<Body>,
+        max_level: tracing::Level,
+    ) -> String {
         let captured = Captured::default();
         let writer = captured.clone();
         let subscriber = tracing_subscriber::fmt()
             .json()
-            .with_max_level(tracing::Level::DEBUG)
+            .with_max_level(max_level)
             .with_current_span(true)
             .with_span_list(true)
             .with_writer(move || writer.clone())
             .finish();
-        let app = axum::Router::new()
-            .route(
-                "/feed/{id}",
-                axum::routing::get(|| async {
-                    record_env_id("env_123");
-                    "ok"
-                }),
-            )
-            .layer(trace_layer(|path| {
-                if path.starts_with("/feed/") {
-                    "/feed/{id}"
-                } else {
-                    UNMATCHED
-                }
-            }));
+        let service = instrument(app, Metrics::noop(), |path| {
+            if path.starts_with("/feed/") {
+                "/feed/{id}"
+            } else {
+                UNMATCHED
+            }
+        });
         tracing::subscriber::with_default(subscriber, || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("runtime");
             rt.block_on(async {
-                let req = axum::http::Request::builder()
-                    .uri("/feed/run_1?live=true&token=query-secret")
-                    .header("authorization", "Bearer header-secret")
-                    .body(Body::empty())
-                    .expect("request");
-                let resp = tower::ServiceExt::oneshot(app, req)
+                tower::ServiceExt::oneshot(service, req)
                     .await
                     .expect("response");
-                assert_eq!(resp.status(), 200);
             });
         });
         let out = String::from_utf8(captured.0.lock().expect("log").clone()).expect("utf-8");
+        out
+    }
+
+    #[test]
+    fn request_span_has_route_env_and_status_but_no_credentials() {
+        let app = axum::Router::new().route(
+            "/feed/{id}",
+            axum::routing::get(|| async {
+                record_env_id("env_123");
+                "ok"
+            }),
+        );
+        let req = axum::http::Request::builder()
+            .uri("/feed/run_1?live=true&token=query-secret")
+            .header("authorization", "Bearer header-secret")
+            .body(Body::empty())
+            .expect("request");
+        let out = logged(app, req, tracing::Level::DEBUG);
         assert!(out.contains(r#""route":"/feed/{id}""#), "{out}");
         assert!(out.contains(r#""path":"/feed/run_1""#), "{out}");
         assert!(out.contains(r#""live":true"#), "{out}");
@@ -361,6 +405,24 @@ mod tests {
             !out.contains("header-secret") && !out.contains("query-secret"),
             "credentials logged: {out}"
         );
+    }
+
+    #[test]
+    fn a_server_error_is_logged_at_error_without_the_debug_span() {
+        let app = axum::Router::new().route(
+            "/feed/{id}",
+            axum::routing::get(|| async { axum::http::StatusCode::SERVICE_UNAVAILABLE }),
+        );
+        let req = axum::http::Request::builder()
+            .uri("/feed/run_1?token=query-secret")
+            .body(Body::empty())
+            .expect("request");
+        let out = logged(app, req, tracing::Level::INFO);
+        assert!(out.contains(r#""level":"ERROR""#), "{out}");
+        assert!(out.contains(r#""status":503"#), "{out}");
+        assert!(out.contains(r#""route":"/feed/{id}""#), "{out}");
+        assert!(!out.contains("query-secret"), "credentials logged: {out}");
+        assert_eq!(out.lines().count(), 1, "only the error line at info: {out}");
     }
 
     #[test]

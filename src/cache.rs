@@ -23,22 +23,31 @@ const INITIAL_ENTRIES: u64 = 1024;
 
 /// A bounded map of entries that expire `ttl` after they were inserted (see the module docs).
 pub struct TtlCache<K, V> {
-    entries: quick_cache::sync::Cache<
-        K,
-        Expiring<V>,
-        quick_cache::UnitWeighter,
-        foldhash::fast::RandomState,
-    >,
+    entries: quick_cache::sync::Cache<K, Expiring<V>, ByWeight, foldhash::fast::RandomState>,
     ttl: Duration,
+    /// The weight of a value (`None`: every entry weighs 1).
+    weigh: Option<fn(&V) -> u64>,
     /// When expired entries were last swept out.
     swept: Mutex<Instant>,
 }
 
-/// A value and when it expires.
+/// A value, when it expires and what it weighs against the cache's bound.
 #[derive(Clone)]
 struct Expiring<V> {
     value: V,
     expires: Instant,
+    /// Computed once, at insertion (the map reads it on every eviction).
+    weight: u64,
+}
+
+/// Weighs an entry by the weight stored beside its value.
+#[derive(Clone, Copy)]
+struct ByWeight;
+
+impl<K, V> quick_cache::Weighter<K, Expiring<V>> for ByWeight {
+    fn weight(&self, _key: &K, entry: &Expiring<V>) -> u64 {
+        entry.weight
+    }
 }
 
 impl<K, V> TtlCache<K, V>
@@ -49,17 +58,28 @@ where
     /// At most `max_entries` entries (the least useful are evicted first), each kept `ttl` after
     /// it was inserted.
     pub fn new(max_entries: u64, ttl: Duration) -> TtlCache<K, V> {
-        let max_entries = max_entries.max(1);
-        let initial = usize::try_from(max_entries.min(INITIAL_ENTRIES)).unwrap_or(1);
+        TtlCache::build(max_entries, ttl, None)
+    }
+
+    /// Entries whose `weigh`ts sum to at most `max_weight` (bytes, say), each kept `ttl` after it
+    /// was inserted. An entry weighs at least 1.
+    pub fn weighted(max_weight: u64, ttl: Duration, weigh: fn(&V) -> u64) -> TtlCache<K, V> {
+        TtlCache::build(max_weight, ttl, Some(weigh))
+    }
+
+    fn build(max_weight: u64, ttl: Duration, weigh: Option<fn(&V) -> u64>) -> TtlCache<K, V> {
+        let max_weight = max_weight.max(1);
+        let initial = usize::try_from(max_weight.min(INITIAL_ENTRIES)).unwrap_or(1);
         TtlCache {
             entries: quick_cache::sync::Cache::with(
                 initial,
-                max_entries,
-                quick_cache::UnitWeighter,
+                max_weight,
+                ByWeight,
                 foldhash::fast::RandomState::default(),
                 Default::default(),
             ),
             ttl,
+            weigh,
             swept: Mutex::new(Instant::now()),
         }
     }
@@ -76,11 +96,13 @@ where
     /// Inserts `value` for `key` (replacing what was there), to expire one TTL from now.
     pub fn insert(&self, key: K, value: V) {
         let now = Instant::now();
+        let weight = self.weigh.map_or(1, |weigh| weigh(&value).max(1));
         self.entries.insert(
             key,
             Expiring {
                 value,
                 expires: now + self.ttl,
+                weight,
             },
         );
         self.sweep_if_due(now);
@@ -92,6 +114,11 @@ where
         Q: Hash + quick_cache::Equivalent<K> + ?Sized,
     {
         self.entries.remove(key);
+    }
+
+    /// Forgets every entry.
+    pub fn clear(&self) {
+        self.entries.clear();
     }
 
     /// Entries kept now, expired ones included until they are swept out or read.
@@ -154,6 +181,24 @@ mod tests {
         tokio::time::advance(Duration::from_millis(500)).await;
         cache.insert(11, 11);
         assert_eq!(cache.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_weighted_cache_stays_within_its_weight() {
+        let cache: TtlCache<u32, Vec<u8>> =
+            TtlCache::weighted(10_000, Duration::from_secs(60), |v| v.len() as u64);
+        for n in 0..100 {
+            cache.insert(n, vec![0; 1_000]);
+        }
+        assert!(cache.len() <= 10, "{} entries of 1 000 bytes", cache.len());
+        assert_eq!(cache.get(&99).map(|v| v.len()), Some(1_000));
+        // Weightless values still count one each.
+        let cache: TtlCache<u32, Vec<u8>> =
+            TtlCache::weighted(64, Duration::from_secs(60), |v| v.len() as u64);
+        for n in 0..1_000 {
+            cache.insert(n, Vec::new());
+        }
+        assert!(cache.len() <= 64, "{}", cache.len());
     }
 
     #[tokio::test(start_paused = true)]

@@ -146,6 +146,11 @@ struct Caches {
     by_api_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
     by_revoked_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
     by_id: Cache<EnvId, Option<Arc<EnvRecord>>, Hasher>,
+    /// The found environments of `by_id`, read first: every poll of a public token looks its
+    /// environment up, and a moka read (access log, housekeeping) cost about three times this
+    /// map's. Filled only by the caller whose read went to the store, so an entry is never older
+    /// than one TTL.
+    found_by_id: crate::cache::TtlCache<EnvId, Arc<EnvRecord>>,
     branch: Cache<(EnvId, String), Option<Arc<EnvRecord>>, Hasher>,
     revoked_keys: Cache<EnvId, Vec<String>, Hasher>,
     /// Public tokens already verified with their environment's current signing key: a live
@@ -217,6 +222,7 @@ impl Caches {
                     missing: ttl,
                 })
                 .build_with_hasher(Hasher::default()),
+            found_by_id: crate::cache::TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl.max(ttl)),
             branch: build(ttl),
             revoked_keys: build(ttl),
             verified: crate::cache::TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl.max(ttl)),
@@ -527,8 +533,22 @@ impl Authenticator {
     }
 
     async fn env_by_id(&self, id: &EnvId) -> Result<Option<Arc<EnvRecord>>, StoreError> {
-        let cache = self.caches.as_ref().map(|c| &c.by_id);
-        cached_env(cache, id.clone(), self.store.env_by_id(id)).await
+        let Some(caches) = &self.caches else {
+            return Ok(self.store.env_by_id(id).await?.map(Arc::new));
+        };
+        if let Some(env) = caches.found_by_id.get(id) {
+            return Ok(Some(env));
+        }
+        let mut read = false;
+        let lookup = async {
+            read = true;
+            self.store.env_by_id(id).await
+        };
+        let found = cached_env(Some(&caches.by_id), id.clone(), lookup).await?;
+        if let Some(env) = found.as_ref().filter(|_| read) {
+            caches.found_by_id.insert(id.clone(), env.clone());
+        }
+        Ok(found)
     }
 
     async fn branch_env(
@@ -854,7 +874,9 @@ mod tests {
         let bearer = format!("Bearer {token}");
         assert!(auth.authenticate(Some(&bearer), None).await.is_ok());
         store.envs.lock().unwrap()[0].api_key = "tr_prod_rotated".into();
-        auth.caches.as_ref().unwrap().by_id.invalidate_all();
+        let caches = auth.caches.as_ref().unwrap();
+        caches.by_id.invalidate_all();
+        caches.found_by_id.clear();
         assert!(auth.reverify_public_token(&token).await.unwrap().is_none());
         assert!(matches!(
             auth.authenticate(Some(&bearer), None).await,

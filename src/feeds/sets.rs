@@ -15,6 +15,7 @@ type Hasher = foldhash::fast::RandomState;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+use crate::cache::TtlCache;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{
@@ -90,8 +91,14 @@ pub struct Sets {
     router: Router,
     cap: usize,
     sets: Cache<SetKey, Arc<RunSet>, Hasher>,
-    /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0).
-    backstops: Option<Cache<SetKey, Arc<RunSet>, Hasher>>,
+    /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0): moka for the
+    /// single flight of the reads, a [`TtlCache`] of their results read first (an ended poll
+    /// reads one; a moka read, with its access log and housekeeping, cost three times as much).
+    /// Both are bounded by `caches.runset_cache_max_bytes` and share the same sets.
+    backstops: Option<(
+        Cache<SetKey, Arc<RunSet>, Hasher>,
+        TtlCache<SetKey, Arc<RunSet>>,
+    )>,
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
@@ -123,8 +130,7 @@ impl Sets {
         let sets = Cache::builder()
             .max_capacity(caches.runset_cache_max_bytes)
             .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
-                let bytes: usize = v.rows.iter().map(|r| r.fragment.len() + 128).sum();
-                u32::try_from(bytes + 64).unwrap_or(u32::MAX)
+                u32::try_from(set_weight(v)).unwrap_or(u32::MAX)
             })
             .expire_after(PerKindTtl {
                 run: Duration::from_millis(run_ttl),
@@ -133,14 +139,16 @@ impl Sets {
             .build_with_hasher(Hasher::default());
         let lookup_ttl = Duration::from_millis(caches.resource_cache_ttl_ms.max(1));
         let backstops = (caches.backstop_share_ms > 0).then(|| {
-            Cache::builder()
+            let share = Duration::from_millis(caches.backstop_share_ms);
+            let reads = Cache::builder()
                 .max_capacity(caches.runset_cache_max_bytes)
                 .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
-                    let bytes: usize = v.rows.iter().map(|r| r.fragment.len() + 128).sum();
-                    u32::try_from(bytes + 64).unwrap_or(u32::MAX)
+                    u32::try_from(set_weight(v)).unwrap_or(u32::MAX)
                 })
-                .time_to_live(Duration::from_millis(caches.backstop_share_ms))
-                .build_with_hasher(Hasher::default())
+                .time_to_live(share)
+                .build_with_hasher(Hasher::default());
+            let results = TtlCache::weighted(caches.runset_cache_max_bytes, share, set_weight);
+            (reads, results)
         });
         Sets {
             store,
@@ -270,18 +278,23 @@ impl Sets {
         cols: ColumnSet,
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
-        let Some(backstops) = &self.backstops else {
+        let Some((reads, results)) = &self.backstops else {
             return self.read_shared(env_id, target, cols, deadline).await;
         };
         let key = self.set_key(env_id, target, cols);
         // The common case, a backstop of a filter read in the last `backstop_share_ms`, never
         // builds the single-flight future (see `read_shared`).
-        if let Some(set) = backstops.get(&key).await {
+        if let Some(set) = results.get(&key) {
             return Ok(set);
         }
-        let read =
-            Box::pin(backstops.try_get_with(key, self.read_shared(env_id, target, cols, deadline)));
-        shared_by_deadline(deadline, read).await
+        // Only the read that went to the store keeps its result: an entry is never older than
+        // the share time.
+        let read = async {
+            let set = self.read_shared(env_id, target, cols, deadline).await?;
+            results.insert(key.clone(), set.clone());
+            Ok::<_, ReadError>(set)
+        };
+        shared_by_deadline(deadline, Box::pin(reads.try_get_with(key.clone(), read))).await
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
@@ -414,9 +427,10 @@ async fn shared_by_deadline(
 }
 
 /// URL-id lookups of one resource kind: hits are served from the cache, found resources are
-/// cached, misses are not (they may exist a moment later).
+/// cached, misses are not (they may exist a moment later). A [`TtlCache`]: run feeds look
+/// their run up on every poll, and nothing here needs a loading cache's single flight.
 struct Lookups<I, T> {
-    cache: Cache<(EnvId, I), Arc<T>, Hasher>,
+    cache: TtlCache<(EnvId, I), Arc<T>>,
 }
 
 impl<I, T> Lookups<I, T>
@@ -426,10 +440,7 @@ where
 {
     fn new(ttl: Duration) -> Self {
         Lookups {
-            cache: Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(ttl)
-                .build_with_hasher(Hasher::default()),
+            cache: TtlCache::new(100_000, ttl),
         }
     }
 
@@ -444,7 +455,7 @@ where
     where
         F: std::future::Future<Output = Result<Option<T>, StoreError>>,
     {
-        if let Some(hit) = self.cache.get(&(env_id.clone(), id.clone())).await {
+        if let Some(hit) = self.cache.get(&(env_id.clone(), id.clone())) {
             return Ok(Some(hit));
         }
         self.fresh(env_id, id, read).await
@@ -463,11 +474,18 @@ where
         let key = (env_id.clone(), id.clone());
         let found = Box::pin(read()).await?.map(Arc::new);
         match &found {
-            Some(resource) => self.cache.insert(key, resource.clone()).await,
-            None => self.cache.invalidate(&key).await,
+            Some(resource) => self.cache.insert(key, resource.clone()),
+            None => self.cache.remove(&key),
         }
         Ok(found)
     }
+}
+
+/// What a shared run set weighs against `caches.runset_cache_max_bytes`, bytes (an estimate:
+/// its rows' serialized bytes plus a fixed overhead per row and per set).
+fn set_weight(set: &Arc<RunSet>) -> u64 {
+    let bytes: usize = set.rows.iter().map(|r| r.fragment.len() + 128).sum();
+    u64::try_from(bytes + 64).unwrap_or(u64::MAX)
 }
 
 struct PerKindTtl {

@@ -13,6 +13,7 @@
 
 pub mod admit;
 pub mod cors;
+mod dispatch;
 pub mod error;
 pub mod serve;
 pub mod sse;
@@ -191,9 +192,11 @@ pub fn route_of(path: &str) -> &'static str {
     }
 }
 
-/// The HTTP application: the three feed routes, `/healthz`, JSON 404s, with CORS, the request
-/// span and the request limits around the whole router. They wrap the router once (not each
-/// route, as `Router::layer` does), so a request clones and boxes no layered route service.
+/// The HTTP application: the three feed routes (their `GET`s served by [`dispatch`], the rest
+/// by axum's router), `/healthz`, JSON 404s, with CORS and the request limits around them. The
+/// layers wrap the routes once (not each route, as `Router::layer` does), so a request clones
+/// and boxes no layered route service. The wiring wraps it in
+/// [`crate::telemetry::http::instrument`] (metrics, the request span and its log).
 pub fn app(
     state: AppState,
 ) -> impl tower::Service<
@@ -220,15 +223,12 @@ pub fn app(
             }
         })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-        .with_state(state);
+        .with_state(state.clone());
+    let router = dispatch::FeedRoutes { state, router };
     tower::ServiceBuilder::new()
         // Any origin; preflights mirror the requested headers (`Authorization` cannot be
         // wildcarded, Fetch spec); pre-encoded values, nothing allocated per request.
         .layer(cors::CorsLayer)
-        // The span layer wraps the body (failure classification); one box back to axum's.
-        .map_response(|response: http::Response<_>| response.map(axum::body::Body::new))
-        // One span per request: method, route, path, env id, status (never headers or query).
-        .layer(crate::telemetry::http::trace_layer(route_of))
         .layer(RequestLimitsLayer(limits))
         .service(router)
 }
@@ -406,11 +406,10 @@ fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, ApiError> {
 fn columns(principal: &Principal, ctx: &Ctx) -> ColumnSet {
     match &principal.skip_columns {
         Some(claim) => ColumnSet::from_skip_list(claim),
-        None => {
-            let raw = ctx.params.skip_columns.as_deref().unwrap_or("");
-            let list: Vec<&str> = raw.split(',').collect();
-            ColumnSet::from_skip_list(&list)
-        }
+        None => match ctx.params.skip_columns.as_deref() {
+            None | Some("") => ColumnSet::ALL,
+            Some(raw) => ColumnSet::from_skip_list(raw.split(',')),
+        },
     }
 }
 
@@ -462,9 +461,18 @@ async fn run_feed(
     run_id: Result<Path<String>, PathRejection>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
+    run_feed_at(state, dispatch::path_id(run_id), begun).await
+}
+
+/// A run's feed; `run_id` is the path segment, `None` when it is not UTF-8 once decoded.
+async fn run_feed_at(
+    state: AppState,
+    run_id: Option<String>,
+    begun: Begun,
+) -> Result<Response, ApiError> {
     let env_id = &begun.principal.env.id;
     // An id that is not UTF-8 once decoded cannot exist either: the same JSON 404.
-    let run_id = run_id.ok().and_then(|Path(id)| FriendlyRunId::parse(&id));
+    let run_id = run_id.and_then(|id| FriendlyRunId::parse(&id));
     let run_id = run_id.ok_or(ApiError::NotFound {
         should_retry: false,
     })?;
@@ -588,9 +596,16 @@ async fn batch_feed(
     batch_id: Result<Path<String>, PathRejection>,
     begun: Begun,
 ) -> Result<Response, ApiError> {
-    let batch_id = batch_id
-        .ok()
-        .and_then(|Path(id)| FriendlyBatchId::parse(&id));
+    batch_feed_at(state, dispatch::path_id(batch_id), begun).await
+}
+
+/// A batch's feed; `batch_id` is the path segment, `None` when it is not UTF-8 once decoded.
+async fn batch_feed_at(
+    state: AppState,
+    batch_id: Option<String>,
+    begun: Begun,
+) -> Result<Response, ApiError> {
+    let batch_id = batch_id.and_then(|id| FriendlyBatchId::parse(&id));
     let batch_id = batch_id.ok_or(ApiError::NotFound { should_retry: true })?;
     let lookup = state
         .feeds
@@ -797,20 +812,27 @@ mod future_sizes {
         std::mem::size_of::<F>()
     }
 
-    /// The route handler's future is what a held poll keeps (inside axum's box) for ~20 s:
-    /// 7 160 bytes (debug build) before the pre-hold awaits were boxed. The bound is 3.25 KiB
-    /// since `serve` also opens SSE streams and takes `Begun` by value (its query strings are
-    /// dropped before the hold): 3 152 bytes for `run_feed` in a debug build.
+    /// The feed route's future is what a held poll keeps (boxed) for ~20 s: 7 160 bytes (debug
+    /// build) before the pre-hold awaits were boxed. The bound is 3.25 KiB since `serve` also
+    /// opens SSE streams and takes `Begun` by value (its query strings are dropped before the
+    /// hold): 3 152 bytes for a run feed in a debug build. `dispatch::serve_feed` is the box
+    /// of a `GET`; the axum handlers (`HEAD`) call the same `…_at` handlers.
     #[test]
     fn held_poll_handler_futures_stay_small() {
         let (run, tag, batch, serve) = (
-            size3(run_feed),
+            size3(run_feed_at),
             size2(tag_feed),
-            size3(batch_feed),
+            size3(batch_feed_at),
             size_serve(serve),
         );
-        println!("bytes: run_feed {run}, tag_feed {tag}, batch_feed {batch}, serve {serve}");
-        for (name, size) in [("run_feed", run), ("tag_feed", tag), ("batch_feed", batch)] {
+        let routed = size3(dispatch::serve_feed);
+        println!("bytes: run_feed_at {run}, tag_feed {tag}, batch_feed_at {batch}, serve {serve}, dispatch::serve_feed {routed}");
+        for (name, size) in [
+            ("run_feed_at", run),
+            ("tag_feed", tag),
+            ("batch_feed_at", batch),
+            ("dispatch::serve_feed", routed),
+        ] {
             assert!(size <= 3328, "{name} future is {size} bytes");
         }
     }

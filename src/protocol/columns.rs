@@ -152,7 +152,7 @@ impl ColumnSet {
 
     /// Every column except those named in `skip`. Entries are trimmed; empty, unknown and
     /// reserved names are ignored (docs/trigger-dev.md §3 `skipColumns`, behaviour REQ-01).
-    pub fn from_skip_list<S: AsRef<str>>(skip: &[S]) -> ColumnSet {
+    pub fn from_skip_list<S: AsRef<str>>(skip: impl IntoIterator<Item = S>) -> ColumnSet {
         let mut bits = Self::ALL.0;
         for name in skip {
             if let Some(col) = Column::from_name(name.as_ref().trim()) {

@@ -1,0 +1,122 @@
+//! The feed routes' `GET`s, served without axum's router: every live poll and its re-poll come
+//! this way, so they skip the router's per-request work (route matching a second time after
+//! [`route_of`], the `MatchedPath` extension, a clone of the boxed route service, three future
+//! wrappers) and go straight to the same handlers, extractors and responses. Everything else
+//! (`HEAD`, `POST`, `OPTIONS` outside the CORS layer, `/healthz`, unknown paths) goes to the
+//! router, which still declares every route (BENCHMARKS.md "Cost per unit of work").
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::Method;
+use axum::response::{IntoResponse, Response};
+use futures::future::Either;
+use futures::FutureExt;
+
+use super::{
+    batch_feed_at, route_of, run_feed_at, tag_feed, AppState, Begun, BATCH_ROUTE, RUNS_ROUTE,
+    RUN_ROUTE,
+};
+
+/// The response future of a feed route served here.
+type FeedFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+/// Serves `GET` on the three feed routes itself and hands every other request to `router`.
+#[derive(Clone)]
+pub(super) struct FeedRoutes<R> {
+    pub(super) state: AppState,
+    pub(super) router: R,
+}
+
+/// Which feed route a `GET` is for, with its one path segment (percent-decoded as axum's
+/// `Path` does; `None` when it is not UTF-8 once decoded, which the handler answers 404).
+pub(super) enum FeedRoute {
+    Run(Option<String>),
+    Tags,
+    Batch(Option<String>),
+}
+
+impl FeedRoute {
+    fn of(method: &Method, path: &str) -> Option<FeedRoute> {
+        if method != Method::GET {
+            return None;
+        }
+        let segment = |prefix: &str| {
+            let raw = path.strip_prefix(prefix).unwrap_or_default();
+            percent_encoding::percent_decode_str(raw)
+                .decode_utf8()
+                .ok()
+                .map(|id| id.into_owned())
+        };
+        match route_of(path) {
+            RUNS_ROUTE => Some(FeedRoute::Tags),
+            RUN_ROUTE => Some(FeedRoute::Run(segment("/realtime/v1/runs/"))),
+            BATCH_ROUTE => Some(FeedRoute::Batch(segment("/realtime/v1/batches/"))),
+            _ => None,
+        }
+    }
+}
+
+impl<R> tower::Service<axum::extract::Request> for FeedRoutes<R>
+where
+    R: tower::Service<axum::extract::Request, Response = Response, Error = Infallible>,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Either<FeedFuture, R::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.router.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: axum::extract::Request) -> Self::Future {
+        let Some(route) = FeedRoute::of(req.method(), req.uri().path()) else {
+            return Either::Right(self.router.call(req));
+        };
+        Either::Left(Box::pin(serve_feed(self.state.clone(), route, req)))
+    }
+}
+
+/// Answers a `GET` on a feed route: [`Begun`] (authentication, query, offset), then the route's
+/// handler. This future is what a held poll keeps, boxed, for its hold (memory per held feed):
+/// chained rather than one `async fn`, so the extraction's state and the handler's share their
+/// bytes instead of sitting side by side.
+pub(super) fn serve_feed(
+    state: AppState,
+    route: FeedRoute,
+    req: axum::extract::Request,
+) -> impl Future<Output = Result<Response, Infallible>> + Send {
+    begin(state, req).then(move |(state, begun)| {
+        let begun = match begun {
+            Ok(begun) => begun,
+            Err(refusal) => return Either::Left(std::future::ready(Ok(refusal.into_response()))),
+        };
+        let served = match route {
+            FeedRoute::Run(id) => Either::Left(run_feed_at(state, id, begun)),
+            FeedRoute::Tags => Either::Right(Either::Left(tag_feed(State(state), begun))),
+            FeedRoute::Batch(id) => Either::Right(Either::Right(batch_feed_at(state, id, begun))),
+        };
+        Either::Right(served.map(|served| Ok(served.into_response())))
+    })
+}
+
+/// [`Begun`] of `req`. The request's parts (headers, URI) are dropped once it has read them,
+/// before the handler holds (memory per held feed), as axum's extractors do.
+async fn begin(
+    state: AppState,
+    req: axum::extract::Request,
+) -> (AppState, Result<Begun, super::ApiError>) {
+    let (mut parts, _body) = req.into_parts();
+    let begun = Begun::from_request_parts(&mut parts, &state).await;
+    (state, begun)
+}
+
+/// The run id of axum's `Path` extraction, for the router's own handler.
+pub(super) fn path_id(
+    path: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Option<String> {
+    path.ok().map(|Path(id)| id)
+}

@@ -6,10 +6,19 @@
 # SCENARIO=delivery instead counts instructions per delivery: 100 live run feeds (10 runs x 5 per
 # environment, 2 environments) following 20 changes/s (`runfeed-bench churn`, re-polls included),
 # divided by the emissions the server made in the window.
+# SCENARIO=change instead counts instructions per change record: ONE live SSE run feed per run (200
+# runs: 10 per environment over 20 environments) while `runfeed-bench churn` changes them at 20
+# changes/s, divided by the change records the server decoded in the window. Each record is decoded, routed, hydrated (one query,
+# as the router is idle between records at this rate), serialized once and handed to its one feed,
+# whose SSE stream writes it: the whole change path plus the cheapest delivery there is (no re-poll).
+# It also prints, per change record, the inclusive instructions of the router's hydrate task (gate,
+# query, row decode, serialization, fan-out) and of the store's query, and writes the inclusive
+# profile to OUT/annotate.txt.
 #   bash scripts/bench-callgrind.sh                       # target/release/runfeed
 #   BIN=/path/to/other/runfeed bash scripts/bench-callgrind.sh
 #   SCENARIO=delivery bash scripts/bench-callgrind.sh
-# Env: BIN, SCENARIO (poll | delivery), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
+#   SCENARIO=change bash scripts/bench-callgrind.sh
+# Env: BIN, BENCH (the runfeed-bench binary), SCENARIO (poll | delivery | change), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
 # default info, the default configuration), PG_ADMIN, REDIS_URL,
 # OUT (target/bench-callgrind).
 set -uo pipefail
@@ -17,7 +26,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$(pwd)
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 BIN="${BIN:-$TARGET_DIR/release/runfeed}"
-BENCH="$TARGET_DIR/release/runfeed-bench"
+BENCH="${BENCH:-$TARGET_DIR/release/runfeed-bench}"
 HELD="${HELD:-100}"
 WINDOW_S="${WINDOW_S:-20}"
 PG_ADMIN="${PG_ADMIN:-postgres://postgres@127.0.0.1:5432}"
@@ -38,8 +47,8 @@ LOG="$OUT/server.log"
 SCENARIO="${SCENARIO:-poll}"
 case "$SCENARIO" in
   poll) HOLD_MS=1000; JITTER=0.15 ;;
-  delivery) HOLD_MS=30000; JITTER=0 ;;
-  *) log "SCENARIO must be poll or delivery"; exit 2 ;;
+  delivery | change) HOLD_MS=30000; JITTER=0 ;;
+  *) log "SCENARIO must be poll, delivery or change"; exit 2 ;;
 esac
 RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
 RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
@@ -64,6 +73,10 @@ if [ "$SCENARIO" = poll ]; then
   # The feeds re-poll for the whole window plus their set-up.
   "$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
     --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
+elif [ "$SCENARIO" = change ]; then
+  HELD=200
+  "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
+    --kind run --rate 20 --envs 20 --runs 10 --held 200 --transport sse --duration-s "$((WINDOW_S + 30))" >"$OUT/churn.txt" 2>&1 &
 else
   HELD=90
   "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
@@ -85,14 +98,27 @@ sleep 1
 dump=$(ls -t "$OUT"/callgrind.out."$PID"* | head -n1)
 ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1; exit }')
 # The units are counted in the dump itself, as calls of the function that records each one
-# (`Metrics::http_request` per answered request, `Metrics::emitted` per live reply), not from
-# two scrapes of the admin /metrics inside the window: a scrape costs as much as a few hundred
-# polls (every series encoded), which a Prometheus pays every 15 s or so.
+# (`Metrics::http_request` per answered request, `Metrics::emitted` per live reply, the record
+# decoder per change record), not from two scrapes of the admin /metrics inside the window: a
+# scrape costs as much as a few hundred polls (every series encoded), which a Prometheus pays
+# every 15 s or so.
 case "$SCENARIO" in
-  poll) counted='runfeed::telemetry::metrics::Metrics::http_request' ;;
-  *) counted='runfeed::telemetry::metrics::Metrics::emitted' ;;
+  poll) counted='runfeed::telemetry::metrics::Metrics::http_request'; unit="ended poll" ;;
+  delivery) counted='runfeed::telemetry::metrics::Metrics::emitted'; unit="delivery" ;;
+  change) counted='runfeed::changes::record::ChangeRecord::decode'; unit="change record" ;;
 esac
 n=$(awk -v f="$counted" '/^cfn=/ { m = (substr($0, 5) == f) } /^calls=/ { if (m) { split($0, a, /[= ]/); s += a[2] } m = 0 } END { print s + 0 }' "$dump")
-unit=$([ "$SCENARIO" = poll ] && echo "ended poll" || echo "delivery")
 log "binary $BIN: $ir instructions over $n units ($unit)"
 awk -v ir="$ir" -v n="$n" -v u="$unit" 'BEGIN { if (n > 0) printf "instructions per %s: %.0f\n", u, ir / n }'
+if [ "$SCENARIO" = change ]; then
+  callgrind_annotate --inclusive=yes --threshold=100 "$dump" >"$OUT/annotate.txt" 2>/dev/null
+  # Inclusive counts of the change path's own entry points (async fns are polled as closures).
+  part() {
+    awk -v pat="$1" -v n="$n" -v label="$2" 'index($0, pat) { gsub(",", "", $1); if ($1 + 0 > best) best = $1 + 0 }
+      END { if (n > 0) printf "  of which %s: %.0f\n", label, best / n }' "$OUT/annotate.txt"
+  }
+  part "runfeed::router::batch::dispatch::{{closure}}::{{closure}} " "the hydrate task (gate, query, decode, serialize, fan-out)"
+  part "<runfeed::store::pg::PgStore as runfeed::store::RunStore>::hydrate_many::{{closure}}" "the store's hydrate_many (query and row decode)"
+  part "runfeed::protocol::encode::serialize_row " "serialize_row"
+  part "runfeed::changes::record::ChangeRecord::decode " "the record decoder"
+fi

@@ -9,6 +9,9 @@
 //!
 //! `tags`, `batchId` and `updatedAtMs` appear only when the publish site supplied them.
 
+use std::borrow::Cow;
+
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
 use crate::protocol::{BatchId, EnvId, RunId};
@@ -69,19 +72,28 @@ impl ChangeRecord {
         if payload.first() != Some(&b'{') {
             return ChangeRecord::degraded(payload);
         }
-        let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) else {
+        // Read straight into the fields (no `serde_json::Value` tree); every value is parsed
+        // as `Value` would parse it, so what is valid JSON is the same.
+        let Ok(fields) = serde_json::from_slice::<WireFields>(payload) else {
             return ChangeRecord::degraded(payload);
         };
-        let Some(run_id) = obj.get("runId").and_then(Value::as_str) else {
+        let Some(Wire::Str(run_id)) = fields.run_id else {
             return ChangeRecord::degraded(payload);
         };
         ChangeRecord {
-            v: obj.get("v").and_then(number_as_u32).unwrap_or(0),
-            run_id: RunId::new(run_id),
-            env_id: EnvId::new(obj.get("envId").and_then(Value::as_str).unwrap_or("")),
-            tags: obj.get("tags").and_then(string_array),
-            batch_id: obj.get("batchId").and_then(Value::as_str).map(BatchId::new),
-            updated_at_ms: obj.get("updatedAtMs").and_then(number_as_i64),
+            v: fields.v.as_ref().and_then(Wire::as_u32).unwrap_or(0),
+            run_id: RunId::new(&run_id),
+            env_id: EnvId::new(fields.env_id.as_ref().and_then(Wire::as_str).unwrap_or("")),
+            tags: match fields.tags {
+                Some(Wire::Strings(tags)) => Some(tags),
+                _ => None,
+            },
+            batch_id: fields
+                .batch_id
+                .as_ref()
+                .and_then(Wire::as_str)
+                .map(BatchId::new),
+            updated_at_ms: fields.updated_at_ms.as_ref().and_then(Wire::as_i64),
         }
     }
 
@@ -152,26 +164,167 @@ impl ChangeRecord {
     }
 }
 
-/// A JSON number as `u32`: truncated toward zero, clamped to `0..=u32::MAX`.
-fn number_as_u32(v: &Value) -> Option<u32> {
-    if let Some(u) = v.as_u64() {
-        return Some(u32::try_from(u).unwrap_or(u32::MAX));
+/// The known keys of a wire record, each the LAST value given for it (as a JSON object read
+/// into a map keeps it); other keys are parsed and dropped.
+#[derive(Default)]
+struct WireFields<'a> {
+    v: Option<Wire<'a>>,
+    run_id: Option<Wire<'a>>,
+    env_id: Option<Wire<'a>>,
+    tags: Option<Wire<'a>>,
+    batch_id: Option<Wire<'a>>,
+    updated_at_ms: Option<Wire<'a>>,
+}
+
+/// What the decoder needs of one JSON value: a string (borrowed from the message when it has
+/// no escapes), a number in serde_json's three kinds, an array of strings only, or anything
+/// else (parsed, then dropped).
+enum Wire<'a> {
+    Str(Cow<'a, str>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+    Strings(Vec<String>),
+    Other,
+}
+
+impl Wire<'_> {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Wire::Str(s) => Some(s),
+            _ => None,
+        }
     }
-    // Negative integers and floats: `as` saturates (and maps NaN to 0, which JSON cannot carry).
-    v.as_f64().map(|f| f as u32)
+
+    /// A JSON number as `u32`: truncated toward zero, clamped to `0..=u32::MAX` (negative
+    /// integers and floats: `as` saturates).
+    fn as_u32(&self) -> Option<u32> {
+        match *self {
+            Wire::U64(u) => Some(u32::try_from(u).unwrap_or(u32::MAX)),
+            Wire::I64(i) => Some(i as f64 as u32),
+            Wire::F64(f) => Some(f as u32),
+            _ => None,
+        }
+    }
+
+    /// A JSON number as `i64`: integers exactly, floats (and integers past `i64::MAX`)
+    /// truncated toward zero, saturating.
+    fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Wire::U64(u) => Some(i64::try_from(u).unwrap_or(u as f64 as i64)),
+            Wire::I64(i) => Some(i),
+            Wire::F64(f) => Some(f as i64),
+            _ => None,
+        }
+    }
 }
 
-/// A JSON number as `i64`: integers exactly, floats truncated toward zero (saturating).
-fn number_as_i64(v: &Value) -> Option<i64> {
-    v.as_i64().or_else(|| v.as_f64().map(|f| f as i64))
+impl<'de> Deserialize<'de> for Wire<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(WireVisitor)
+    }
 }
 
-/// An array of strings; `None` for anything else (including an array with a non-string).
-fn string_array(v: &Value) -> Option<Vec<String>> {
-    v.as_array()?
-        .iter()
-        .map(|t| t.as_str().map(str::to_owned))
-        .collect()
+struct WireVisitor;
+
+impl<'de> Visitor<'de> for WireVisitor {
+    type Value = Wire<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Wire::Other)
+    }
+
+    fn visit_u64<E: de::Error>(self, u: u64) -> Result<Self::Value, E> {
+        Ok(Wire::U64(u))
+    }
+
+    fn visit_i64<E: de::Error>(self, i: i64) -> Result<Self::Value, E> {
+        // serde_json hands non-negative integers to `visit_u64`; keep `Value`'s kinds anyway.
+        Ok(u64::try_from(i).map_or(Wire::I64(i), Wire::U64))
+    }
+
+    fn visit_f64<E: de::Error>(self, f: f64) -> Result<Self::Value, E> {
+        Ok(Wire::F64(f))
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
+        Ok(Wire::Str(Cow::Borrowed(s)))
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(Wire::Str(Cow::Owned(s.to_owned())))
+    }
+
+    fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
+        Ok(Wire::Str(Cow::Owned(s)))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Wire::Other)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Wire::Other)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        Wire::deserialize(d)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        // Only an array of strings is one; every element is parsed whatever it is.
+        let mut strings = Some(Vec::new());
+        while let Some(item) = seq.next_element::<Wire>()? {
+            match (item, strings.as_mut()) {
+                (Wire::Str(s), Some(list)) => list.push(s.into_owned()),
+                _ => strings = None,
+            }
+        }
+        Ok(strings.map_or(Wire::Other, Wire::Strings))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<Wire, Wire>()?.is_some() {}
+        Ok(Wire::Other)
+    }
+}
+
+impl<'de> Deserialize<'de> for WireFields<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(FieldsVisitor)
+    }
+}
+
+struct FieldsVisitor;
+
+impl<'de> Visitor<'de> for FieldsVisitor {
+    type Value = WireFields<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a change record object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = WireFields::default();
+        while let Some(key) = map.next_key::<Wire>()? {
+            let value = map.next_value::<Wire>()?;
+            let slot = match key.as_str() {
+                Some("v") => &mut fields.v,
+                Some("runId") => &mut fields.run_id,
+                Some("envId") => &mut fields.env_id,
+                Some("tags") => &mut fields.tags,
+                Some("batchId") => &mut fields.batch_id,
+                Some("updatedAtMs") => &mut fields.updated_at_ms,
+                _ => continue,
+            };
+            *slot = Some(value);
+        }
+        Ok(fields)
+    }
 }
 
 #[cfg(test)]
@@ -455,8 +608,100 @@ mod tests {
             )
     }
 
+    /// The decoder as it read records through a `serde_json::Value` tree: the reference the
+    /// field-by-field decoder must match on every input.
+    fn decode_through_value(payload: &[u8]) -> ChangeRecord {
+        fn number_as_u32(v: &Value) -> Option<u32> {
+            if let Some(u) = v.as_u64() {
+                return Some(u32::try_from(u).unwrap_or(u32::MAX));
+            }
+            v.as_f64().map(|f| f as u32)
+        }
+        fn number_as_i64(v: &Value) -> Option<i64> {
+            v.as_i64().or_else(|| v.as_f64().map(|f| f as i64))
+        }
+        fn string_array(v: &Value) -> Option<Vec<String>> {
+            v.as_array()?
+                .iter()
+                .map(|t| t.as_str().map(str::to_owned))
+                .collect()
+        }
+        if payload.first() != Some(&b'{') {
+            return ChangeRecord::degraded(payload);
+        }
+        let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) else {
+            return ChangeRecord::degraded(payload);
+        };
+        let Some(run_id) = obj.get("runId").and_then(Value::as_str) else {
+            return ChangeRecord::degraded(payload);
+        };
+        ChangeRecord {
+            v: obj.get("v").and_then(number_as_u32).unwrap_or(0),
+            run_id: RunId::new(run_id),
+            env_id: EnvId::new(obj.get("envId").and_then(Value::as_str).unwrap_or("")),
+            tags: obj.get("tags").and_then(string_array),
+            batch_id: obj.get("batchId").and_then(Value::as_str).map(BatchId::new),
+            updated_at_ms: obj.get("updatedAtMs").and_then(number_as_i64),
+        }
+    }
+
+    /// Edge cases of the field-by-field decoder, each as the `Value` reading decoded it: the
+    /// last of repeated keys wins, escaped keys and values, numbers of every kind and range,
+    /// nested values under unknown keys, and invalid JSON anywhere (even in an unknown key).
+    #[test]
+    fn decode_reads_each_field_as_a_json_value_would() {
+        for raw in [
+            &br#"{"runId":"a","runId":"b"}"#[..],
+            br#"{"runId":"a","runId":5}"#,
+            br#"{"runId":5,"runId":"a"}"#,
+            br#"{"run\u0049d":"x\ny","envId":"e\"1"}"#,
+            br#"{"runId":"r","v":18446744073709551615,"updatedAtMs":18446744073709551615}"#,
+            br#"{"runId":"r","v":-0,"updatedAtMs":-0}"#,
+            br#"{"runId":"r","v":4294967296,"updatedAtMs":-9223372036854775808}"#,
+            br#"{"runId":"r","v":1.9,"updatedAtMs":-1.9e300}"#,
+            br#"{"runId":"r","updatedAtMs":1e400}"#,
+            br#"{"runId":"r","other":1e400}"#,
+            br#"{"runId":"r","other":{"a":[1,{"b":null}],"c":"\ud800"}}"#,
+            br#"{"runId":"r","other":"\x"}"#,
+            br#"{"runId":"r","tags":["a",["b"]]}"#,
+            br#"{"runId":"r","tags":["a","b"],"tags":[]}"#,
+            br#"{"runId":"r","tags":{"a":"b"}}"#,
+            br#"{"runId":"r","batchId":"b","batchId":null}"#,
+            br#"{"runId":"r","envId":true}"#,
+            br#"{"runId":"r"}  "#,
+            br#"{"runId":"r"},"#,
+            br#"{"runId":"r","#,
+            br#"{}"#,
+        ] {
+            assert_eq!(
+                ChangeRecord::decode(raw),
+                decode_through_value(raw),
+                "{}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn decode_matches_the_value_reading(s in r#"\{ ?(("(v|runId|envId|tags|batchId|updatedAtMs|x)"|"run\\u0049d") ?: ?(-?[0-9]{1,21}(\.[0-9]{1,3})?(e-?[0-9]{1,3})?|"([a-z,]|\\n|\\"|\\u00e9)*"|null|true|\[(("[a-z]*"|[0-9]|\{\}),?){0,3}\]|\{("k":[0-9],?)?\}),?){0,8}\}?"#) {
+            prop_assert_eq!(ChangeRecord::decode(s.as_bytes()), decode_through_value(s.as_bytes()));
+        }
+
+        #[test]
+        fn decode_matches_the_value_reading_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut framed = b"{\"runId\":\"r\",".to_vec();
+            framed.extend_from_slice(&bytes);
+            prop_assert_eq!(ChangeRecord::decode(&framed), decode_through_value(&framed));
+        }
+
+        #[test]
+        fn decode_matches_the_value_reading_on_records(r in arb_record()) {
+            let text = r.encode();
+            prop_assert_eq!(ChangeRecord::decode(text.as_bytes()), decode_through_value(text.as_bytes()));
+        }
 
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {

@@ -70,6 +70,18 @@ pub(super) fn count_error(err: &sqlx::Error) {
     ERRORS[kind].fetch_add(1, Ordering::Relaxed);
 }
 
+/// Whether `err` says the connection itself is gone (closed by the server or the network, or
+/// the server shutting down: SQLSTATE classes 08 and 57P), not that the statement failed.
+fn is_connection_lost(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(e) => e
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+        _ => false,
+    }
+}
+
 fn store_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |source| {
         count_error(&source);
@@ -307,7 +319,7 @@ impl PgStore {
             .fetch_optional(pool)
             .await
             .map_err(store_err("read_run"))?;
-        row.map(|r| decode_run(&r, cols))
+        row.map(|r| decode_run(&r, cols, 0))
             .transpose()
             .map_err(store_err("read_run"))
     }
@@ -368,18 +380,49 @@ impl PgStore {
         let _ = self.metrics.set(metrics);
     }
 
-    /// A connection of `pool`, its wait for the pool recorded.
-    async fn conn_on(
+    /// A connection of `pool` from sqlx's `acquire` (which waits its turn, pings the idle
+    /// connection it hands out, or connects), its wait for the pool recorded.
+    async fn acquire_on(
         &self,
         pool: &PgPool,
         op: &'static str,
     ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
         let started = std::time::Instant::now();
-        let conn = pool.acquire().await.map_err(store_err(op))?;
+        // Boxed: the acquire future is kilobytes, and only this slow path needs it.
+        let conn = Box::pin(pool.acquire()).await.map_err(store_err(op))?;
         if let Some(metrics) = self.metrics.get() {
             metrics.pg_acquired(started.elapsed());
         }
         Ok(conn)
+    }
+
+    /// Runs `make()` on a connection of `pool`: an idle one taken at once when nobody queues
+    /// for the pool, else one from [`PgStore::acquire_on`].
+    ///
+    /// Taking an idle connection directly skips `acquire`'s ping (a Postgres round trip per
+    /// read) and its future; sqlx pinged the connection when it took it back. When one turns
+    /// out to be dead all the same (the server closed it while it sat in the pool), the read
+    /// runs once more on a connection from `acquire`, as it would have in the first place:
+    /// these reads have no side effects.
+    async fn fetch_on<'q>(
+        &self,
+        pool: &PgPool,
+        op: &'static str,
+        make: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<PgRow>, StoreError> {
+        if let Some(mut conn) = pool.try_acquire() {
+            if let Some(metrics) = self.metrics.get() {
+                metrics.pg_acquired(Duration::ZERO);
+            }
+            match make().fetch_all(&mut *conn).await {
+                Err(err) if is_connection_lost(&err) => {
+                    tracing::debug!(op, error = %err, "idle pooled connection was lost; reading again on another");
+                }
+                other => return other.map_err(store_err(op)),
+            }
+        }
+        let mut conn = self.acquire_on(pool, op).await?;
+        make().fetch_all(&mut *conn).await.map_err(store_err(op))
     }
 
     /// Runs `read` on the replica (the primary while the replica is bypassed); when the standby
@@ -409,13 +452,10 @@ impl PgStore {
     ) -> Result<Vec<RunRow>, StoreError> {
         self.count();
         let rows = self
-            .on_replica(|pool| async {
-                let mut conn = self.conn_on(pool, op).await?;
-                make().fetch_all(&mut *conn).await.map_err(store_err(op))
-            })
+            .on_replica(|pool| self.fetch_on(pool, op, &make))
             .await?;
         rows.iter()
-            .map(|r| decode_run(r, cols))
+            .map(|r| decode_run(r, cols, 0))
             .collect::<Result<Vec<_>, _>>()
             .map_err(store_err(op))
     }
@@ -490,18 +530,13 @@ impl RunStore for PgStore {
         };
         self.count();
         let rows = self
-            .on_replica(|pool| async {
-                let mut conn = self.conn_on(pool, "hydrate_many").await?;
-                query()
-                    .fetch_all(&mut *conn)
-                    .await
-                    .map_err(store_err("hydrate_many"))
-            })
+            .on_replica(|pool| self.fetch_on(pool, "hydrate_many", &query))
             .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
-            let env: EnvId = row.try_get("envId").map_err(store_err("hydrate_many"))?;
-            let run = decode_run(row, cols).map_err(store_err("hydrate_many"))?;
+            // `envId` leads the select list ([`RunQuery::HydrateMany`]).
+            let env: EnvId = row.try_get(0).map_err(store_err("hydrate_many"))?;
+            let run = decode_run(row, cols, 1).map_err(store_err("hydrate_many"))?;
             // The ANY × ANY filter may match a pair nobody asked for: never hand it out.
             if wanted.contains(&(env.as_str(), run.id.as_str())) {
                 out.push((env, run));

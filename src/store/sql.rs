@@ -131,31 +131,49 @@ pub(crate) fn ms_to_ts(ms: i64) -> NaiveDateTime {
         .unwrap_or_default()
 }
 
-fn opt_ts(row: &PgRow, name: &str) -> Result<Option<i64>, sqlx::Error> {
-    Ok(row.try_get::<Option<NaiveDateTime>, _>(name)?.map(ts_ms))
+fn opt_ts(row: &PgRow, index: usize) -> Result<Option<i64>, sqlx::Error> {
+    Ok(row.try_get::<Option<NaiveDateTime>, _>(index)?.map(ts_ms))
 }
 
-/// Decodes one row selected with [`select_list`]`(cols)`. Columns outside `cols` (and not in
-/// the always-fetched set) are not in the row and get their type's default.
+/// Positions of the [`ALWAYS`] columns in a row selected with [`select_list`] (after `first`
+/// leading columns, such as [`RunQuery::HydrateMany`]'s environment id).
+const ID: usize = 0;
+const UPDATED_AT: usize = 1;
+const CREATED_AT: usize = 2;
+const RUN_TAGS: usize = 3;
+const BATCH_ID: usize = 4;
+const FRIENDLY_ID: usize = 5;
+const TASK_IDENTIFIER: usize = 6;
+const STATUS: usize = 7;
+/// How many columns [`ALWAYS`] selects: the other emitted columns follow, in wire order.
+const ALWAYS_COUNT: usize = 8;
+
+/// Decodes one row selected with [`select_list`]`(cols)`, whose select list starts after `first`
+/// leading columns (0, or 1 for [`RunQuery::HydrateMany`]'s environment id). Columns are read
+/// by position, in the order [`select_list`] writes them. Columns outside `cols` (and not in the
+/// always-fetched set) are not in the row and get their type's default.
 ///
 /// `error` (jsonb) is decoded by serde_json with `preserve_order`, so object keys keep jsonb's
 /// storage order; a JSON `null` reads as `None`, as Prisma reads it (docs/trigger-dev.md §1.4).
-pub(crate) fn decode_run(row: &PgRow, cols: ColumnSet) -> Result<RunRow, sqlx::Error> {
-    let has = |c: Column| cols.contains(c);
+pub(crate) fn decode_run(
+    row: &PgRow,
+    cols: ColumnSet,
+    first: usize,
+) -> Result<RunRow, sqlx::Error> {
     let mut run = RunRow {
-        id: row.try_get("id")?,
-        task_identifier: row.try_get("taskIdentifier")?,
-        created_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>("createdAt")?),
-        updated_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>("updatedAt")?),
+        id: row.try_get(first + ID)?,
+        task_identifier: row.try_get(first + TASK_IDENTIFIER)?,
+        created_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>(first + CREATED_AT)?),
+        updated_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>(first + UPDATED_AT)?),
         started_at_ms: None,
         delay_until_ms: None,
         queued_at_ms: None,
         expired_at_ms: None,
         completed_at_ms: None,
-        friendly_id: row.try_get("friendlyId")?,
+        friendly_id: row.try_get(first + FRIENDLY_ID)?,
         number: 0,
         is_test: false,
-        status: row.try_get("status")?,
+        status: row.try_get(first + STATUS)?,
         usage_duration_ms: 0,
         cost_in_cents: 0.0,
         base_cost_in_cents: 0.0,
@@ -166,68 +184,45 @@ pub(crate) fn decode_run(row: &PgRow, cols: ColumnSet) -> Result<RunRow, sqlx::E
         metadata_type: String::new(),
         output: None,
         output_type: String::new(),
-        run_tags: row.try_get("runTags")?,
+        run_tags: row.try_get(first + RUN_TAGS)?,
         error: None,
         realtime_streams: None,
-        batch_id: row.try_get("batchId")?,
+        batch_id: row.try_get(first + BATCH_ID)?,
     };
-    if has(Column::StartedAt) {
-        run.started_at_ms = opt_ts(row, "startedAt")?;
-    }
-    if has(Column::DelayUntil) {
-        run.delay_until_ms = opt_ts(row, "delayUntil")?;
-    }
-    if has(Column::QueuedAt) {
-        run.queued_at_ms = opt_ts(row, "queuedAt")?;
-    }
-    if has(Column::ExpiredAt) {
-        run.expired_at_ms = opt_ts(row, "expiredAt")?;
-    }
-    if has(Column::CompletedAt) {
-        run.completed_at_ms = opt_ts(row, "completedAt")?;
-    }
-    if has(Column::Number) {
-        run.number = row.try_get("number")?;
-    }
-    if has(Column::IsTest) {
-        run.is_test = row.try_get("isTest")?;
-    }
-    if has(Column::UsageDurationMs) {
-        run.usage_duration_ms = row.try_get("usageDurationMs")?;
-    }
-    if has(Column::CostInCents) {
-        run.cost_in_cents = row.try_get("costInCents")?;
-    }
-    if has(Column::BaseCostInCents) {
-        run.base_cost_in_cents = row.try_get("baseCostInCents")?;
-    }
-    if has(Column::Ttl) {
-        run.ttl = row.try_get("ttl")?;
-    }
-    if has(Column::Payload) {
-        run.payload = row.try_get("payload")?;
-    }
-    if has(Column::PayloadType) {
-        run.payload_type = row.try_get("payloadType")?;
-    }
-    if has(Column::Metadata) {
-        run.metadata = row.try_get("metadata")?;
-    }
-    if has(Column::MetadataType) {
-        run.metadata_type = row.try_get("metadataType")?;
-    }
-    if has(Column::Output) {
-        run.output = row.try_get("output")?;
-    }
-    if has(Column::OutputType) {
-        run.output_type = row.try_get("outputType")?;
-    }
-    if has(Column::Error) {
-        let value: Option<sqlx::types::Json<serde_json::Value>> = row.try_get("error")?;
-        run.error = value.map(|j| j.0).filter(|v| !v.is_null());
-    }
-    if has(Column::RealtimeStreams) {
-        run.realtime_streams = row.try_get("realtimeStreams")?;
+    let rest = cols.columns().filter(|c| !always_fetched(*c));
+    for (i, col) in (first + ALWAYS_COUNT..).zip(rest) {
+        match col {
+            Column::StartedAt => run.started_at_ms = opt_ts(row, i)?,
+            Column::DelayUntil => run.delay_until_ms = opt_ts(row, i)?,
+            Column::QueuedAt => run.queued_at_ms = opt_ts(row, i)?,
+            Column::ExpiredAt => run.expired_at_ms = opt_ts(row, i)?,
+            Column::CompletedAt => run.completed_at_ms = opt_ts(row, i)?,
+            Column::Number => run.number = row.try_get(i)?,
+            Column::IsTest => run.is_test = row.try_get(i)?,
+            Column::UsageDurationMs => run.usage_duration_ms = row.try_get(i)?,
+            Column::CostInCents => run.cost_in_cents = row.try_get(i)?,
+            Column::BaseCostInCents => run.base_cost_in_cents = row.try_get(i)?,
+            Column::Ttl => run.ttl = row.try_get(i)?,
+            Column::Payload => run.payload = row.try_get(i)?,
+            Column::PayloadType => run.payload_type = row.try_get(i)?,
+            Column::Metadata => run.metadata = row.try_get(i)?,
+            Column::MetadataType => run.metadata_type = row.try_get(i)?,
+            Column::Output => run.output = row.try_get(i)?,
+            Column::OutputType => run.output_type = row.try_get(i)?,
+            Column::Error => {
+                let value: Option<sqlx::types::Json<serde_json::Value>> = row.try_get(i)?;
+                run.error = value.map(|j| j.0).filter(|v| !v.is_null());
+            }
+            Column::RealtimeStreams => run.realtime_streams = row.try_get(i)?,
+            // Selected by ALWAYS, never among the rest.
+            Column::Id
+            | Column::TaskIdentifier
+            | Column::CreatedAt
+            | Column::UpdatedAt
+            | Column::FriendlyId
+            | Column::Status
+            | Column::RunTags => {}
+        }
     }
     Ok(run)
 }

@@ -571,6 +571,198 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
     db.cleanup().await;
 }
 
+/// Every run read decodes every column of a fully populated run, whatever the projection: the
+/// single read, the hydrate, the cross-environment hydrate (whose rows lead with the
+/// environment), the tag set and the batch set agree column by column, and a skipped column
+/// reads as its type's default.
+#[tokio::test]
+async fn every_run_read_decodes_each_column_of_its_projection() {
+    use runfeed::protocol::{BatchId, Column, EnvId, RunId, RunRow};
+    let db = db_with_batch("batch_internal", "batch_friendly").await;
+    let r1 = ("r1", "env_a", "2024-02-03 04:05:06.789");
+    batch_run_at(&db.pool, r1, Some(&["t1", "t2"]), Some("batch_internal")).await;
+    sqlx::query(
+        r#"UPDATE "TaskRun" SET "startedAt" = '2024-02-03 04:05:07.001', "delayUntil" = '2024-02-03 04:05:07.002',
+             "queuedAt" = '2024-02-03 04:05:07.003', "expiredAt" = '2024-02-03 04:05:07.004',
+             "completedAt" = '2024-02-03 04:05:07.005', number = 42, "isTest" = true, status = 'EXECUTING',
+             "usageDurationMs" = 1234, "costInCents" = 0.55, "baseCostInCents" = 1.5, ttl = '10m',
+             "payloadType" = 'text/plain', metadata = '{"m":1}', "metadataType" = 'application/super+json',
+             output = '{"o":2}', "outputType" = 'application/store', error = '{"type": "STRING_ERROR", "raw": "boom"}'::jsonb,
+             "realtimeStreams" = ARRAY['default', 'logs'] WHERE id = 'r1'"#,
+    )
+    .execute(&db.pool)
+    .await
+    .expect("update");
+    let store = db.store();
+    let full = read_run(&store, "env_a", "r1").await.expect("found");
+    assert_eq!(full.started_at_ms, Some(ms("2024-02-03 04:05:07.001")));
+    assert_eq!(full.delay_until_ms, Some(ms("2024-02-03 04:05:07.002")));
+    assert_eq!(full.queued_at_ms, Some(ms("2024-02-03 04:05:07.003")));
+    assert_eq!(full.expired_at_ms, Some(ms("2024-02-03 04:05:07.004")));
+    assert_eq!(full.completed_at_ms, Some(ms("2024-02-03 04:05:07.005")));
+    assert_eq!((full.number, full.is_test), (42, true));
+    assert_eq!(full.status, "EXECUTING");
+    assert_eq!(full.usage_duration_ms, 1234);
+    assert_eq!((full.cost_in_cents, full.base_cost_in_cents), (0.55, 1.5));
+    assert_eq!(full.ttl.as_deref(), Some("10m"));
+    assert_eq!(full.payload, r#"{"n":1}"#);
+    assert_eq!(full.payload_type, "text/plain");
+    assert_eq!(full.metadata.as_deref(), Some(r#"{"m":1}"#));
+    assert_eq!(full.metadata_type, "application/super+json");
+    assert_eq!(full.output.as_deref(), Some(r#"{"o":2}"#));
+    assert_eq!(full.output_type, "application/store");
+    assert_eq!(
+        full.error,
+        Some(json!({"type": "STRING_ERROR", "raw": "boom"}))
+    );
+    assert_eq!(
+        full.realtime_streams,
+        Some(vec!["default".to_string(), "logs".to_string()])
+    );
+    assert_eq!(
+        full.run_tags,
+        Some(vec!["t1".to_string(), "t2".to_string()])
+    );
+    assert_eq!(full.batch_id.as_deref(), Some("batch_internal"));
+
+    // What a read with `cols` must give: the full row with the skipped columns at their defaults.
+    let expected = |cols: ColumnSet| {
+        let mut row = full.clone();
+        let keep = |c: Column| cols.contains(c);
+        if !keep(Column::StartedAt) {
+            row.started_at_ms = None;
+        }
+        if !keep(Column::DelayUntil) {
+            row.delay_until_ms = None;
+        }
+        if !keep(Column::QueuedAt) {
+            row.queued_at_ms = None;
+        }
+        if !keep(Column::ExpiredAt) {
+            row.expired_at_ms = None;
+        }
+        if !keep(Column::CompletedAt) {
+            row.completed_at_ms = None;
+        }
+        if !keep(Column::Number) {
+            row.number = 0;
+        }
+        if !keep(Column::IsTest) {
+            row.is_test = false;
+        }
+        if !keep(Column::UsageDurationMs) {
+            row.usage_duration_ms = 0;
+        }
+        if !keep(Column::CostInCents) {
+            row.cost_in_cents = 0.0;
+        }
+        if !keep(Column::BaseCostInCents) {
+            row.base_cost_in_cents = 0.0;
+        }
+        if !keep(Column::Ttl) {
+            row.ttl = None;
+        }
+        if !keep(Column::Payload) {
+            row.payload = String::new();
+        }
+        if !keep(Column::PayloadType) {
+            row.payload_type = String::new();
+        }
+        if !keep(Column::Metadata) {
+            row.metadata = None;
+        }
+        if !keep(Column::MetadataType) {
+            row.metadata_type = String::new();
+        }
+        if !keep(Column::Output) {
+            row.output = None;
+        }
+        if !keep(Column::OutputType) {
+            row.output_type = String::new();
+        }
+        if !keep(Column::Error) {
+            row.error = None;
+        }
+        if !keep(Column::RealtimeStreams) {
+            row.realtime_streams = None;
+        }
+        row
+    };
+    let projections = [
+        ColumnSet::ALL,
+        ColumnSet::from_skip_list(&["payload", "output"]),
+        ColumnSet::from_skip_list(&["startedAt", "number", "costInCents", "metadata", "error"]),
+        ColumnSet::from_skip_list(&[
+            "delayUntil",
+            "isTest",
+            "ttl",
+            "payloadType",
+            "realtimeStreams",
+        ]),
+        ColumnSet::from_skip_list(&[
+            "startedAt",
+            "delayUntil",
+            "queuedAt",
+            "expiredAt",
+            "completedAt",
+            "number",
+            "isTest",
+            "usageDurationMs",
+            "costInCents",
+            "baseCostInCents",
+            "ttl",
+            "payload",
+            "payloadType",
+            "metadata",
+            "metadataType",
+            "output",
+            "outputType",
+            "error",
+            "realtimeStreams",
+        ]),
+    ];
+    let env = EnvId::from("env_a");
+    for cols in projections {
+        let want: RunRow = expected(cols);
+        let skipped = cols.skipped();
+        let one = store
+            .read_run(&env, &RunId::from("r1"), cols)
+            .await
+            .expect("read_run")
+            .expect("found");
+        assert_eq!(one, want, "read_run skipping {skipped:?}");
+        let hydrated = store
+            .hydrate(&env, &[RunId::from("r1")], cols)
+            .await
+            .expect("hydrate");
+        assert_eq!(hydrated, vec![want.clone()], "hydrate skipping {skipped:?}");
+        let many = store
+            .hydrate_many(&[(env.clone(), RunId::from("r1"))], cols)
+            .await
+            .expect("hydrate_many");
+        assert_eq!(
+            many,
+            vec![(env.clone(), want.clone())],
+            "hydrate_many skipping {skipped:?}"
+        );
+        let tagged = store
+            .resolve_tag_set(&env, &["t1".to_string()], 0, 10, cols)
+            .await
+            .expect("tag set");
+        assert_eq!(
+            tagged,
+            vec![want.clone()],
+            "resolve_tag_set skipping {skipped:?}"
+        );
+        let batch = store
+            .resolve_batch_set(&env, &BatchId::from("batch_internal"), 10, cols)
+            .await
+            .expect("batch set");
+        assert_eq!(batch, vec![want], "resolve_batch_set skipping {skipped:?}");
+    }
+    db.cleanup().await;
+}
+
 #[tokio::test]
 async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap() {
     let db = TestDb::create().await;

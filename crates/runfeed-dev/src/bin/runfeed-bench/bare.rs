@@ -58,7 +58,8 @@ const FEED_HEADERS: [(&str, &str); 9] = [
 ];
 
 /// The schema header of a snapshot answer.
-const SCHEMA: &str = r#"{"id":{"type":"text"},"status":{"type":"text"},"runTags":{"type":"text","dims":1}}"#;
+const SCHEMA: &str =
+    r#"{"id":{"type":"text"},"status":{"type":"text"},"runTags":{"type":"text","dims":1}}"#;
 
 /// What the server counts.
 #[derive(Default)]

@@ -149,4 +149,3 @@ async fn bare_baseline(b: &Arc<Bench>, n: usize, settle_ms: u64) -> anyhow::Resu
     let _ = child.kill().await;
     Ok((rss_after - rss_before) / n as f64)
 }
-

@@ -1,4 +1,5 @@
-//! `held` and `bare`: server RSS per held feed against a bare axum server parking the same number of requests.
+//! `held`: server RSS per held feed against the bare server (`bare`) parking the same number of
+//! requests.
 
 use super::*;
 
@@ -12,7 +13,7 @@ pub(crate) struct HeldArgs {
     /// How long to keep them parked after all are held (ms).
     #[arg(long, default_value_t = 1000)]
     settle_ms: u64,
-    /// Skip the bare-axum baseline.
+    /// Skip the bare-server baseline.
     #[arg(long)]
     no_bare: bool,
     /// Which feeds to park: one run's feed (the issue's unit) or one tag's.
@@ -21,14 +22,6 @@ pub(crate) struct HeldArgs {
     /// Long-polls, SSE streams, or both (one pass each).
     #[arg(long, value_enum, default_value_t = Transport::LongPoll)]
     transport: Transport,
-}
-
-#[derive(Args)]
-pub(crate) struct BareArgs {
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: String,
-    #[arg(long, default_value_t = 600_000)]
-    hold_ms: u64,
 }
 
 pub(crate) async fn held(a: HeldArgs) -> anyhow::Result<()> {
@@ -88,13 +81,13 @@ pub(crate) async fn held(a: HeldArgs) -> anyhow::Result<()> {
         ]);
     }
 
-    // Bare axum baseline: a child process parking the same number of requests.
+    // Bare-server baseline: a child process parking the same number of requests.
     let mut bare_per_feed = None;
     if !a.no_bare {
         bare_per_feed = bare_baseline(&b, a.n, a.settle_ms).await.ok();
     }
     rows.push((
-        "bare axum RSS per parked request (KiB)".into(),
+        "bare server RSS per parked request (KiB)".into(),
         opt(bare_per_feed.map(|x| x / 1024.0)),
     ));
     report(
@@ -155,33 +148,4 @@ async fn bare_baseline(b: &Arc<Bench>, n: usize, settle_ms: u64) -> anyhow::Resu
     }
     let _ = child.kill().await;
     Ok((rss_after - rss_before) / n as f64)
-}
-
-pub(crate) async fn bare(a: BareArgs) -> anyhow::Result<()> {
-    use axum::routing::get;
-    let parked = Arc::new(AtomicUsize::new(0));
-    let hold = Duration::from_millis(a.hold_ms);
-    let p1 = parked.clone();
-    let p2 = parked.clone();
-    let app = axum::Router::new()
-        .route(
-            "/count",
-            get(move || {
-                let p = p2.clone();
-                async move { p.load(Ordering::Relaxed).to_string() }
-            }),
-        )
-        .fallback(move || {
-            let p = p1.clone();
-            async move {
-                p.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(hold).await;
-                p.fetch_sub(1, Ordering::Relaxed);
-                r#"[{"headers":{"control":"up-to-date"}}]"#
-            }
-        });
-    let listener = tokio::net::TcpListener::bind(&a.listen).await?;
-    println!("bare listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, app).await?;
-    Ok(())
 }

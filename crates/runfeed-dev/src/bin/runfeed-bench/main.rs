@@ -6,7 +6,8 @@
 //! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see BENCHMARKS.md "How to reproduce"); `held`,
 //! `fanout` and `churn` take `--transport long-poll|sse|both` (SSE live mode, `live_sse=true`;
 //! `both` measures the two in one run, on the same server, one after the other); plus
-//! `bare`, a tiny axum server that parks every request (the baseline of `held`), and `check`,
+//! `bare`, a server that does nothing but hyper's HTTP/1.1 and a timer (the baseline of `held`,
+//! and the floor of an ended live poll under `idle`: scripts/bench-floor.sh), and `check`,
 //! the delivery checker (CORRECTNESS.md "The checker", `runfeed_dev::check`). Each scenario
 //! prints a table and, with `--json FILE`, writes its figures as JSON.
 //!
@@ -33,6 +34,7 @@ use sqlx::PgPool;
 
 const ELECTRIC_VERSION: &str = "1.0.0-beta.1";
 
+mod bare;
 mod churn;
 mod conn;
 mod fanout;
@@ -42,11 +44,12 @@ mod held;
 mod idle;
 mod stampede;
 
+use bare::BareArgs;
 use churn::ChurnArgs;
 use fanout::FanoutArgs;
 use fleet::{FleetChangeArgs, FleetHoldArgs, FleetSetupArgs};
 use harness::*;
-use held::{BareArgs, HeldArgs};
+use held::HeldArgs;
 use idle::IdleArgs;
 use stampede::StampedeArgs;
 
@@ -62,7 +65,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Scenario {
-    /// N live feeds parked: server RSS per held feed vs a bare axum server parking N requests.
+    /// N live feeds parked: server RSS per held feed vs the bare server parking N requests.
     Held(HeldArgs),
     /// F feeds on one tag, one change: time until the last feed has its response.
     Fanout(FanoutArgs),
@@ -72,7 +75,9 @@ enum Scenario {
     Stampede(StampedeArgs),
     /// H idle held feeds: requests/s, Postgres queries/s and CPU while nothing changes.
     Idle(IdleArgs),
-    /// A bare axum server that parks every request for `--hold-ms` (the `held` baseline).
+    /// A bare hyper server: answers a snapshot at once and parks a `live=true` request for
+    /// `--hold-ms`, both `up-to-date` with runfeed's headers; `/metrics` counts them (the
+    /// baseline of `held` and of scripts/bench-floor.sh).
     Bare(BareArgs),
     /// Fleet, step 1: an environment with a hot run (tag `hot`) and a cold run, written as
     /// JSON to `--out` for the `fleet-hold` processes (scripts/fleet-bench.sh).
@@ -99,7 +104,7 @@ async fn main() -> std::process::ExitCode {
         Scenario::Churn(a) => churn::churn(a).await,
         Scenario::Stampede(a) => stampede::stampede(a).await,
         Scenario::Idle(a) => idle::idle(a).await,
-        Scenario::Bare(a) => held::bare(a).await,
+        Scenario::Bare(a) => bare::bare(a).await,
         Scenario::FleetSetup(a) => fleet::setup(a).await,
         Scenario::FleetHold(a) => fleet::hold(a).await,
         Scenario::FleetChange(a) => fleet::change(a).await,

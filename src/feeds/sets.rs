@@ -85,6 +85,12 @@ struct SetKey {
 /// had handed out at once (limit − available, sampled when a permit is acquired).
 pub static ADMISSION_PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// Shared backstop reads: moka single-flights them, the [`TtlCache`] keeps their results.
+type Backstops = (
+    Cache<SetKey, Arc<RunSet>, Hasher>,
+    TtlCache<SetKey, Arc<RunSet>>,
+);
+
 /// The readers.
 pub struct Sets {
     store: Arc<dyn RunStore>,
@@ -95,10 +101,7 @@ pub struct Sets {
     /// single flight of the reads, a [`TtlCache`] of their results read first (an ended poll
     /// reads one; a moka read, with its access log and housekeeping, cost three times as much).
     /// Both are bounded by `caches.runset_cache_max_bytes` and share the same sets.
-    backstops: Option<(
-        Cache<SetKey, Arc<RunSet>, Hasher>,
-        TtlCache<SetKey, Arc<RunSet>>,
-    )>,
+    backstops: Option<Backstops>,
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,

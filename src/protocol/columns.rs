@@ -195,8 +195,7 @@ mod tests {
 
     #[test]
     fn ser_08_skip_list_ignores_reserved_unknown_and_blank() {
-        let set =
-            ColumnSet::from_skip_list(&[" payload", "output ", "id", "nope", "", "createdAt"]);
+        let set = ColumnSet::from_skip_list([" payload", "output ", "id", "nope", "", "createdAt"]);
         assert!(!set.contains(Column::Payload));
         assert!(!set.contains(Column::Output));
         assert!(set.contains(Column::Id));

@@ -589,7 +589,7 @@ pub(crate) mod tests {
 
     #[test]
     fn ser_08_skipped_columns_absent_from_value_and_schema() {
-        let cols = ColumnSet::from_skip_list(&["payload", "output", "id"]);
+        let cols = ColumnSet::from_skip_list(["payload", "output", "id"]);
         let s = serialize_row(&sample_row(), cols);
         let msg = message(&s);
         let v = msg["value"].as_object().expect("object");

@@ -817,7 +817,7 @@ async fn rtr_16_thousand_tag_feeds_one_hydrate_thousand_deliveries() {
 #[tokio::test]
 async fn rtr_03_16_one_hydrate_per_column_set() {
     let h = Harness::with_rows(cfg(), [row("r1", &["t"], None)]);
-    let lean = ColumnSet::from_skip_list(&["payload"]);
+    let lean = ColumnSet::from_skip_list(["payload"]);
     let a = h.reg(tag_feed(&["t"]), None).await;
     let b = h.reg_cols(tag_feed(&["t"]), lean, None).await;
     let c = h.reg(run_feed("r1"), None).await;
@@ -1249,7 +1249,7 @@ async fn rep_07_replay_stats_and_authoritative_check() {
     let (_holder, c0) = h.holder().await;
     h.push(full("r1", &["t"]));
     h.routed(1).await;
-    let lean = ColumnSet::from_skip_list(&["payload"]);
+    let lean = ColumnSet::from_skip_list(["payload"]);
     let late = h
         .reg_cols(floored_tag_feed(&["t"], 5_000), lean, Some(c0))
         .await;

@@ -234,7 +234,7 @@ mod tests {
     #[test]
     fn hyd_04_select_list_keeps_router_and_reserved_columns_when_skipping() {
         let cols =
-            ColumnSet::from_skip_list(&["payload", "output", "updatedAt", "runTags", "error"]);
+            ColumnSet::from_skip_list(["payload", "output", "updatedAt", "runTags", "error"]);
         let sql = select_list(cols);
         for needed in [
             "id",

@@ -545,7 +545,7 @@ async fn hydrate_projection_skips_columns_but_keeps_router_columns() {
         .expect("update");
     let store = db.store();
 
-    let cols = ColumnSet::from_skip_list(&["payload", "output", "runTags", "updatedAt"]);
+    let cols = ColumnSet::from_skip_list(["payload", "output", "runTags", "updatedAt"]);
     let row = hydrate(&store, "env_a", &["r1"], cols)
         .await
         .pop()
@@ -690,16 +690,16 @@ async fn every_run_read_decodes_each_column_of_its_projection() {
     };
     let projections = [
         ColumnSet::ALL,
-        ColumnSet::from_skip_list(&["payload", "output"]),
-        ColumnSet::from_skip_list(&["startedAt", "number", "costInCents", "metadata", "error"]),
-        ColumnSet::from_skip_list(&[
+        ColumnSet::from_skip_list(["payload", "output"]),
+        ColumnSet::from_skip_list(["startedAt", "number", "costInCents", "metadata", "error"]),
+        ColumnSet::from_skip_list([
             "delayUntil",
             "isTest",
             "ttl",
             "payloadType",
             "realtimeStreams",
         ]),
-        ColumnSet::from_skip_list(&[
+        ColumnSet::from_skip_list([
             "startedAt",
             "delayUntil",
             "queuedAt",

@@ -3,14 +3,15 @@
 //! [`route_of`], the `MatchedPath` extension, a clone of the boxed route service, three future
 //! wrappers) and go straight to the same handlers, extractors and responses. Everything else
 //! (`HEAD`, `POST`, `OPTIONS` outside the CORS layer, `/healthz`, unknown paths) goes to the
-//! router, which still declares every route (BENCHMARKS.md "Cost per unit of work").
+//! router, which still declares every route and answers a feed route's `HEAD` with [`routed`],
+//! the same path as a `GET` (BENCHMARKS.md "Cost per unit of work").
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use axum::extract::{FromRequestParts, Path, State};
+use axum::extract::{FromRequestParts, State};
 use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use futures::future::Either;
@@ -40,10 +41,7 @@ pub(super) enum FeedRoute {
 }
 
 impl FeedRoute {
-    fn of(method: &Method, path: &str) -> Option<FeedRoute> {
-        if method != Method::GET {
-            return None;
-        }
+    fn of(path: &str) -> Option<FeedRoute> {
         let segment = |prefix: &str| {
             let raw = path.strip_prefix(prefix).unwrap_or_default();
             percent_encoding::percent_decode_str(raw)
@@ -73,7 +71,10 @@ where
     }
 
     fn call(&mut self, req: axum::extract::Request) -> Self::Future {
-        let Some(route) = FeedRoute::of(req.method(), req.uri().path()) else {
+        let route = (req.method() == Method::GET)
+            .then(|| FeedRoute::of(req.uri().path()))
+            .flatten();
+        let Some(route) = route else {
             return Either::Right(self.router.call(req));
         };
         Either::Left(Box::pin(serve_feed(self.state.clone(), route, req)))
@@ -114,9 +115,17 @@ async fn begin(
     (state, begun)
 }
 
-/// The run id of axum's `Path` extraction, for the router's own handler.
-pub(super) fn path_id(
-    path: Result<Path<String>, axum::extract::rejection::PathRejection>,
-) -> Option<String> {
-    path.ok().map(|Path(id)| id)
+/// The router's handler of the feed routes (a `HEAD`, which axum answers as a `GET` without its
+/// body): the same [`serve_feed`] as a `GET` served here.
+pub(super) async fn routed(State(state): State<AppState>, req: axum::extract::Request) -> Response {
+    match FeedRoute::of(req.uri().path()) {
+        Some(route) => match serve_feed(state, route, req).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        },
+        None => super::ApiError::NotFound {
+            should_retry: false,
+        }
+        .into_response(),
+    }
 }

@@ -21,8 +21,7 @@ pub mod sse;
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -214,9 +213,9 @@ pub fn app(
             HEALTH_ROUTE,
             get(|| async { Json(json!({"status": "ok"})) }),
         )
-        .route(RUN_ROUTE, get(run_feed).post(subset_post))
-        .route(RUNS_ROUTE, get(tag_feed).post(subset_post))
-        .route(BATCH_ROUTE, get(batch_feed).post(subset_post))
+        .route(RUN_ROUTE, get(dispatch::routed).post(subset_post))
+        .route(RUNS_ROUTE, get(dispatch::routed).post(subset_post))
+        .route(BATCH_ROUTE, get(dispatch::routed).post(subset_post))
         .fallback(|| async {
             ApiError::NotFound {
                 should_retry: false,
@@ -456,14 +455,6 @@ impl axum::extract::FromRequestParts<AppState> for Begun {
     }
 }
 
-async fn run_feed(
-    State(state): State<AppState>,
-    run_id: Result<Path<String>, PathRejection>,
-    begun: Begun,
-) -> Result<Response, ApiError> {
-    run_feed_at(state, dispatch::path_id(run_id), begun).await
-}
-
 /// A run's feed; `run_id` is the path segment, `None` when it is not UTF-8 once decoded.
 async fn run_feed_at(
     state: AppState,
@@ -589,14 +580,6 @@ async fn subset_post(begun: Begun, body: axum::body::Body) -> ApiError {
     };
     let param = electric::subset_body_param(&body);
     ApiError::bad_request(begun.ctx.client, electric::subset_refusal(&param))
-}
-
-async fn batch_feed(
-    State(state): State<AppState>,
-    batch_id: Result<Path<String>, PathRejection>,
-    begun: Begun,
-) -> Result<Response, ApiError> {
-    batch_feed_at(state, dispatch::path_id(batch_id), begun).await
 }
 
 /// A batch's feed; `batch_id` is the path segment, `None` when it is not UTF-8 once decoded.
@@ -816,7 +799,7 @@ mod future_sizes {
     /// build) before the pre-hold awaits were boxed. The bound is 3.25 KiB since `serve` also
     /// opens SSE streams and takes `Begun` by value (its query strings are dropped before the
     /// hold): 3 152 bytes for a run feed in a debug build. `dispatch::serve_feed` is the box
-    /// of a `GET`; the axum handlers (`HEAD`) call the same `…_at` handlers.
+    /// of a `GET` (and, through the router, of a `HEAD`).
     #[test]
     fn held_poll_handler_futures_stay_small() {
         let (run, tag, batch, serve) = (

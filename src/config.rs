@@ -157,6 +157,11 @@ pub struct FeedsConfig {
     pub runset_created_at_bucket_ms: u64,
     /// Concurrent cold resolves (run, tag and batch feeds) per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
     pub resolve_admission_limit: usize,
+    /// Of those, the most one environment's tag and batch resolves may hold at once (8); 0 =
+    /// no per-environment share. One environment's stampede then leaves the rest of the gate to
+    /// other environments and to run feeds; the gate stays bounded in total by
+    /// `resolve_admission_limit`.
+    pub resolve_admission_per_env: usize,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,
     /// Per-organization live-poll limits (org id → limit), replacing the default for that
@@ -218,6 +223,7 @@ impl Default for FeedsConfig {
             maximum_created_at_filter_age_ms: 86_400_000,
             runset_created_at_bucket_ms: 60_000,
             resolve_admission_limit: 16,
+            resolve_admission_per_env: 8,
             default_concurrency_limit: 100_000,
             concurrency_lease_slots: 32,
             concurrency_limit_overrides: std::collections::BTreeMap::new(),
@@ -302,6 +308,13 @@ pub struct CachesConfig {
     /// regress a row). Idle cost: one read per distinct filter per window instead of one per
     /// feed per hold; a lost publish surfaces within this window plus one hold.
     pub backstop_share_ms: u64,
+    /// A backstop re-reads its feed's whole filter at most this often, ms (600 000, jittered
+    /// ±25 % per filter); in between it reads only what can have changed: the heads of the
+    /// filter's unfinished runs by primary key and the runs created since, then hydrates the
+    /// runs that moved. The full re-read finds a lost publish on a finished run (a tag added
+    /// to it, say), so that is how late one surfaces at worst. 0 = every backstop re-reads the
+    /// whole filter (shared for `backstop_share_ms`).
+    pub full_reread_ms: u64,
     /// Run and batch lookups of the feed URLs (ids, task, batch: immutable) are cached this
     /// long, ms (300 000), so a re-poll costs no query. A run's tags can change: when only its
     /// tags could grant the request (a tag-scoped token on a run feed) they are read fresh.
@@ -325,6 +338,7 @@ impl Default for CachesConfig {
             working_set_max_entries: 10_000,
             lookup_cache_ttl_ms: 1_000,
             backstop_share_ms: 60_000,
+            full_reread_ms: 600_000,
             resource_cache_ttl_ms: 300_000,
             public_token_env_ttl_ms: 10_000,
         }

@@ -158,6 +158,19 @@ impl Known {
     pub fn versions_known(&self) -> bool {
         matches!(self, Known::Set(_) | Known::Floor(_))
     }
+
+    /// Whether the client may lack the version of `id` written at `updated_at_ms` (a run it
+    /// has not got, or an older version of it). Two versions written in the same millisecond
+    /// are not told apart here (a backstop's full re-read tells them apart by content).
+    pub fn may_lack(&self, id: &RunId, updated_at_ms: i64) -> bool {
+        match self {
+            Known::Set(ws) | Known::Partial(ws) => {
+                ws.get(id).is_none_or(|have| updated_at_ms > have.ms)
+            }
+            Known::Floor(floor) => updated_at_ms > *floor,
+            Known::Nothing => true,
+        }
+    }
 }
 
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
@@ -285,6 +298,7 @@ mod tests {
                 created_at_ms: 0,
                 tags: vec![],
                 batch_id: None,
+                finished: false,
             }),
             fragment: Bytes::new(),
             value_hash: hash,

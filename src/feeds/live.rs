@@ -80,10 +80,13 @@ impl Feeds {
         // cached row would be sent as an update the client might already be past.
         let target = poll.target;
         let backstop = if known.versions_known() {
-            Box::pin(
-                self.sets
-                    .read_backstop(&req.env_id, target, req.cols, backstop_deadline),
-            )
+            Box::pin(self.sets.read_backstop(
+                &req.env_id,
+                target,
+                req.cols,
+                backstop_deadline,
+                &known,
+            ))
             .await
         } else {
             Box::pin(

@@ -11,6 +11,7 @@
 //! ([`ConnState`]). The next poll looks up the offset the client ECHOES, so a lost response is
 //! simply answered again. States expire (working-set TTL) and are bounded in number.
 
+pub mod backstop;
 pub mod cursors;
 pub mod diff;
 pub mod sets;

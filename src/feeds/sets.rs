@@ -15,11 +15,14 @@ type Hasher = foldhash::fast::RandomState;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+use super::backstop::{BackstopSettings, Backstops, Current};
+use super::diff::Known;
 use crate::cache::TtlCache;
+use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{
-    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, SerializedRow,
+    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, SerializedRow,
 };
 use crate::router::{Registration, ReplayCursor, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
@@ -62,6 +65,8 @@ pub struct RunSet {
     /// records before `cursor` announced. When false, a response built from this read must
     /// hand out a cursor later polls re-check.
     pub settled: bool,
+    /// Wall time the read started, epoch ms.
+    pub read_ms: i64,
 }
 
 /// A read failed or ran past the poll's deadline.
@@ -86,7 +91,7 @@ struct SetKey {
 pub static ADMISSION_PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Shared backstop reads: moka single-flights them, the [`TtlCache`] keeps their results.
-type Backstops = (
+type BackstopReads = (
     Cache<SetKey, Arc<RunSet>, Hasher>,
     TtlCache<SetKey, Arc<RunSet>>,
 );
@@ -101,10 +106,14 @@ pub struct Sets {
     /// single flight of the reads, a [`TtlCache`] of their results read first (an ended poll
     /// reads one; a moka read, with its access log and housekeeping, cost three times as much).
     /// Both are bounded by `caches.runset_cache_max_bytes` and share the same sets.
-    backstops: Option<Backstops>,
+    backstops: Option<BackstopReads>,
+    /// Backstops that read only what can have changed (`None` when `caches.full_reread_ms` is 0).
+    views: Option<Backstops>,
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
+    /// Per-environment shares of the gate for tag and batch resolves (`None`: no share).
+    env_shares: Option<EnvShares>,
     /// The admission gate's size (for [`ADMISSION_PEAK`]).
     admission_limit: usize,
     /// Instruments (no-op unless set through [`crate::feeds::Feeds::with_metrics`]).
@@ -153,17 +162,32 @@ impl Sets {
             let results = TtlCache::weighted(caches.runset_cache_max_bytes, share, set_weight);
             (reads, results)
         });
+        let views = (caches.full_reread_ms > 0).then(|| {
+            Backstops::new(
+                store.clone(),
+                router.clone(),
+                BackstopSettings {
+                    cap: feeds.max_list_results,
+                    share: Duration::from_millis(caches.backstop_share_ms),
+                    full_reread: Duration::from_millis(caches.full_reread_ms),
+                    max_views: caches.runset_cache_max_entries,
+                },
+            )
+        });
         Sets {
             store,
             router,
             cap: feeds.max_list_results,
             sets,
             backstops,
+            views,
             runs: Lookups::new(lookup_ttl),
             batches: Lookups::new(lookup_ttl),
             admission: (feeds.resolve_admission_limit > 0)
                 .then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
             admission_limit: feeds.resolve_admission_limit,
+            env_shares: (feeds.resolve_admission_limit > 0 && feeds.resolve_admission_per_env > 0)
+                .then(|| EnvShares::new(feeds.resolve_admission_per_env)),
             metrics: Metrics::noop(),
         }
     }
@@ -271,10 +295,65 @@ impl Sets {
         result
     }
 
-    /// A backstop read: [`Sets::read_shared`], reused by every backstop of the same key for
-    /// `caches.backstop_share_ms` (see there). The caller must diff the result against its
-    /// client's known versions, since it may predate changes the client already has.
+    /// A backstop read for a poll whose client has `known`: the rows of the feed that its
+    /// client may lack. With `caches.full_reread_ms` > 0 only what can have changed is read
+    /// ([`Backstops`]): the filter's view, brought forward, then a hydrate of the runs whose
+    /// `updatedAt` is past the client's; the whole filter at most every full period. With 0,
+    /// the whole filter each time, shared for `caches.backstop_share_ms` ([`Sets::read_shared`]).
+    /// The caller must diff the result against its client's known versions, since it may
+    /// predate changes the client already has.
     pub async fn read_backstop(
+        &self,
+        env_id: &EnvId,
+        target: &Target,
+        cols: ColumnSet,
+        deadline: Instant,
+        known: &Known,
+    ) -> Result<Arc<RunSet>, ReadError> {
+        let Some(views) = &self.views else {
+            return self
+                .read_backstop_whole(env_id, target, cols, deadline)
+                .await;
+        };
+        let full = || self.read_backstop_whole(env_id, target, cols, deadline);
+        let current = views.current(env_id, target, full);
+        let view = match tokio::time::timeout_at(deadline, current).await {
+            Err(_) => return Err(ReadError::Deadline),
+            Ok(Err(err)) => return Err(err),
+            Ok(Ok(Current::Full(set))) => return Ok(set),
+            Ok(Ok(Current::View(view))) => view,
+        };
+        let moved: Vec<RunId> = view
+            .heads_for(target)
+            .filter(|head| known.may_lack(&head.id, head.updated_at_ms))
+            .map(|head| head.id.clone())
+            .collect();
+        let read_ms = now_ms();
+        let rows = if moved.is_empty() {
+            Vec::new()
+        } else {
+            let hydrate = self.store.hydrate(env_id, &moved, cols);
+            let rows = tokio::time::timeout_at(deadline, hydrate)
+                .await
+                .map_err(|_| ReadError::Deadline)?
+                .map_err(|e| ReadError::Store(Arc::new(e)))?;
+            let filter = super::filter_of(target);
+            rows.iter()
+                .filter(|row| filter.accepts(&RunMeta::of(row)))
+                .map(|row| serialize_row(row, cols))
+                .collect()
+        };
+        Ok(Arc::new(RunSet {
+            cursor: view.cursor,
+            rows,
+            settled: view.settled,
+            read_ms,
+        }))
+    }
+
+    /// A backstop's read of the whole filter: [`Sets::read_shared`], reused by every backstop
+    /// of the same key for `caches.backstop_share_ms`.
+    async fn read_backstop_whole(
         &self,
         env_id: &EnvId,
         target: &Target,
@@ -361,6 +440,14 @@ impl Sets {
         admit: bool,
     ) -> Result<Arc<RunSet>, ReadError> {
         let admission_started = Instant::now();
+        // A tag or batch resolve first takes a permit of its environment's share: one
+        // environment's stampede cannot hold the whole gate.
+        let _share = match (&self.env_shares, target) {
+            (Some(shares), Target::Tag { .. } | Target::Batch { .. }) if admit => {
+                Some(shares.acquire(env_id).await)
+            }
+            _ => None,
+        };
         // Every cold resolve takes a permit, a run feed's too: after a reconnect storm the
         // single-run reads are the many.
         let _permit = match (&self.admission, admit) {
@@ -378,6 +465,7 @@ impl Sets {
                 std::sync::atomic::Ordering::Relaxed,
             );
         }
+        let read_ms = now_ms();
         let cursor = self.router.touch(env_id);
         let settled = self.router.settle_replica(env_id).await;
         let query_started = Instant::now();
@@ -412,7 +500,40 @@ impl Sets {
             cursor,
             rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
             settled,
+            read_ms,
         }))
+    }
+}
+
+/// Per-environment shares of the resolve admission gate: each environment's tag and batch
+/// resolves hold at most `per_env` of the gate's permits at once (`feeds.resolve_admission_per_env`).
+/// Waiters beyond that queue on their environment's share, not on the gate, so other
+/// environments and run feeds still get permits. Bounded: environments unused for a minute are
+/// dropped (a permit still held keeps its semaphore alive).
+struct EnvShares {
+    per_env: usize,
+    shares: Cache<EnvId, Arc<Semaphore>, Hasher>,
+}
+
+impl EnvShares {
+    fn new(per_env: usize) -> EnvShares {
+        EnvShares {
+            per_env,
+            shares: Cache::builder()
+                .max_capacity(100_000)
+                .time_to_idle(Duration::from_secs(60))
+                .build_with_hasher(Hasher::default()),
+        }
+    }
+
+    /// A permit of `env_id`'s share (waits while the environment holds all of its share).
+    async fn acquire(&self, env_id: &EnvId) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let per_env = self.per_env;
+        let share = self
+            .shares
+            .get_with_by_ref(env_id, async move { Arc::new(Semaphore::new(per_env)) })
+            .await;
+        share.acquire_owned().await.ok()
     }
 }
 
@@ -507,5 +628,32 @@ impl moka::Expiry<SetKey, Arc<RunSet>> for PerKindTtl {
             Target::Run { .. } => self.run,
             _ => self.list,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::*;
+
+    /// One environment holding its whole share waits on its own share; another environment
+    /// still gets a permit at once (admission is fair across environments).
+    #[tokio::test]
+    async fn one_environment_at_its_share_does_not_block_another() {
+        let shares = EnvShares::new(2);
+        let (a, b) = (EnvId::new("env_a"), EnvId::new("env_b"));
+        let held = [shares.acquire(&a).await, shares.acquire(&a).await];
+        assert!(held.iter().all(Option::is_some));
+        assert!(
+            shares.acquire(&a).now_or_never().is_none(),
+            "a third permit for env_a waits"
+        );
+        assert!(
+            shares.acquire(&b).now_or_never().flatten().is_some(),
+            "env_b is admitted at once"
+        );
+        drop(held);
+        assert!(shares.acquire(&a).now_or_never().flatten().is_some());
     }
 }

@@ -26,4 +26,4 @@ pub mod sse;
 
 pub use columns::{Column, ColumnSet};
 pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, RunId};
-pub use row::{RunMeta, RunRow, SerializedRow};
+pub use row::{is_final_status, RunMeta, RunRow, SerializedRow};

@@ -58,6 +58,9 @@ pub struct RunMeta {
     pub tags: Vec<String>,
     /// Internal batch id.
     pub batch_id: Option<BatchId>,
+    /// The run's `status` is final ([`is_final_status`]): a backstop stops probing it between
+    /// full re-reads.
+    pub finished: bool,
 }
 
 impl RunMeta {
@@ -69,8 +72,26 @@ impl RunMeta {
             created_at_ms: row.created_at_ms,
             tags: row.run_tags.clone().unwrap_or_default(),
             batch_id: row.batch_id.clone(),
+            finished: is_final_status(&row.status),
         }
     }
+}
+
+/// Whether a `"TaskRun".status` is final: the run will not execute again (trigger.dev's
+/// `FINAL_RUN_STATUSES`, `apps/webapp/app/v3/taskStatus.ts`). A final run can still change
+/// (tags, metadata), but rarely: its lost publishes surface at the next full re-read.
+pub fn is_final_status(status: &str) -> bool {
+    matches!(
+        status,
+        "CANCELED"
+            | "INTERRUPTED"
+            | "COMPLETED_SUCCESSFULLY"
+            | "COMPLETED_WITH_ERRORS"
+            | "SYSTEM_FAILURE"
+            | "CRASHED"
+            | "EXPIRED"
+            | "TIMED_OUT"
+    )
 }
 
 /// A run serialized ONCE for one column set and shared (by `Arc`) by every feed that carries it.

@@ -60,6 +60,7 @@ mod tests {
             created_at_ms: created,
             tags: tags.iter().map(|t| t.to_string()).collect(),
             batch_id: batch.map(BatchId::new),
+            finished: false,
         }
     }
 

@@ -13,7 +13,9 @@
 
 use async_trait::async_trait;
 
-use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
+use crate::protocol::{
+    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow,
+};
 
 pub mod grants;
 mod ids;
@@ -149,6 +151,19 @@ pub trait RunStore: Send + Sync + 'static {
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError>;
 
+    /// Run heads (id, `updatedAt`, `createdAt`, tags, batch, whether the status is final; never
+    /// the payload) of `env_id` in `scope` (replica). What a backstop compares against what its
+    /// client has before it hydrates the few runs that moved. `Ok(None)`: this store cannot
+    /// read heads, and callers re-read whole sets instead (the default).
+    async fn run_heads(
+        &self,
+        env_id: &EnvId,
+        scope: HeadScope<'_>,
+    ) -> Result<Option<Vec<RunMeta>>, StoreError> {
+        let _ = (env_id, scope);
+        Ok(None)
+    }
+
     /// The run named by a friendly id in `env_id`: replica, then primary on a miss.
     async fn find_run(
         &self,
@@ -162,6 +177,16 @@ pub trait RunStore: Send + Sync + 'static {
         env_id: &EnvId,
         friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError>;
+}
+
+/// Which run heads [`RunStore::run_heads`] reads.
+#[derive(Clone, Copy, Debug)]
+pub enum HeadScope<'a> {
+    /// These runs, by primary key (missing ids are absent).
+    Ids(&'a [RunId]),
+    /// The runs created at or after `from_ms` (epoch ms), newest first, at most `limit`: a
+    /// bounded range of the `(runtimeEnvironmentId, createdAt)` index, whatever the history.
+    CreatedSince { from_ms: i64, limit: usize },
 }
 
 /// Environment and key lookups for authentication (replica).

@@ -10,9 +10,13 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::sql::{decode_run, ms_to_ts, RunQuery, SqlCache};
-use super::{BatchResource, EnvRecord, EnvStore, RunResource, RunStore, StoreError};
-use crate::protocol::{BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunRow};
+use super::sql::{
+    decode_head, decode_run, ms_to_ts, RunQuery, SqlCache, HEADS_BY_ID, HEADS_CREATED_SINCE,
+};
+use super::{BatchResource, EnvRecord, EnvStore, HeadScope, RunResource, RunStore, StoreError};
+use crate::protocol::{
+    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow,
+};
 use crate::telemetry::metrics::Metrics;
 
 /// Default pool size per pool (primary and replica each).
@@ -609,6 +613,32 @@ impl RunStore for PgStore {
                 .bind(limit(cap))
         };
         self.fetch_runs("resolve_batch_set", query, cols).await
+    }
+
+    async fn run_heads(
+        &self,
+        env_id: &EnvId,
+        scope: HeadScope<'_>,
+    ) -> Result<Option<Vec<RunMeta>>, StoreError> {
+        let query = || match scope {
+            HeadScope::Ids(ids) => sqlx::query(HEADS_BY_ID).bind(env_id).bind(ids),
+            HeadScope::CreatedSince { from_ms, limit: n } => sqlx::query(HEADS_CREATED_SINCE)
+                .bind(env_id)
+                .bind(ms_to_ts(from_ms))
+                .bind(limit(n)),
+        };
+        if matches!(scope, HeadScope::Ids(ids) if ids.is_empty()) {
+            return Ok(Some(Vec::new()));
+        }
+        self.count();
+        let rows = self
+            .on_replica(|pool| self.fetch_on(pool, "run_heads", &query))
+            .await?;
+        rows.iter()
+            .map(decode_head)
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+            .map_err(store_err("run_heads"))
     }
 
     async fn find_run(

@@ -12,7 +12,7 @@ use chrono::NaiveDateTime;
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
-use crate::protocol::{Column, ColumnSet, RunRow};
+use crate::protocol::{is_final_status, Column, ColumnSet, RunMeta, RunRow};
 
 /// The `"TaskRun"` reads whose select list depends on the column set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -85,6 +85,28 @@ pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "batchId" = $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
         ),
     }
+}
+
+/// Heads of runs by id: `$1` env, `$2` text[] ids (the primary key). A head is what a backstop
+/// compares ([`decode_head`]): id, version, membership and status, never the payload.
+pub(crate) const HEADS_BY_ID: &str = r#"SELECT id, "updatedAt", "createdAt", "runTags", "batchId", status::text AS status FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = ANY($2)"#;
+
+/// Heads of the runs created at or after `$2` in env `$1`, newest first, at most `$3`: a
+/// bounded range of `TaskRun_runtimeEnvironmentId_createdAt_idx` (docs/trigger-dev.md).
+pub(crate) const HEADS_CREATED_SINCE: &str = r#"SELECT id, "updatedAt", "createdAt", "runTags", "batchId", status::text AS status FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#;
+
+/// Decodes a row of [`HEADS_BY_ID`] or [`HEADS_CREATED_SINCE`].
+pub(crate) fn decode_head(row: &PgRow) -> Result<RunMeta, sqlx::Error> {
+    let tags: Option<Vec<String>> = row.try_get(3)?;
+    let status: String = row.try_get(5)?;
+    Ok(RunMeta {
+        id: row.try_get(0)?,
+        updated_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>(1)?),
+        created_at_ms: ts_ms(row.try_get::<NaiveDateTime, _>(2)?),
+        tags: tags.unwrap_or_default(),
+        batch_id: row.try_get(4)?,
+        finished: is_final_status(&status),
+    })
 }
 
 /// Statement text per `(kind, column set bits)`, built on first use. At most 5 × (distinct

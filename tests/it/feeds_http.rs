@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use runfeed_dev::fixtures::{RunSpec, RunUpdate};
+use runfeed_dev::fixtures::{DemoEnv, RunSpec, RunUpdate};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -2195,6 +2195,10 @@ async fn hop_with_shared_cursor_replays_the_gap_without_a_cold_resolve() {
 async fn backstop_queries_for_three_quiet_holds(share_ms: u64) -> u64 {
     let (srv, env) = TestServer::start_with_env(400, |c| {
         c.caches.backstop_share_ms = share_ms;
+        // The reference's rule: every backstop re-reads the whole filter.
+        if share_ms == 0 {
+            c.caches.full_reread_ms = 0;
+        }
         // Snapshot reads must not be what the backstops reuse.
         c.caches.runset_cache_ttl_ms = 50;
         // Count feed reads only: the key → environment lookup stays cached.
@@ -2268,6 +2272,163 @@ async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
         t.elapsed() < Duration::from_secs(4),
         "surfaced after {:?}",
         t.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backstops that read only what can have changed (production data volume, docs/operations.md)
+// ---------------------------------------------------------------------------------------------
+
+/// A server whose backstops share for 300 ms and re-read whole filters every `full_reread_ms`.
+async fn backstop_server(full_reread_ms: u64) -> (TestServer, DemoEnv) {
+    TestServer::start_with_env(300, move |c| {
+        c.caches.backstop_share_ms = 300;
+        c.caches.full_reread_ms = full_reread_ms;
+        c.caches.runset_cache_ttl_ms = 50;
+    })
+    .await
+}
+
+/// Live polls on `url` from `at` until one carries `run_id`, for at most `within`; the rows
+/// that poll carried (`None`: it never came).
+async fn poll_until_row(
+    srv: &TestServer,
+    url: &Url,
+    headers: &[(String, String)],
+    mut at: Resp,
+    run_id: &str,
+    within: Duration,
+) -> Option<Resp> {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        let r = srv.fetch(&url.live_after(&at), headers).await;
+        r.assert_status(200);
+        if r.row(run_id).is_some() {
+            return Some(r);
+        }
+        at = r;
+    }
+    None
+}
+
+/// A change to an unfinished run whose publish was lost surfaces through the backstop's
+/// primary-key probe of the set's unfinished runs, long before the full re-read (10 min).
+#[tokio::test]
+async fn a_lost_change_to_an_unfinished_run_surfaces_before_the_full_reread() {
+    let (srv, env) = backstop_server(600_000).await;
+    let run = srv.tagged_run(&env, &["probe"]).await; // PENDING: not final
+    let h = modern(&env.api_key);
+    let url = tag_url("probe");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    // One quiet hold: its backstop reads the filter fully and keeps its view.
+    let at = srv.fetch(&url.live_after(&snap), &h).await;
+    srv.set_status(&run.id, "EXECUTING").await; // committed, never published
+    let r = poll_until_row(&srv, &url, &h, at, &run.id, Duration::from_secs(10))
+        .await
+        .expect("the lost change surfaced");
+    assert_eq!(r.ops(), vec![op("update", &run.id)]);
+    assert_eq!(
+        r.row(&run.id).expect("row")["value"]["status"],
+        json!("EXECUTING")
+    );
+}
+
+/// A run created without a publish surfaces through the environment's tail (the runs created
+/// since the view was read), before the full re-read.
+#[tokio::test]
+async fn a_run_created_without_a_publish_surfaces_from_the_tail() {
+    let (srv, env) = backstop_server(600_000).await;
+    srv.tagged_run(&env, &["tail"]).await;
+    let h = modern(&env.api_key);
+    let url = tag_url("tail");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    let at = srv.fetch(&url.live_after(&snap), &h).await;
+    let late = srv.tagged_run(&env, &["tail"]).await; // never published
+    let r = poll_until_row(&srv, &url, &h, at, &late.id, Duration::from_secs(10))
+        .await
+        .expect("the new run surfaced");
+    assert_eq!(r.ops(), vec![op("insert", &late.id)]);
+}
+
+/// A tag added to a FINISHED run without a publish is the one change a backstop between full
+/// re-reads cannot see (finished runs are not probed): it surfaces at the next full re-read of
+/// the filter (`caches.full_reread_ms`, here 1.5 s ± 25 %).
+#[tokio::test]
+async fn a_tag_added_to_a_finished_run_surfaces_after_the_full_reread() {
+    let (srv, env) = backstop_server(1_500).await;
+    srv.tagged_run(&env, &["late-tag"]).await;
+    let finished = srv
+        .run(
+            &env,
+            RunSpec {
+                status: "COMPLETED_SUCCESSFULLY".into(),
+                ..tagged(&["other"])
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    let url = tag_url("late-tag");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert!(snap.row(&finished.id).is_none());
+    let at = srv.fetch(&url.live_after(&snap), &h).await;
+    let t = Instant::now();
+    let retagged = RunUpdate {
+        tags: Some(vec!["other".into(), "late-tag".into()]),
+        ..RunUpdate::default()
+    };
+    srv.update(&finished.id, retagged).await; // never published
+    let r = poll_until_row(&srv, &url, &h, at, &finished.id, Duration::from_secs(10))
+        .await
+        .expect("the retagged run surfaced after the full re-read");
+    // New to the client: an insert.
+    assert_eq!(r.ops(), vec![op("insert", &finished.id)]);
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+/// A run that leaves the `createdAt` window (the tag feed's floor moves up with the maximum
+/// age) is dropped by the backstop: a lost change to it is not delivered, while one to a run
+/// still inside the window is.
+#[tokio::test]
+async fn a_run_that_leaves_the_window_is_not_delivered_by_the_backstop() {
+    let (srv, env) = TestServer::start_with_env(300, |c| {
+        c.caches.backstop_share_ms = 300;
+        c.caches.full_reread_ms = 600_000;
+        c.feeds.maximum_created_at_filter_age_ms = 60_000;
+        c.feeds.runset_created_at_bucket_ms = 0;
+    })
+    .await;
+    let now = runfeed::clock::now_ms();
+    let leaving = srv
+        .run(
+            &env,
+            RunSpec {
+                created_at_ms: Some(now - 57_000),
+                ..tagged(&["window"])
+            },
+        )
+        .await;
+    let staying = srv.tagged_run(&env, &["window"]).await;
+    let h = modern(&env.api_key);
+    let url = tag_url("window");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert!(
+        snap.row(&leaving.id).is_some(),
+        "inside the window at first"
+    );
+    let mut at = srv.fetch(&url.live_after(&snap), &h).await;
+    // Past the window's edge for `leaving` (created 57 s ago, 60 s maximum age).
+    while runfeed::clock::now_ms() < now + 4_000 {
+        at = srv.fetch(&url.live_after(&at), &h).await;
+    }
+    srv.set_status(&leaving.id, "EXECUTING").await; // never published
+    srv.set_status(&staying.id, "EXECUTING").await; // never published
+    let r = poll_until_row(&srv, &url, &h, at, &staying.id, Duration::from_secs(10))
+        .await
+        .expect("the run inside the window surfaced");
+    assert!(
+        r.row(&leaving.id).is_none(),
+        "a run below the floor is not delivered: {:?}",
+        r.ops()
     );
 }
 

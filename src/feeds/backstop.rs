@@ -1,0 +1,390 @@
+//! Backstops that read only what can have changed.
+//!
+//! A backstop (the store read at the end of a quiet hold) finds the changes whose publish was
+//! lost. Re-reading a tag filter's whole set for that costs the database a set query over
+//! trigger.dev's indexes, whose cost grows with the table's history (a GIN posting list over all
+//! time, a BRIN on `createdAt`). Between full re-reads, a filter's [`View`] is brought forward
+//! instead by what can have changed since it was read:
+//!
+//! - its runs whose status is not final: their heads by primary key;
+//! - the runs created since: the environment's [`Tail`], one bounded range of the
+//!   `(runtimeEnvironmentId, createdAt)` index shared by every filter of the environment;
+//! - runs leaving the `createdAt` window: worked out locally from the heads.
+//!
+//! A full re-read of the filter happens at most every `caches.full_reread_ms` (jittered ±25 %
+//! per filter, so filters do not align); it catches what the rest cannot see, such as a lost
+//! publish that added a tag to a finished run. docs/operations.md ("Backstops") states how late
+//! each kind of lost publish surfaces.
+//!
+//! The caller compares a view's heads with what its client has and hydrates only the runs that
+//! moved ([`super::sets::Sets::read_backstop`]).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use moka::future::Cache;
+use rand::Rng;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use super::sets::{ReadError, RunSet, Target};
+use crate::clock::now_ms;
+use crate::protocol::{BatchId, EnvId, RunId, RunMeta};
+use crate::router::{FeedFilter, ReplayCursor, Router};
+use crate::store::{HeadScope, RunStore};
+
+/// Runs created (by their `createdAt`) this long before a read started are read again by the
+/// next read, ms: a row becomes visible when its transaction commits, after its `createdAt`,
+/// and on a replica later still. A run committed later than this after its `createdAt` is found
+/// by the next full re-read.
+pub const COMMIT_MARGIN_MS: i64 = 30_000;
+
+/// Most heads one tail read returns. A busier environment's tail covers less time, and the
+/// filters it no longer covers re-read fully.
+pub const TAIL_READ_LIMIT: usize = 20_000;
+
+/// Environments whose tail is kept (least recently used beyond that are dropped).
+const MAX_TAILS: u64 = 10_000;
+
+/// What a view is about: a filter without its `createdAt` floor (a tag feed's floor moves with
+/// time; one view serves every floor at or above its own).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Subject {
+    Run(RunId),
+    Batch(BatchId),
+    Tag(Arc<[String]>),
+}
+
+impl Subject {
+    /// The subject of `target` and its floor (`i64::MIN` for run and batch feeds).
+    fn of(target: &Target) -> (Subject, i64) {
+        match target {
+            Target::Run { run_id } => (Subject::Run(run_id.clone()), i64::MIN),
+            Target::Batch { batch_id } => (Subject::Batch(batch_id.clone()), i64::MIN),
+            Target::Tag { tags, floor_ms } => (Subject::Tag(tags.clone()), *floor_ms),
+        }
+    }
+
+    /// The membership predicate of this subject at `floor_ms`.
+    fn filter(&self, floor_ms: i64) -> FeedFilter {
+        match self {
+            Subject::Run(run_id) => FeedFilter::Run {
+                run_id: run_id.clone(),
+            },
+            Subject::Batch(batch_id) => FeedFilter::Batch {
+                batch_id: batch_id.clone(),
+            },
+            Subject::Tag(tags) => FeedFilter::Tag {
+                tags: tags.clone(),
+                floor_ms,
+            },
+        }
+    }
+}
+
+/// One filter's runs as of a read: their heads, never their payload.
+#[derive(Debug)]
+pub struct View {
+    /// The runs in the filter (at most the list cap), newest first.
+    heads: Vec<Arc<RunMeta>>,
+    /// The `createdAt` floor the view was read at: it serves feeds whose floor is at or above.
+    floor_ms: i64,
+    /// When it was read or brought forward.
+    read_at: Instant,
+    /// When the next backstop re-reads the filter fully.
+    full_due: Instant,
+    /// Every matching run created at or after this (epoch ms) and committed before the read is
+    /// in `heads`.
+    covered_from_ms: i64,
+    /// The router cursor taken before the read.
+    pub cursor: ReplayCursor,
+    /// The replica had applied what the records before `cursor` announced.
+    pub settled: bool,
+}
+
+impl View {
+    /// The heads of the runs a feed of `target` carries (those at or above its floor).
+    pub fn heads_for<'a>(&'a self, target: &Target) -> impl Iterator<Item = &'a Arc<RunMeta>> {
+        let floor = Subject::of(target).1;
+        self.heads.iter().filter(move |h| h.created_at_ms >= floor)
+    }
+}
+
+/// What [`Backstops::current`] found.
+pub enum Current {
+    /// The filter was re-read fully (its rows, for the caller to diff as they are).
+    Full(Arc<RunSet>),
+    /// A view brought forward (or read by another poll within `caches.backstop_share_ms`).
+    View(Arc<View>),
+}
+
+/// An environment's recently created runs: what one bounded range read of the
+/// `(runtimeEnvironmentId, createdAt)` index returned, kept for the filters that need it.
+#[derive(Debug, Default)]
+struct Tail {
+    /// Heads of the runs created at or after `covered_from_ms`, in no particular order.
+    heads: HashMap<RunId, Arc<RunMeta>>,
+    /// Every run created at or after this and committed before `read_start_ms` is in `heads`
+    /// (`i64::MAX` until the first read).
+    covered_from_ms: i64,
+    /// Wall time (epoch ms) the last read started.
+    read_start_ms: i64,
+    /// When the last read ran (`None`: never).
+    read_at: Option<Instant>,
+}
+
+/// A filter's current view (`None` until its first read); its lock single-flights the reads.
+type ViewSlot = Arc<Mutex<Option<Arc<View>>>>;
+
+/// The views of the filters that backstops read, and the tails of their environments.
+pub struct Backstops {
+    store: Arc<dyn RunStore>,
+    router: Router,
+    cap: usize,
+    /// A view (or tail) younger than this is used as it is (`caches.backstop_share_ms`).
+    share: Duration,
+    /// `caches.full_reread_ms` (> 0).
+    full_reread: Duration,
+    /// One slot per filter: the lock single-flights its reads.
+    views: Cache<(EnvId, Subject), ViewSlot>,
+    tails: Cache<EnvId, Arc<Mutex<Tail>>>,
+}
+
+/// Settings of [`Backstops::new`].
+pub struct BackstopSettings {
+    /// The list cap (`feeds.max_list_results`).
+    pub cap: usize,
+    /// `caches.backstop_share_ms`.
+    pub share: Duration,
+    /// `caches.full_reread_ms` (must be > 0).
+    pub full_reread: Duration,
+    /// Filters whose views are kept (`caches.runset_cache_max_entries`).
+    pub max_views: u64,
+}
+
+impl Backstops {
+    /// Views over `store`, sequenced by `router`.
+    pub fn new(store: Arc<dyn RunStore>, router: Router, settings: BackstopSettings) -> Backstops {
+        // A view unused for two full periods is dropped: its feeds are gone.
+        let idle = settings.full_reread.saturating_mul(2) + settings.share;
+        Backstops {
+            store,
+            router,
+            cap: settings.cap,
+            share: settings.share,
+            full_reread: settings.full_reread,
+            views: Cache::builder()
+                .max_capacity(settings.max_views)
+                .time_to_idle(idle)
+                .build(),
+            tails: Cache::builder()
+                .max_capacity(MAX_TAILS)
+                .time_to_idle(idle)
+                .build(),
+        }
+    }
+
+    /// How long a tail keeps runs: long enough to bring forward a view read fully at most one
+    /// (jittered) full period ago.
+    fn keep_ms(&self) -> i64 {
+        let keep = self.full_reread.mul_f64(1.25) + self.share.saturating_mul(2);
+        i64::try_from(keep.as_millis()).unwrap_or(i64::MAX / 4) + COMMIT_MARGIN_MS
+    }
+
+    /// When a view read now is next re-read fully.
+    fn full_due(&self, now: Instant) -> Instant {
+        now + self
+            .full_reread
+            .mul_f64(rand::rng().random_range(0.75..1.25))
+    }
+
+    /// The current view of `target` in `env_id`: the shared one while it is younger than
+    /// `caches.backstop_share_ms`, else brought forward, else (first read, full period over,
+    /// a floor below the view's, or the store cannot read heads) `full()`, the whole filter.
+    /// Concurrent callers for one filter wait for one read.
+    ///
+    /// # Errors
+    /// The store failed (or `full()` did).
+    pub async fn current<F, Fut>(
+        &self,
+        env_id: &EnvId,
+        target: &Target,
+        full: F,
+    ) -> Result<Current, ReadError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Arc<RunSet>, ReadError>>,
+    {
+        let (subject, floor) = Subject::of(target);
+        let slot = self
+            .views
+            .get_with((env_id.clone(), subject.clone()), async {
+                Arc::new(Mutex::new(None))
+            })
+            .await;
+        let mut guard = slot.lock().await;
+        let now = Instant::now();
+        if let Some(view) = guard
+            .as_ref()
+            .filter(|v| floor >= v.floor_ms && now < v.full_due)
+        {
+            if now.duration_since(view.read_at) < self.share {
+                return Ok(Current::View(view.clone()));
+            }
+            if let Some(next) = Box::pin(self.advance(env_id, &subject, view)).await? {
+                *guard = Some(next.clone());
+                return Ok(Current::View(next));
+            }
+        }
+        let set = full().await?;
+        *guard = Some(Arc::new(View {
+            heads: set.rows.iter().map(|row| row.meta.clone()).collect(),
+            floor_ms: floor,
+            read_at: now,
+            full_due: self.full_due(now),
+            covered_from_ms: set.read_ms - COMMIT_MARGIN_MS,
+            cursor: set.cursor,
+            settled: set.settled,
+        }));
+        Ok(Current::Full(set))
+    }
+
+    /// `view` brought forward: its unfinished runs probed by primary key, the runs created
+    /// since read from the environment's tail. `None`: it cannot be (the tail no longer reaches
+    /// back far enough, or the store reads no heads); the caller re-reads fully.
+    async fn advance(
+        &self,
+        env_id: &EnvId,
+        subject: &Subject,
+        view: &View,
+    ) -> Result<Option<Arc<View>>, ReadError> {
+        let cursor = self.router.touch(env_id);
+        let settled = self.router.settle_replica(env_id).await;
+        let started = Instant::now();
+        let probe: Vec<RunId> = view
+            .heads
+            .iter()
+            .filter(|h| !h.finished)
+            .map(|h| h.id.clone())
+            .collect();
+        let Some(probed) = self
+            .store
+            .run_heads(env_id, HeadScope::Ids(&probe))
+            .await
+            .map_err(|e| ReadError::Store(Arc::new(e)))?
+        else {
+            return Ok(None);
+        };
+        let (created, covered_from_ms) = match subject {
+            // A run feed's run exists before its feed does: nothing new to find.
+            Subject::Run(_) => (Vec::new(), view.covered_from_ms),
+            _ => match self.tail_since(env_id, view.covered_from_ms).await? {
+                Some(found) => found,
+                None => return Ok(None),
+            },
+        };
+        let filter = subject.filter(view.floor_ms);
+        let mut heads: HashMap<RunId, Arc<RunMeta>> = view
+            .heads
+            .iter()
+            .map(|h| (h.id.clone(), h.clone()))
+            .collect();
+        // A probed run that is gone from the store, or no longer matches, leaves the set.
+        for id in &probe {
+            heads.remove(id);
+        }
+        for head in probed.into_iter().map(Arc::new).chain(created) {
+            if !filter.accepts(&head) {
+                heads.remove(&head.id);
+                continue;
+            }
+            match heads.get(&head.id) {
+                Some(have) if have.updated_at_ms > head.updated_at_ms => {}
+                _ => {
+                    heads.insert(head.id.clone(), head);
+                }
+            }
+        }
+        let mut heads: Vec<Arc<RunMeta>> = heads.into_values().collect();
+        heads.sort_unstable_by(|a, b| (b.created_at_ms, &b.id).cmp(&(a.created_at_ms, &a.id)));
+        heads.truncate(self.cap);
+        Ok(Some(Arc::new(View {
+            heads,
+            floor_ms: view.floor_ms,
+            read_at: started,
+            full_due: view.full_due,
+            covered_from_ms,
+            cursor,
+            settled,
+        })))
+    }
+
+    /// The heads of `env_id`'s runs created at or after `from_ms`, and the time (epoch ms) the
+    /// tail they came from covers from, as of its last read (read again when older than the
+    /// share time). `None`: the tail does not reach back to `from_ms`.
+    async fn tail_since(
+        &self,
+        env_id: &EnvId,
+        from_ms: i64,
+    ) -> Result<Option<(Vec<Arc<RunMeta>>, i64)>, ReadError> {
+        let slot = self
+            .tails
+            .get_with(env_id.clone(), async {
+                Arc::new(Mutex::new(Tail {
+                    covered_from_ms: i64::MAX,
+                    ..Tail::default()
+                }))
+            })
+            .await;
+        let mut tail = slot.lock().await;
+        if tail.read_at.is_none_or(|at| at.elapsed() >= self.share) {
+            let started_ms = now_ms();
+            let keep_from = started_ms - self.keep_ms();
+            let read_from = match tail.read_at {
+                Some(_) => (tail.read_start_ms - COMMIT_MARGIN_MS).max(keep_from),
+                None => keep_from,
+            };
+            let scope = HeadScope::CreatedSince {
+                from_ms: read_from,
+                limit: TAIL_READ_LIMIT,
+            };
+            let Some(read) = self
+                .store
+                .run_heads(env_id, scope)
+                .await
+                .map_err(|e| ReadError::Store(Arc::new(e)))?
+            else {
+                return Ok(None);
+            };
+            // Newest first: a full page covers only from just above its oldest row.
+            let truncated = read.len() >= TAIL_READ_LIMIT;
+            let read_covers = match read.last() {
+                Some(oldest) if truncated => oldest.created_at_ms + 1,
+                _ => read_from,
+            };
+            if truncated || tail.read_at.is_none() {
+                tail.heads.clear();
+                tail.covered_from_ms = read_covers;
+            }
+            for head in read {
+                tail.heads.insert(head.id.clone(), Arc::new(head));
+            }
+            tail.heads.retain(|_, h| h.created_at_ms >= keep_from);
+            tail.covered_from_ms = tail.covered_from_ms.max(keep_from);
+            tail.read_start_ms = started_ms;
+            tail.read_at = Some(Instant::now());
+        }
+        if from_ms < tail.covered_from_ms {
+            return Ok(None);
+        }
+        let heads = tail
+            .heads
+            .values()
+            .filter(|h| h.created_at_ms >= from_ms)
+            .cloned()
+            .collect();
+        Ok(Some((heads, tail.read_start_ms - COMMIT_MARGIN_MS)))
+    }
+}

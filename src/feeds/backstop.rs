@@ -93,6 +93,8 @@ pub struct View {
     floor_ms: i64,
     /// When it was read or brought forward.
     read_at: Instant,
+    /// The same, wall time (epoch ms).
+    read_ms: i64,
     /// When the next backstop re-reads the filter fully.
     full_due: Instant,
     /// Every matching run created at or after this (epoch ms) and committed before the read is
@@ -243,6 +245,7 @@ impl Backstops {
             heads: set.rows.iter().map(|row| row.meta.clone()).collect(),
             floor_ms: floor,
             read_at: now,
+            read_ms: set.read_ms,
             full_due: self.full_due(now),
             covered_from_ms: set.read_ms - COMMIT_MARGIN_MS,
             cursor: set.cursor,
@@ -263,6 +266,7 @@ impl Backstops {
         let cursor = self.router.touch(env_id);
         let settled = self.router.settle_replica(env_id).await;
         let started = Instant::now();
+        let started_ms = now_ms();
         let probe: Vec<RunId> = view
             .heads
             .iter()
@@ -280,31 +284,48 @@ impl Backstops {
         let (created, covered_from_ms) = match subject {
             // A run feed's run exists before its feed does: nothing new to find.
             Subject::Run(_) => (Vec::new(), view.covered_from_ms),
-            _ => match self.tail_since(env_id, view.covered_from_ms).await? {
+            _ => match self
+                .tail_since(
+                    env_id,
+                    view.covered_from_ms,
+                    view.read_ms - COMMIT_MARGIN_MS,
+                )
+                .await?
+            {
                 Some(found) => found,
                 None => return Ok(None),
             },
         };
         let filter = subject.filter(view.floor_ms);
+        // The newest head read of each run, from the probe or the tail.
+        let mut fresh: HashMap<RunId, Arc<RunMeta>> = HashMap::new();
+        for head in probed.into_iter().map(Arc::new).chain(created) {
+            match fresh.get(&head.id) {
+                Some(have) if have.updated_at_ms >= head.updated_at_ms => {}
+                _ => {
+                    fresh.insert(head.id.clone(), head);
+                }
+            }
+        }
         let mut heads: HashMap<RunId, Arc<RunMeta>> = view
             .heads
             .iter()
             .map(|h| (h.id.clone(), h.clone()))
             .collect();
-        // A probed run that is gone from the store, or no longer matches, leaves the set.
-        for id in &probe {
-            heads.remove(id);
-        }
-        for head in probed.into_iter().map(Arc::new).chain(created) {
-            if !filter.accepts(&head) {
-                heads.remove(&head.id);
+        // A probed run that is gone from the store leaves the set.
+        heads.retain(|id, _| fresh.contains_key(id) || !probe.contains(id));
+        for head in fresh.into_values() {
+            let newer = heads
+                .get(&head.id)
+                .is_none_or(|have| have.updated_at_ms <= head.updated_at_ms);
+            if !newer {
                 continue;
             }
-            match heads.get(&head.id) {
-                Some(have) if have.updated_at_ms > head.updated_at_ms => {}
-                _ => {
-                    heads.insert(head.id.clone(), head);
-                }
+            if filter.accepts(&head) {
+                heads.insert(head.id.clone(), head);
+            } else {
+                // It no longer matches (a tag removed, below the floor).
+                heads.remove(&head.id);
             }
         }
         let mut heads: Vec<Arc<RunMeta>> = heads.into_values().collect();
@@ -314,6 +335,7 @@ impl Backstops {
             heads,
             floor_ms: view.floor_ms,
             read_at: started,
+            read_ms: started_ms,
             full_due: view.full_due,
             covered_from_ms,
             cursor,
@@ -321,13 +343,16 @@ impl Backstops {
         })))
     }
 
-    /// The heads of `env_id`'s runs created at or after `from_ms`, and the time (epoch ms) the
-    /// tail they came from covers from, as of its last read (read again when older than the
-    /// share time). `None`: the tail does not reach back to `from_ms`.
+    /// The heads of `env_id`'s runs created at or after `from_ms` or updated at or after
+    /// `updated_from_ms` (the tail's unfinished runs are probed again at each read, so a tag
+    /// added to a recent run is seen), and the time (epoch ms) the tail they came from covers
+    /// from, as of its last read (read again when older than the share time). `None`: the tail
+    /// does not reach back to `from_ms`.
     async fn tail_since(
         &self,
         env_id: &EnvId,
         from_ms: i64,
+        updated_from_ms: i64,
     ) -> Result<Option<(Vec<Arc<RunMeta>>, i64)>, ReadError> {
         let slot = self
             .tails
@@ -368,6 +393,27 @@ impl Backstops {
                 tail.heads.clear();
                 tail.covered_from_ms = read_covers;
             }
+            // The tail's unfinished runs created before this read's range: probed again.
+            let reprobe: Vec<RunId> = tail
+                .heads
+                .values()
+                .filter(|h| !h.finished && h.created_at_ms < read_from)
+                .map(|h| h.id.clone())
+                .collect();
+            if !reprobe.is_empty() {
+                let probed = self
+                    .store
+                    .run_heads(env_id, HeadScope::Ids(&reprobe))
+                    .await
+                    .map_err(|e| ReadError::Store(Arc::new(e)))?
+                    .unwrap_or_default();
+                for id in &reprobe {
+                    tail.heads.remove(id);
+                }
+                for head in probed {
+                    tail.heads.insert(head.id.clone(), Arc::new(head));
+                }
+            }
             for head in read {
                 tail.heads.insert(head.id.clone(), Arc::new(head));
             }
@@ -382,7 +428,7 @@ impl Backstops {
         let heads = tail
             .heads
             .values()
-            .filter(|h| h.created_at_ms >= from_ms)
+            .filter(|h| h.created_at_ms >= from_ms || h.updated_at_ms >= updated_from_ms)
             .cloned()
             .collect();
         Ok(Some((heads, tail.read_start_ms - COMMIT_MARGIN_MS)))

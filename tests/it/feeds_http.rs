@@ -2350,6 +2350,34 @@ async fn a_run_created_without_a_publish_surfaces_from_the_tail() {
     assert_eq!(r.ops(), vec![op("insert", &late.id)]);
 }
 
+/// A tag added without a publish to a recent run that is not finished (trigger.dev's
+/// `tags.add()` inside a running task) surfaces before the full re-read: the environment's tail
+/// probes its unfinished runs again at each read.
+#[tokio::test]
+async fn a_tag_added_to_a_recent_unfinished_run_surfaces_before_the_full_reread() {
+    let (srv, env) = backstop_server(600_000).await;
+    srv.tagged_run(&env, &["joined"]).await;
+    let running = srv.tagged_run(&env, &["other"]).await; // PENDING
+    let h = modern(&env.api_key);
+    let url = tag_url("joined");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    assert!(snap.row(&running.id).is_none());
+    let mut at = srv.fetch(&url.live_after(&snap), &h).await;
+    // Two more quiet holds: the environment's tail has now been read and holds the run.
+    for _ in 0..2 {
+        at = srv.fetch(&url.live_after(&at), &h).await;
+    }
+    let retagged = RunUpdate {
+        tags: Some(vec!["other".into(), "joined".into()]),
+        ..RunUpdate::default()
+    };
+    srv.update(&running.id, retagged).await; // never published
+    let r = poll_until_row(&srv, &url, &h, at, &running.id, Duration::from_secs(10))
+        .await
+        .expect("the run that joined the tag surfaced");
+    assert_eq!(r.ops(), vec![op("insert", &running.id)]);
+}
+
 /// A tag added to a FINISHED run without a publish is the one change a backstop between full
 /// re-reads cannot see (finished runs are not probed): it surfaces at the next full re-read of
 /// the filter (`caches.full_reread_ms`, here 1.5 s ± 25 %).

@@ -117,7 +117,9 @@ pub(super) fn serve_feed(
 }
 
 /// How a feed request starts: [`Begun`], a refusal, or a run token to forward with the request
-/// it came in (boxed: its parts are large and rare).
+/// it came in (boxed: its parts are large and rare). [`Begun`] is not boxed: it moves straight
+/// into the handler, as the `Result` it replaced did, with no allocation per poll.
+#[allow(clippy::large_enum_variant)]
 enum Begin {
     Begun(Begun),
     Refused(super::ApiError),

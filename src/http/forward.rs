@@ -11,7 +11,8 @@
 //!   `/realtime/v1/batches/<id>`, with `<id>` 1–128 characters of `[A-Za-z0-9_-]` once
 //!   percent-decoded; anything else is a JSON 404 and nothing is sent;
 //! - **the query** as the client sent it (it cannot change the path);
-//! - **the headers** of [`FORWARDED_REQUEST_HEADERS`] only.
+//! - **the headers** of [`FORWARDED_REQUEST_HEADERS`] only, and [`FORWARDED_MARK`] (a request
+//!   that comes back with it is a loop, refused with a 503).
 //!
 //! The request limits of the HTTP layer (`server.max_url_bytes`, `server.max_header_bytes`, and
 //! hyper's own) apply before anything is forwarded. The token goes to the configured upstream
@@ -51,6 +52,11 @@ pub const FORWARDED_REQUEST_HEADERS: [HeaderName; 7] = [
     ACCEPT,
     USER_AGENT,
 ];
+
+/// Marks a request runfeed forwarded. A run-token request that already carries it came back
+/// from the upstream (`auth.run_token_upstream` names runfeed or a proxy in front of it instead
+/// of the webapp): it is refused with a 503 instead of being forwarded again.
+pub const FORWARDED_MARK: HeaderName = HeaderName::from_static("x-runfeed-forwarded");
 
 /// Response headers that describe one connection, not the response (RFC 9110 §7.6.1), dropped
 /// from the webapp's answer; so is every header its `connection` header names.
@@ -164,6 +170,14 @@ impl Forwarder {
             FeedRoute::Tags => RUNS_ROUTE,
             FeedRoute::Batch(_) => BATCH_ROUTE,
         };
+        if parts.headers.contains_key(FORWARDED_MARK) {
+            return self.unavailable(
+                label,
+                "forwarding loop: the request came back from auth.run_token_upstream, which must \
+                 name the webapp itself, not runfeed or the proxy in front of it"
+                    .into(),
+            );
+        }
         let Some(request) = self.request(&route, &parts) else {
             self.metrics
                 .run_token_forward(label, ForwardOutcome::Refused);
@@ -229,6 +243,7 @@ impl Forwarder {
             .body(axum::body::Body::empty())
             .ok()?;
         let headers = request.headers_mut();
+        headers.insert(FORWARDED_MARK, axum::http::HeaderValue::from_static("1"));
         for name in &FORWARDED_REQUEST_HEADERS {
             for value in parts.headers.get_all(name) {
                 headers.append(name.clone(), value.clone());

@@ -291,6 +291,7 @@ async fn a_run_token_request_reaches_the_webapp_unchanged_and_its_answer_comes_b
         assert_eq!(got.headers["authorization"], format!("Bearer {token}"));
         assert_eq!(got.headers["trigger-version"], "4.8.3");
         assert_eq!(got.headers["x-trigger-electric-version"], ELECTRIC_VERSION);
+        assert_eq!(got.headers["x-runfeed-forwarded"], "1");
         for private in ["cookie", "x-forwarded-for", "origin"] {
             assert!(!got.headers.contains_key(private), "{private} forwarded");
         }
@@ -456,6 +457,21 @@ async fn an_unreachable_webapp_is_a_json_503_with_retry_after_for_run_tokens_onl
         count(&metrics, "/realtime/v1/runs/{run_id}", "unavailable"),
         1
     );
+}
+
+/// A request that already went through a runfeed (`auth.run_token_upstream` pointing back at
+/// runfeed or its proxy) is refused with the JSON 503, never forwarded a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_comes_back_from_the_upstream_is_not_forwarded_again() {
+    let webapp = Webapp::start().await;
+    let Forwarding { srv, run, .. } = server_forwarding_to(&webapp.url()).await;
+    let headers = with(sdk_headers(&run_token(&run.id)), "x-runfeed-forwarded", "1");
+    let r = srv
+        .fetch(&run_url(&run.friendly_id).snapshot(), &headers)
+        .await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(webapp.seen().is_empty());
 }
 
 /// Without `auth.run_token_upstream`: the JSON 401 naming the token type, and the setting.

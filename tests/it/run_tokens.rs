@@ -109,32 +109,41 @@ async fn webapp_answer(State(state): State<WebappState>, req: Request) -> Respon
         let Some(first) = chunks.recv().await else {
             return Response::new(Body::empty());
         };
-        let rest = futures::stream::unfold(chunks, |mut chunks| async move {
-            chunks
-                .recv()
-                .await
-                .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), chunks))
-        });
         let stream = futures::StreamExt::chain(
             futures::stream::once(async move { Ok::<_, std::convert::Infallible>(first) }),
-            rest,
+            chunk_stream(chunks),
         );
         return electric(Response::builder())
             .header("content-type", content_type)
             .body(Body::from_stream(stream))
             .expect("long-poll");
     }
-    let stream = futures::stream::unfold(chunks, |mut chunks| async move {
-        chunks
-            .recv()
-            .await
-            .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), chunks))
-    });
     electric(Response::builder())
         .header("content-type", content_type)
         .header("cache-control", "no-cache")
-        .body(Body::from_stream(stream))
+        .body(Body::from_stream(chunk_stream(chunks)))
         .expect("sse")
+}
+
+/// The chunks the test sends, as a response body stream (ends when the sender is dropped).
+fn chunk_stream(
+    chunks: mpsc::UnboundedReceiver<Bytes>,
+) -> impl futures::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    futures::stream::unfold(chunks, |mut chunks| async move {
+        chunks.recv().await.map(|chunk| (Ok(chunk), chunks))
+    })
+}
+
+/// The rest of `response`'s body, chunk by chunk, each bounded by [`WAIT`].
+async fn rest_of(response: &mut reqwest::Response) -> Vec<u8> {
+    let mut rest = Vec::new();
+    while let Some(chunk) = within(WAIT, "the rest of the body", response.chunk())
+        .await
+        .expect("chunk")
+    {
+        rest.extend_from_slice(&chunk);
+    }
+    rest
 }
 
 impl Webapp {
@@ -368,12 +377,7 @@ async fn a_forwarded_long_poll_is_held_until_the_webapp_answers() {
         .expect("second chunk");
     drop(body);
     let mut text = first.to_vec();
-    while let Some(chunk) = within(WAIT, "the rest", response.chunk())
-        .await
-        .expect("chunk")
-    {
-        text.extend_from_slice(&chunk);
-    }
+    text.extend(rest_of(&mut response).await);
     let parsed: Value = serde_json::from_slice(&text).expect("the whole answer");
     assert_eq!(parsed[0]["value"]["id"], "r");
     assert!(webapp.seen()[0].target.contains("live=true"));
@@ -417,14 +421,8 @@ async fn a_forwarded_sse_stream_reaches_the_client_event_by_event() {
     let last_event = "data: {\"headers\":{\"control\":\"up-to-date\"}}\n\n";
     events.send(Bytes::from(last_event)).expect("last event");
     drop(events);
-    let mut rest = String::new();
-    while let Some(chunk) = within(WAIT, "the rest", response.chunk())
-        .await
-        .expect("chunk")
-    {
-        rest.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
-    }
-    assert_eq!(rest, last_event);
+    let rest = rest_of(&mut response).await;
+    assert_eq!(String::from_utf8_lossy(&rest), last_event);
 }
 
 /// A webapp that cannot be reached: a run token gets a JSON 503 with `Retry-After: 1` (the

@@ -21,6 +21,8 @@ pub const CLIENT_LIVE_REQUEST_TIMEOUT_MS: u64 = 45_000;
 pub struct Config {
     /// `[server]`
     pub server: ServerConfig,
+    /// `[auth]`
+    pub auth: AuthConfig,
     /// `[database]`
     pub database: DatabaseConfig,
     /// `[redis]`
@@ -83,6 +85,18 @@ impl Default for ServerConfig {
             socket_send_buffer_bytes: 262_144,
         }
     }
+}
+
+/// `[auth]`: credentials runfeed does not verify itself.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// The webapp's internal URL, `http://host:port` (an optional path prefix is kept), that
+    /// feed requests carrying a run token (header `typ: run+jwt`, trigger.dev SDK 4.8's
+    /// `TRIGGER_RUN_TOKEN`) are forwarded to, unchanged, on the same feed route; its answer is
+    /// streamed back (docs/http-api.md "Run tokens"). Unset = such requests get a JSON 401
+    /// naming the token type. Plain HTTP only.
+    pub run_token_upstream: Option<String>,
 }
 
 /// `[database]`
@@ -532,6 +546,9 @@ impl Config {
                 t.log_format
             )));
         }
+        if let Some(upstream) = &self.auth.run_token_upstream {
+            check_run_token_upstream(upstream)?;
+        }
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::Invalid(format!(
                 "server.listen {:?} is not an address",
@@ -540,6 +557,26 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `auth.run_token_upstream` must be an absolute `http://` URL with a host and no query.
+fn check_run_token_upstream(upstream: &str) -> Result<(), ConfigError> {
+    let invalid = |why: &str| {
+        ConfigError::Invalid(format!(
+            "auth.run_token_upstream {upstream:?} {why} (expected the webapp's internal URL, e.g. http://webapp:3030)"
+        ))
+    };
+    let uri: http::Uri = upstream.parse().map_err(|_| invalid("is not a URL"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(invalid("must use http://"));
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(invalid("has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(invalid("must not have a query"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -601,6 +638,31 @@ mod tests {
         assert!(c.validate().is_ok(), "{}", c.feeds.max_hold_ms());
         c.feeds.sse_keepalive_ms = 0;
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn a_run_token_upstream_must_be_an_http_url_with_a_host() {
+        let mut c = Config::default();
+        for ok in [
+            "http://webapp:3030",
+            "http://10.0.0.1:3000/",
+            "http://webapp/prefix",
+        ] {
+            c.auth.run_token_upstream = Some(ok.into());
+            assert!(c.validate().is_ok(), "{ok}");
+        }
+        for bad in [
+            "webapp:3030",
+            "https://webapp",
+            "ftp://webapp",
+            "http://webapp/?a=1",
+            "/x",
+            "",
+        ] {
+            c.auth.run_token_upstream = Some(bad.into());
+            let err = c.validate().expect_err(bad);
+            assert!(err.to_string().contains("auth.run_token_upstream"), "{err}");
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ use crate::changes::ChangeSource;
 use crate::config::Config;
 use crate::feeds::Feeds;
 use crate::http::admit::{Limiter, LimiterConfig};
+use crate::http::forward::{ForwardTimeouts, Forwarder};
 use crate::http::{app, AppState};
 use crate::protocol::handle::HandleKey;
 use crate::redis::{Redis, RedisChangeSource, RedisOptions, SubscriberSettings};
@@ -145,6 +146,17 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         limiter,
         max_created_at_age_ms: config.feeds.maximum_created_at_filter_age_ms,
         limits: crate::http::RequestLimits::of(&config),
+        forwarder: match &config.auth.run_token_upstream {
+            Some(upstream) => Some(Arc::new(
+                Forwarder::new(
+                    upstream,
+                    ForwardTimeouts::default(),
+                    telemetry.metrics().clone(),
+                )
+                .context("auth.run_token_upstream")?,
+            )),
+            None => None,
+        },
     };
     observe::register(
         telemetry.metrics(),

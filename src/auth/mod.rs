@@ -127,8 +127,10 @@ pub enum AuthError {
     NoMatchingBranch,
     /// A run token (header `typ: run+jwt`, what trigger.dev SDK 4.8 gives a task in
     /// `TRIGGER_RUN_TOKEN`): trigger.dev has not published how it is verified, so this server
-    /// refuses it with a 401 that names the kind (docs/faults.md "401 for a run token").
-    #[error("Run tokens (typ run+jwt, TRIGGER_RUN_TOKEN) cannot be verified by this server: read realtime feeds with a Public Access Token or a secret API key")]
+    /// never accepts it itself. The HTTP layer forwards its request to the webapp when
+    /// `auth.run_token_upstream` is set; otherwise it is a 401 that names the kind
+    /// (docs/faults.md "401 for a run token").
+    #[error("Run tokens (typ run+jwt, TRIGGER_RUN_TOKEN) cannot be verified by this server, and no webapp to forward them to is configured (auth.run_token_upstream): read realtime feeds with a Public Access Token or a secret API key")]
     RunToken,
     /// The environment lookup itself failed.
     #[error(transparent)]

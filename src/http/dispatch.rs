@@ -9,6 +9,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::extract::{FromRequestParts, State};
@@ -17,10 +18,12 @@ use axum::response::{IntoResponse, Response};
 use futures::future::Either;
 use futures::FutureExt;
 
+use super::forward::Forwarder;
 use super::{
-    batch_feed_at, route_of, run_feed_at, tag_feed, AppState, Begun, BATCH_ROUTE, RUNS_ROUTE,
-    RUN_ROUTE,
+    batch_feed_at, route_of, run_feed_at, tag_feed, ApiError, AppState, Begun, BATCH_ROUTE,
+    RUNS_ROUTE, RUN_ROUTE,
 };
+use crate::auth::AuthError;
 
 /// The response future of a feed route served here.
 type FeedFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
@@ -84,7 +87,8 @@ where
 /// Answers a `GET` on a feed route: [`Begun`] (authentication, query, offset), then the route's
 /// handler. This future is what a held poll keeps, boxed, for its hold (memory per held feed):
 /// chained rather than one `async fn`, so the extraction's state and the handler's share their
-/// bytes instead of sitting side by side.
+/// bytes instead of sitting side by side. A request carrying a run token goes to the webapp
+/// instead when `auth.run_token_upstream` is set ([`super::forward`]; its future is boxed).
 pub(super) fn serve_feed(
     state: AppState,
     route: FeedRoute,
@@ -92,8 +96,16 @@ pub(super) fn serve_feed(
 ) -> impl Future<Output = Result<Response, Infallible>> + Send {
     begin(state, req).then(move |(state, begun)| {
         let begun = match begun {
-            Ok(begun) => begun,
-            Err(refusal) => return Either::Left(std::future::ready(Ok(refusal.into_response()))),
+            Begin::Begun(begun) => begun,
+            Begin::Refused(refusal) => {
+                return Either::Left(Either::Left(std::future::ready(
+                    Ok(refusal.into_response()),
+                )))
+            }
+            Begin::RunToken(forwarder, parts) => {
+                let forwarded = Box::pin(forwarder.forward(route, *parts));
+                return Either::Left(Either::Right(forwarded.map(Ok)));
+            }
         };
         let served = match route {
             FeedRoute::Run(id) => Either::Left(run_feed_at(state, id, begun)),
@@ -104,15 +116,30 @@ pub(super) fn serve_feed(
     })
 }
 
+/// How a feed request starts: [`Begun`], a refusal, or a run token to forward with the request
+/// it came in (boxed: its parts are large and rare). [`Begun`] is not boxed: it moves straight
+/// into the handler, as the `Result` it replaced did, with no allocation per poll.
+#[allow(clippy::large_enum_variant)]
+enum Begin {
+    Begun(Begun),
+    Refused(super::ApiError),
+    RunToken(Arc<Forwarder>, Box<axum::http::request::Parts>),
+}
+
 /// [`Begun`] of `req`. The request's parts (headers, URI) are dropped once it has read them,
-/// before the handler holds (memory per held feed), as axum's extractors do.
-async fn begin(
-    state: AppState,
-    req: axum::extract::Request,
-) -> (AppState, Result<Begun, super::ApiError>) {
+/// before the handler holds (memory per held feed), as axum's extractors do; only a run token's
+/// request keeps them, to be forwarded when `auth.run_token_upstream` is set.
+async fn begin(state: AppState, req: axum::extract::Request) -> (AppState, Begin) {
     let (mut parts, _body) = req.into_parts();
     let begun = Begun::from_request_parts(&mut parts, &state).await;
-    (state, begun)
+    let begin = match (begun, &state.forwarder) {
+        (Ok(begun), _) => Begin::Begun(begun),
+        (Err(ApiError::Auth(AuthError::RunToken)), Some(forwarder)) => {
+            Begin::RunToken(forwarder.clone(), Box::new(parts))
+        }
+        (Err(refusal), _) => Begin::Refused(refusal),
+    };
+    (state, begin)
 }
 
 /// The router's handler of the feed routes (a `HEAD`, which axum answers as a `GET` without its

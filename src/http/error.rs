@@ -77,6 +77,11 @@ pub enum ApiError {
     /// never sent.
     #[error("Service Unavailable")]
     Unavailable(String),
+    /// A request carrying a run token could not be forwarded to `auth.run_token_upstream` (the
+    /// webapp refused the connection, or sent no response head in time): 503 with
+    /// `Retry-After`. The cause is logged, never sent (nor the token).
+    #[error("Service Unavailable: the webapp that serves run tokens did not answer")]
+    RunTokenUpstream(String),
 }
 
 impl ApiError {
@@ -112,9 +117,9 @@ impl ApiError {
                 ..
             } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::Auth(AuthError::Store(_)) | ApiError::Unavailable(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::Auth(AuthError::Store(_))
+            | ApiError::Unavailable(_)
+            | ApiError::RunTokenUpstream(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Auth(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Forbidden => StatusCode::FORBIDDEN,
@@ -162,6 +167,10 @@ impl IntoResponse for ApiError {
             ApiError::Unavailable(cause) => {
                 tracing::error!(error = %cause, "store unavailable");
                 Json(json!({ "error": "Service Unavailable" })).into_response()
+            }
+            ApiError::RunTokenUpstream(cause) => {
+                tracing::warn!(error = %cause, "run token upstream unavailable");
+                Json(json!({ "error": self.to_string() })).into_response()
             }
             other => Json(json!({ "error": other.to_string() })).into_response(),
         };
@@ -211,6 +220,14 @@ mod tests {
     fn a_run_token_gets_a_401_naming_its_type() {
         let response = ApiError::Auth(AuthError::RunToken).into_response();
         assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    }
+
+    #[test]
+    fn an_unreachable_run_token_upstream_is_a_json_503_with_retry_after() {
+        let response = ApiError::RunTokenUpstream("connection refused".into()).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["retry-after"], RETRY_AFTER_S);
+        assert_eq!(response.headers()["content-type"], "application/json");
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod admit;
 pub mod cors;
 mod dispatch;
 pub mod error;
+pub mod forward;
 pub mod serve;
 pub mod sse;
 
@@ -31,7 +32,8 @@ use bytes::Bytes;
 use serde_json::json;
 
 use crate::auth::{
-    batch_route_resources, run_route_resources, runs_list_resources, Authenticator, Principal,
+    batch_route_resources, run_route_resources, runs_list_resources, AuthError, Authenticator,
+    Principal,
 };
 use crate::clock::now_ms;
 use crate::feeds::{FeedReply, FeedRequest, Feeds, Freshness, Target};
@@ -64,6 +66,9 @@ pub struct AppState {
     pub max_created_at_age_ms: u64,
     /// Request size limits.
     pub limits: RequestLimits,
+    /// Where feed requests carrying a run token go (`auth.run_token_upstream`); `None` = they
+    /// get a JSON 401 naming the token type.
+    pub forwarder: Option<Arc<forward::Forwarder>>,
 }
 
 /// Bounds on what a request may carry (`[server] max_url_bytes`, `max_header_bytes`,
@@ -435,7 +440,17 @@ impl axum::extract::FromRequestParts<AppState> for Begun {
         let query = parts.uri.query().map(str::to_owned);
         // Boxed: the authentication's state would otherwise size the handler's box for the
         // whole hold (memory per held feed).
-        let (principal, mut ctx) = Box::pin(authenticate(state, &headers)).await?;
+        let (principal, mut ctx) = match Box::pin(authenticate(state, &headers)).await {
+            Ok(authenticated) => authenticated,
+            Err(refusal) => {
+                // A run token's request may be forwarded as it came (`forward`): its headers
+                // are put back.
+                if matches!(refusal, ApiError::Auth(AuthError::RunToken)) {
+                    parts.headers = headers;
+                }
+                return Err(refusal);
+            }
+        };
         drop(headers);
         ctx.params = Params::parse(query.as_deref());
         if let Some(param) = &ctx.params.subset {

@@ -172,6 +172,44 @@ impl ResolveResult {
     }
 }
 
+/// What became of a feed request carrying a run token while `auth.run_token_upstream` is set
+/// (`outcome` label of `runfeed.http.run_token_forwards`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardOutcome {
+    /// The webapp answered (any status); its answer was streamed back.
+    Answered,
+    /// The webapp could not be reached, or sent no response head in time: a JSON 503.
+    Unavailable,
+    /// Not forwarded: the path is not a canonical feed route (an id outside
+    /// `[A-Za-z0-9_-]{1,128}`, or a query that cannot be rebuilt): a JSON 404.
+    Refused,
+}
+
+impl ForwardOutcome {
+    const ALL: [ForwardOutcome; 3] = [
+        ForwardOutcome::Answered,
+        ForwardOutcome::Unavailable,
+        ForwardOutcome::Refused,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ForwardOutcome::Answered => "answered",
+            ForwardOutcome::Unavailable => "unavailable",
+            ForwardOutcome::Refused => "refused",
+        }
+    }
+}
+
+/// The three feed routes (`route` label of `runfeed.http.run_token_forwards`), as the HTTP
+/// layer names them.
+pub const FEED_ROUTES: [&str; 3] = [
+    "/realtime/v1/runs/{run_id}",
+    "/realtime/v1/runs",
+    "/realtime/v1/batches/{batch_id}",
+];
+
 /// Feed kinds (`kind` label).
 pub const FEED_KINDS: [&str; 3] = ["run", "tag", "batch"];
 
@@ -224,6 +262,10 @@ pub struct Metrics {
     /// `runfeed.http.sent` (By; `runfeed_http_sent_bytes_total`): response body bytes by
     /// `route`.
     pub http_sent: KeyedCounter<Cow<'static, str>>,
+    /// `runfeed.http.run_token_forwards` (`runfeed_http_run_token_forwards_total`): feed
+    /// requests carrying a run token, forwarded to `auth.run_token_upstream`, by `route`
+    /// ([`FEED_ROUTES`]) and `outcome` ([`ForwardOutcome`]).
+    pub run_token_forwards: FixedCounter,
     /// `runfeed.pg.acquire_wait` (ms; `runfeed_pg_acquire_wait_milliseconds`): how long a
     /// store read waited for a pooled connection. Growing = the pool is the bottleneck.
     pub pg_acquire_wait: Histogram<f64>,
@@ -469,6 +511,18 @@ impl Metrics {
             http_sent: KeyedCounter::new(meter, &recorded::HTTP_SENT, |route| {
                 vec![KeyValue::new("route", label_value(route))]
             }),
+            run_token_forwards: FixedCounter::new(
+                meter,
+                &recorded::HTTP_RUN_TOKEN_FORWARDS,
+                FEED_ROUTES
+                    .iter()
+                    .flat_map(|route| {
+                        ForwardOutcome::ALL.map(|outcome| {
+                            vec![kv("route", route), kv("outcome", outcome.as_str())]
+                        })
+                    })
+                    .collect(),
+            ),
             pg_acquire_wait: f64_histogram(meter, &recorded::PG_ACQUIRE_WAIT, QUERY_BOUNDS_MS),
             hydrate_batch: u64_histogram(meter, &recorded::ROUTER_HYDRATE_BATCH, ROW_BOUNDS),
             meter: meter.clone(),
@@ -567,6 +621,13 @@ impl Metrics {
                 KeyValue::new("live", live),
             ],
         );
+    }
+
+    /// A feed request with a run token on `route` (one of [`FEED_ROUTES`]) ended `outcome`.
+    pub fn run_token_forward(&self, route: &str, outcome: ForwardOutcome) {
+        let route = FEED_ROUTES.iter().position(|r| *r == route).unwrap_or(0);
+        self.run_token_forwards
+            .add(route * ForwardOutcome::ALL.len() + outcome as usize);
     }
 
     /// A store read waited `took` for its pooled connection.
@@ -755,6 +816,15 @@ pub mod recorded {
         description: "Response body bytes sent, by route",
     };
 
+    /// `runfeed.http.run_token_forwards` (counter).
+    pub const HTTP_RUN_TOKEN_FORWARDS: Recorded = Recorded {
+        name: "runfeed.http.run_token_forwards",
+        kind: RecordedKind::Counter,
+        unit: "{request}",
+        labels: &["route", "outcome"],
+        description: "Feed requests carrying a run token forwarded to auth.run_token_upstream, by route and outcome: answered (the webapp's answer streamed back), unavailable (503) or refused (not a canonical feed path: 404)",
+    };
+
     /// `runfeed.pg.acquire_wait` (histogram).
     pub const PG_ACQUIRE_WAIT: Recorded = Recorded {
         name: "runfeed.pg.acquire_wait",
@@ -775,7 +845,7 @@ pub mod recorded {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Recorded; 14] = [
+    pub const ALL: [&Recorded; 15] = [
         &FEEDS_DELIVERY_LAG,
         &FEEDS_EMITTED_ROWS,
         &FEEDS_LIVE_POLLS,
@@ -788,6 +858,7 @@ pub mod recorded {
         &HTTP_REQUESTS,
         &HTTP_DURATION,
         &HTTP_SENT,
+        &HTTP_RUN_TOKEN_FORWARDS,
         &PG_ACQUIRE_WAIT,
         &ROUTER_HYDRATE_BATCH,
     ];

@@ -59,6 +59,9 @@ mod webapp_compose {
     /// `REDIS_HOST: redis`, `REDIS_PORT: 6379`, `REDIS_TLS_DISABLED: true`; image redis:7, no password.
     pub const REDIS_HOST: &str = "redis";
     pub const REDIS_PORT: u16 = 6379;
+    /// The webapp listens on 3000 inside the network (Traefik's `loadbalancer.server.port=3000`,
+    /// published as `8030:3000`).
+    pub const WEBAPP_PORT: u16 = 3000;
     /// The webapp does not depend on `electric` (depends_on: postgres, redis, clickhouse, s2).
     pub const WEBAPP_DEPENDS_ON: &[&str] = &["postgres", "redis", "clickhouse", "s2"];
     /// Variables the file reads that the overlay reuses for its own service.
@@ -424,6 +427,20 @@ fn check_overlay(doc: &Value, raw: &str) -> Vec<String> {
         other => p.push(format!(
             "RUNFEED_TELEMETRY__ADMIN_LISTEN must listen on 0.0.0.0 (health checks come over the network), is {other:?}"
         )),
+    }
+    // Run tokens go to the webapp on the compose network, never to a proxy in front of runfeed.
+    let upstream = renv.get("RUNFEED_AUTH__RUN_TOKEN_UPSTREAM");
+    let names_webapp = upstream.is_some_and(|url| {
+        url.starts_with("http://")
+            && url_parts(url).is_some_and(|(_, host, port, _)| {
+                host == "webapp" && port == Some(webapp_compose::WEBAPP_PORT)
+            })
+    });
+    if !names_webapp {
+        p.push(format!(
+            "RUNFEED_AUTH__RUN_TOKEN_UPSTREAM must name the webapp on the compose network (http://webapp:{}), is {upstream:?}",
+            webapp_compose::WEBAPP_PORT
+        ));
     }
     // Variables: trigger.dev's own, or runfeed's documented ones.
     for var in variables(raw) {

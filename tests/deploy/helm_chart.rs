@@ -1225,7 +1225,9 @@ fn pod_runs_as_the_images_user() {
 /// - the bundled Postgres is `<release>-postgres:5432`, database `main`
 ///   (`trigger-v4.postgres.hostname`, values.yaml `postgres.auth.database`);
 /// - `electric.deploy: false` requires `electric.external.url`
-///   (templates/validate-external-config.yaml).
+///   (templates/validate-external-config.yaml);
+/// - the webapp's Service is `<release>-webapp` on `webapp.service.port` 3030 (templates/webapp.yaml,
+///   values.yaml).
 const TRIGGER_CHART_VERSION: &str = "4.5.12";
 
 #[test]
@@ -1263,6 +1265,18 @@ fn chart_defaults_name_trigger_charts_services() {
         "the database URL example names trigger's Postgres"
     );
     assert!(text.contains(&format!("v{TRIGGER_CHART_VERSION}")));
+    // Run tokens go to trigger's webapp Service: <release>-webapp, `webapp.service.port` 3030.
+    assert_eq!(values["runTokenUpstream"], "http://trigger-webapp:3030");
+    let env = env_map(container(
+        kind(&render_chart(""), "Deployment").expect("Deployment"),
+    ));
+    assert_eq!(
+        env["RUNFEED_AUTH__RUN_TOKEN_UPSTREAM"],
+        "http://trigger-webapp:3030"
+    );
+    let unset = render_chart("runTokenUpstream: \"\"");
+    let env = env_map(container(kind(&unset, "Deployment").expect("Deployment")));
+    assert!(!env.contains_key("RUNFEED_AUTH__RUN_TOKEN_UPSTREAM"));
     // The Ingress host must be set to the webapp's; default = trigger's chart default host.
     assert_eq!(values["ingress"]["host"], "trigger.local");
 }

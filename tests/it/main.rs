@@ -36,6 +36,7 @@ mod fleet;
 mod fuzz_props;
 mod grants;
 mod replica;
+mod run_tokens;
 mod shutdown;
 mod store_auth;
 mod telemetry;

@@ -61,6 +61,8 @@ const FAMILIES: &[&str] = &[
     "runfeed_http_requests_total",
     "runfeed_http_duration_milliseconds",
     "runfeed_http_sent_bytes_total",
+    // Moved by tests/it/run_tokens.rs (a stand-in webapp), every outcome; exported at zero here.
+    "runfeed_http_run_token_forwards_total",
     "runfeed_http_refused_connections_total",
     "runfeed_http_accept_errors_total",
     "runfeed_pg_queries_total",

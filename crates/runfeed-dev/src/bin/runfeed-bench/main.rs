@@ -39,6 +39,7 @@ mod churn;
 mod conn;
 mod fanout;
 mod fleet;
+mod gen;
 mod harness;
 mod held;
 mod idle;
@@ -48,6 +49,7 @@ use bare::BareArgs;
 use churn::ChurnArgs;
 use fanout::FanoutArgs;
 use fleet::{FleetChangeArgs, FleetHoldArgs, FleetSetupArgs};
+use gen::GenArgs;
 use harness::*;
 use held::HeldArgs;
 use idle::IdleArgs;
@@ -75,6 +77,9 @@ enum Scenario {
     Stampede(StampedeArgs),
     /// H idle held feeds: requests/s, Postgres queries/s and CPU while nothing changes.
     Idle(IdleArgs),
+    /// Writes N production-like runs (trigger.dev's schema, several environments, tags, batches,
+    /// TOASTed payloads, `createdAt` over days) into a database, inside Postgres, from a seed.
+    Gen(GenArgs),
     /// A bare hyper server: answers a snapshot at once and parks a `live=true` request for
     /// `--hold-ms`, both `up-to-date` with runfeed's headers; `/metrics` counts them (the
     /// baseline of `held` and of scripts/bench-floor.sh).
@@ -104,6 +109,7 @@ async fn main() -> std::process::ExitCode {
         Scenario::Churn(a) => churn::churn(a).await,
         Scenario::Stampede(a) => stampede::stampede(a).await,
         Scenario::Idle(a) => idle::idle(a).await,
+        Scenario::Gen(a) => gen::gen(a).await,
         Scenario::Bare(a) => bare::bare(a).await,
         Scenario::FleetSetup(a) => fleet::setup(a).await,
         Scenario::FleetHold(a) => fleet::hold(a).await,

@@ -45,8 +45,8 @@ pub(crate) struct VolumeArgs {
     /// run-feed snapshot, a batch-feed snapshot, all cold).
     #[arg(long, default_value_t = 20)]
     probes: usize,
-    /// Pause between two probe rounds (ms).
-    #[arg(long, default_value_t = 250)]
+    /// Time between the starts of two probe rounds (ms).
+    #[arg(long, default_value_t = 500)]
     probe_interval_ms: u64,
     /// The idle measurement (s): every filter long-polls while nothing changes.
     #[arg(long, default_value_t = 150.0)]
@@ -517,7 +517,8 @@ async fn timed_snapshot(b: &Bench, env: &DemoEnv, feed: &Feed) -> (Option<u16>, 
     (r.ok().map(|(r, _)| r.status), ms(t.elapsed()))
 }
 
-/// Probe rounds until `done` or `n` rounds: each round snapshots one of each probe feed at once.
+/// Probe rounds, one every `interval` until `done` or `n` rounds: each round snapshots one of
+/// each probe feed at once, in a task of its own (a slow round does not delay the next).
 async fn probe(
     b: Arc<Bench>,
     busy: Arc<DemoEnv>,
@@ -526,43 +527,44 @@ async fn probe(
     interval: Duration,
     done: Arc<AtomicBool>,
 ) -> (usize, [Probed; 3]) {
+    let mut rounds = Vec::new();
+    while rounds.len() < n && !done.load(Ordering::Relaxed) {
+        let i = rounds.len();
+        let round = [
+            feeds.other.get(i).cloned(),
+            feeds.runs.get(i).map(|f| (busy.clone(), f.clone())),
+            feeds.batches.get(i).map(|f| (busy.clone(), f.clone())),
+        ];
+        let b = b.clone();
+        rounds.push(tokio::spawn(async move {
+            let timed = round.map(|probe| {
+                let b = b.clone();
+                async move {
+                    match probe {
+                        Some((env, feed)) => Some(timed_snapshot(&b, &env, &feed).await),
+                        None => None,
+                    }
+                }
+            });
+            let [o, r, bt] = timed;
+            let (o, r, bt) = tokio::join!(o, r, bt);
+            [o, r, bt]
+        }));
+        tokio::time::sleep(interval).await;
+    }
     let mut out: [Probed; 3] = Default::default();
-    let mut rounds = 0;
-    while rounds < n && !done.load(Ordering::Relaxed) {
-        let other = feeds.other.get(rounds);
-        let run = feeds.runs.get(rounds);
-        let batch = feeds.batches.get(rounds);
-        let (o, r, bt) = tokio::join!(
-            async {
-                match other {
-                    Some((env, f)) => Some(timed_snapshot(&b, env, f).await),
-                    None => None,
-                }
-            },
-            async {
-                match run {
-                    Some(f) => Some(timed_snapshot(&b, &busy, f).await),
-                    None => None,
-                }
-            },
-            async {
-                match batch {
-                    Some(f) => Some(timed_snapshot(&b, &busy, f).await),
-                    None => None,
-                }
-            },
-        );
-        for (slot, got) in out.iter_mut().zip([o, r, bt]) {
+    let n = rounds.len();
+    for round in rounds {
+        let Ok(got) = round.await else { continue };
+        for (slot, got) in out.iter_mut().zip(got) {
             match got {
                 Some((Some(200), t)) => slot.ms.push(t),
                 Some(_) => slot.failed += 1,
                 None => {}
             }
         }
-        rounds += 1;
-        tokio::time::sleep(interval).await;
     }
-    (rounds, out)
+    (n, out)
 }
 
 /// What the followers of the idle and churn phases count.
@@ -904,6 +906,19 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
         .fetch_one(&b.pool)
         .await
         .context("current_database()")?;
+    // pg_stat_statements where the server loads it: its view needs the extension in this
+    // database (left out silently where it cannot be created).
+    let preloaded: bool = sqlx::query_scalar(
+        "SELECT current_setting('shared_preload_libraries') LIKE '%pg_stat_statements%'",
+    )
+    .fetch_one(&b.pool)
+    .await
+    .unwrap_or(false);
+    if preloaded {
+        let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&b.pool)
+            .await;
+    }
     let stats = PgPoolOptions::new()
         .max_connections(2)
         .connect(&fixtures::database_url(&a.common.database_url, "postgres"))

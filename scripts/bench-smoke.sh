@@ -5,7 +5,8 @@
 #   bash scripts/bench-smoke.sh            # uses target/debug (builds both binaries first)
 # Env: BENCH_PROFILE=release to use target/release; BENCH_OUT=DIR for the JSON files
 # (default target/bench-smoke); PG_ADMIN (default postgres://postgres@127.0.0.1:5432),
-# REDIS_URL (default redis://127.0.0.1:6379).
+# REDIS_URL (default redis://127.0.0.1:6379); SMOKE_VOLUME_RUNS (20000: the runs `gen` writes for
+# the volume scenario).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -36,6 +37,11 @@ cleanup() {
 trap cleanup EXIT
 
 "$BIN/runfeed" migrate --database-url "$DB_URL" >/dev/null || { log "migrate failed"; exit 1; }
+# The data of the volume scenario, written first: `gen` fills an empty "TaskRun" (its own
+# environments; the other scenarios add theirs beside them).
+log "gen ${SMOKE_VOLUME_RUNS:-20000} runs"
+"$BIN/runfeed-bench" gen --database-url "$DB_URL" --runs "${SMOKE_VOLUME_RUNS:-20000}" --days 2 \
+  --chunk 10000 --json "$OUT/gen.json" >/dev/null || { log "gen FAILED"; exit 1; }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 ADMIN_PORT=$(free_port)
@@ -72,5 +78,6 @@ scenario churn --rate 20 --envs 2 --runs 4 --held 40 --duration-s 2 --transport 
 scenario stampede --k "${SMOKE_K:-100}"
 scenario idle --held 50 --distinct 5 --duration-s 2
 scenario idle --held 20 --distinct 5 --kind run --duration-s 1
+scenario volume --k 20 --idle-s 5 --churn-per-sec 20 --probes 3 --window 24h --explain --server-log "$LOG"
 [ "$FAILED" -eq 0 ] && log "OK (JSON in $OUT)"
 exit "$FAILED"

@@ -247,17 +247,54 @@ pub async fn create_env_named(
     project_slug: &str,
     env_slug: &str,
 ) -> anyhow::Result<DemoEnv> {
+    let env = DemoEnv {
+        env_id: new_id(),
+        api_key: new_api_key(env_type),
+        org_id: new_id(),
+        project_id: new_id(),
+    };
+    let slugs = EnvSlugs {
+        org: org_slug,
+        project: project_slug,
+        env: env_slug,
+    };
+    create_env_exact(pool, env_type, slugs, &env).await?;
+    Ok(env)
+}
+
+/// The slugs of the organization, project and environment [`create_env_exact`] writes.
+#[derive(Clone, Copy, Debug)]
+pub struct EnvSlugs<'a> {
+    /// `"Organization".slug` (must be unused).
+    pub org: &'a str,
+    /// `"Project".slug` (must be unused).
+    pub project: &'a str,
+    /// `"RuntimeEnvironment".slug`.
+    pub env: &'a str,
+}
+
+/// Like [`create_env_named`] with the ids and key chosen by the caller (`env`): a generator that
+/// must write the same environments from the same seed (`runfeed-bench gen`).
+pub async fn create_env_exact(
+    pool: &PgPool,
+    env_type: &str,
+    slugs: EnvSlugs<'_>,
+    env: &DemoEnv,
+) -> anyhow::Result<()> {
     check_env_type(env_type)?;
-    let org_id = new_id();
-    let project_id = new_id();
-    let env_id = new_id();
-    let api_key = new_api_key(env_type);
+    let DemoEnv {
+        env_id,
+        api_key,
+        org_id,
+        project_id,
+    } = env;
+    let (org_slug, project_slug, env_slug) = (slugs.org, slugs.project, slugs.env);
     let mut tx = pool.begin().await.context("begin transaction")?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"INSERT INTO "Organization" (id, slug, title, "createdAt", "updatedAt")
            VALUES ($1, $2, $3, {NOW_UTC_MS}, {NOW_UTC_MS})"#
     )))
-    .bind(&org_id)
+    .bind(org_id)
     .bind(org_slug)
     .bind(format!("Organization {org_slug}"))
     .execute(&mut *tx)
@@ -267,33 +304,20 @@ pub async fn create_env_named(
         r#"INSERT INTO "Project" (id, name, "organizationId", slug, "externalRef", "createdAt", "updatedAt")
            VALUES ($1, $2, $3, $4, $5, {NOW_UTC_MS}, {NOW_UTC_MS})"#
     )))
-    .bind(&project_id)
+    .bind(project_id)
     .bind(format!("Project {project_slug}"))
-    .bind(&org_id)
+    .bind(org_id)
     .bind(project_slug)
     .bind(format!("proj_{}", random_alnum_lower(20)))
     .execute(&mut *tx)
     .await
     .context("insert Project")?;
     insert_env(
-        &mut tx,
-        &env_id,
-        env_type,
-        env_slug,
-        &api_key,
-        &org_id,
-        &project_id,
-        None,
-        None,
+        &mut tx, env_id, env_type, env_slug, api_key, org_id, project_id, None, None,
     )
     .await?;
     tx.commit().await.context("commit environment fixture")?;
-    Ok(DemoEnv {
-        env_id,
-        api_key,
-        org_id,
-        project_id,
-    })
+    Ok(())
 }
 
 /// Inserts a branch environment under `parent` (same organization and project,

@@ -56,3 +56,59 @@ pub fn pct(sorted: &[f64], p: f64) -> f64 {
     let i = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
     sorted[i.min(sorted.len() - 1)]
 }
+
+/// Pids of every process named `postgres` on this machine (the postmaster, its background
+/// workers and every backend), from `/proc/<pid>/comm`.
+pub fn postgres_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim_end() == "postgres")
+        })
+        .collect()
+}
+
+/// CPU seconds spent by a changing set of processes over a window (Postgres backends come and
+/// go): each process counts from its CPU time when first seen (0 for one that appeared after
+/// [`CpuTally::start`], so its whole life counts) to its CPU time when last seen. Sample often
+/// (≈ 0.5 s): what a process spends between its last sample and its exit is lost.
+#[derive(Debug, Default)]
+pub struct CpuTally {
+    started: bool,
+    /// pid → (CPU s when first seen, CPU s when last seen).
+    seen: std::collections::HashMap<u32, (f64, f64)>,
+}
+
+impl CpuTally {
+    /// Starts the window with the processes `pids` running now.
+    pub fn start(pids: &[u32]) -> CpuTally {
+        let mut t = CpuTally::default();
+        t.sample(pids);
+        t.started = true;
+        t
+    }
+
+    /// Reads the CPU time of `pids` now.
+    pub fn sample(&mut self, pids: &[u32]) {
+        for &pid in pids {
+            let Some(cpu) = proc_cpu_s(pid) else { continue };
+            let base = if self.started { 0.0 } else { cpu };
+            let entry = self.seen.entry(pid).or_insert((base, cpu));
+            entry.1 = cpu.max(entry.1);
+        }
+    }
+
+    /// CPU seconds spent in the window so far, over every process seen.
+    pub fn total_s(&self) -> f64 {
+        self.seen.values().map(|(first, last)| last - first).sum()
+    }
+
+    /// Processes seen in the window.
+    pub fn processes(&self) -> usize {
+        self.seen.len()
+    }
+}

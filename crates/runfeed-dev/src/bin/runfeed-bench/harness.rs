@@ -123,12 +123,20 @@ impl Resp {
     }
 }
 
-/// What a feed follows: a tag (`/realtime/v1/runs?tags=`) or one run (`/realtime/v1/runs/<id>`).
+/// What a feed follows: a tag (`/realtime/v1/runs?tags=`), one run (`/realtime/v1/runs/<id>`),
+/// several tags within a `createdAt` window, or one batch (`/realtime/v1/batches/<id>`).
 #[derive(Clone, Debug)]
 pub(crate) enum Feed {
     Tag(String),
     /// A run's friendly id (`run_…`).
     Run(String),
+    /// `tags=a,b` (runs carrying every tag) and `createdAt=<created_at>` when given (`24h`).
+    Tags {
+        tags: Vec<String>,
+        created_at: Option<String>,
+    },
+    /// A batch's friendly id (`batch_…`).
+    Batch(String),
 }
 
 impl Feed {
@@ -144,6 +152,14 @@ impl Feed {
                 vec![("tags", tag.clone()), ("log", "full".into())],
             ),
             Feed::Run(id) => (format!("/realtime/v1/runs/{id}"), Vec::new()),
+            Feed::Tags { tags, created_at } => {
+                let mut params = vec![("tags", tags.join(",")), ("log", "full".into())];
+                if let Some(window) = created_at {
+                    params.push(("createdAt", window.clone()));
+                }
+                ("/realtime/v1/runs".into(), params)
+            }
+            Feed::Batch(id) => (format!("/realtime/v1/batches/{id}"), Vec::new()),
         }
     }
 
@@ -166,11 +182,13 @@ impl Feed {
         (path, params)
     }
 
-    /// The public-token scope that reads it.
-    pub(crate) fn scope(&self) -> String {
+    /// The public-token scopes that read it.
+    pub(crate) fn scopes(&self) -> Vec<String> {
         match self {
-            Feed::Tag(tag) => format!("read:tags:{tag}"),
-            Feed::Run(id) => format!("read:runs:{id}"),
+            Feed::Tag(tag) => vec![format!("read:tags:{tag}")],
+            Feed::Run(id) => vec![format!("read:runs:{id}")],
+            Feed::Tags { tags, .. } => tags.iter().map(|t| format!("read:tags:{t}")).collect(),
+            Feed::Batch(id) => vec![format!("read:batch:{id}")],
         }
     }
 }
@@ -312,7 +330,7 @@ impl Bench {
         mint_public_token(
             &env.api_key,
             &env.env_id,
-            &[feed.scope()],
+            &feed.scopes(),
             Duration::from_secs(3600),
             None,
         )
@@ -349,6 +367,39 @@ impl Bench {
         let (status, headers) = (resp.status(), std::mem::take(resp.headers_mut()));
         let body = resp.bytes().await?;
         Ok(Resp::parse(status, &headers, &body))
+    }
+
+    /// Like [`Bench::get`], without parsing the body (a cold snapshot of 1 000 runs with their
+    /// payloads is megabytes): the response's headers and status, `Null` as its body, and the
+    /// body's length in bytes.
+    pub(crate) async fn get_lean(
+        &self,
+        client: &reqwest::Client,
+        token: &str,
+        path: &str,
+        params: &[(&str, String)],
+    ) -> anyhow::Result<(Resp, usize)> {
+        let mut resp = client
+            .get(format!("{}{path}", self.base))
+            .query(params)
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-trigger-electric-version", ELECTRIC_VERSION)
+            .send()
+            .await
+            .with_context(|| format!("GET {path}"))?;
+        let (status, headers) = (resp.status(), std::mem::take(resp.headers_mut()));
+        let body = resp.bytes().await?;
+        Ok((Resp::parse(status, &headers, b""), body.len()))
+    }
+
+    /// The snapshot (`offset=-1`) of `feed`, read with [`Bench::get_lean`]: any status.
+    pub(crate) async fn snapshot_lean(
+        &self,
+        token: &str,
+        feed: &Feed,
+    ) -> anyhow::Result<(Resp, usize)> {
+        let (path, params) = feed.snapshot_request();
+        self.get_lean(self.client(), token, &path, &params).await
     }
 
     pub(crate) async fn snapshot(&self, token: &str, feed: &Feed) -> anyhow::Result<Resp> {
@@ -536,9 +587,20 @@ pub(crate) fn delta(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     Some(b? - a?)
 }
 
-/// Prints `rows` as a two-column table and writes `{scenario, params, figures}` JSON.
+/// Prints `rows` as a two-column table and writes `{scenario, params, figures}` JSON to
+/// `--json`.
 pub(crate) fn report<K: AsRef<str>>(
     c: &Common,
+    scenario: &str,
+    params: Value,
+    rows: Vec<(K, Value)>,
+) -> anyhow::Result<()> {
+    report_to(c.json.as_deref(), scenario, params, rows)
+}
+
+/// [`report`], writing the JSON to `json` when given.
+pub(crate) fn report_to<K: AsRef<str>>(
+    json: Option<&str>,
     scenario: &str,
     params: Value,
     rows: Vec<(K, Value)>,
@@ -564,7 +626,7 @@ pub(crate) fn report<K: AsRef<str>>(
         println!("{k:<44} {shown:>16}");
         figures.insert(k.to_string(), v);
     }
-    if let Some(path) = &c.json {
+    if let Some(path) = json {
         let out = json!({
             "scenario": scenario,
             "params": params,

@@ -3,7 +3,8 @@
 //! server's database (an environment and runs, written like trigger.dev writes them), mints
 //! public tokens, and publishes change records on Redis (Postgres update + change record).
 //!
-//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle` (see BENCHMARKS.md "How to reproduce"); `held`,
+//! Scenarios: `held`, `fanout`, `churn`, `stampede`, `idle`, and `volume` on the data `gen`
+//! writes (see BENCHMARKS.md "How to reproduce"); `held`,
 //! `fanout` and `churn` take `--transport long-poll|sse|both` (SSE live mode, `live_sse=true`;
 //! `both` measures the two in one run, on the same server, one after the other); plus
 //! `bare`, a server that does nothing but hyper's HTTP/1.1 and a timer (the baseline of `held`,
@@ -39,19 +40,23 @@ mod churn;
 mod conn;
 mod fanout;
 mod fleet;
+mod gen;
 mod harness;
 mod held;
 mod idle;
 mod stampede;
+mod volume;
 
 use bare::BareArgs;
 use churn::ChurnArgs;
 use fanout::FanoutArgs;
 use fleet::{FleetChangeArgs, FleetHoldArgs, FleetSetupArgs};
+use gen::GenArgs;
 use harness::*;
 use held::HeldArgs;
 use idle::IdleArgs;
 use stampede::StampedeArgs;
+use volume::VolumeArgs;
 
 #[derive(Parser)]
 #[command(
@@ -75,6 +80,13 @@ enum Scenario {
     Stampede(StampedeArgs),
     /// H idle held feeds: requests/s, Postgres queries/s and CPU while nothing changes.
     Idle(IdleArgs),
+    /// Writes N production-like runs (trigger.dev's schema, several environments, tags, batches,
+    /// TOASTed payloads, `createdAt` over days) into a database, inside Postgres, from a seed.
+    Gen(GenArgs),
+    /// At the volume `gen` wrote: K distinct tag filters' cold stampede (with another
+    /// environment's feeds probed meanwhile), then idle (and churn) long-polls: latency, runfeed
+    /// and Postgres CPU, queries and rows read; `--explain` prints the set queries' plans.
+    Volume(VolumeArgs),
     /// A bare hyper server: answers a snapshot at once and parks a `live=true` request for
     /// `--hold-ms`, both `up-to-date` with runfeed's headers; `/metrics` counts them (the
     /// baseline of `held` and of scripts/bench-floor.sh).
@@ -104,6 +116,8 @@ async fn main() -> std::process::ExitCode {
         Scenario::Churn(a) => churn::churn(a).await,
         Scenario::Stampede(a) => stampede::stampede(a).await,
         Scenario::Idle(a) => idle::idle(a).await,
+        Scenario::Gen(a) => gen::gen(a).await,
+        Scenario::Volume(a) => volume::volume(a).await,
         Scenario::Bare(a) => bare::bare(a).await,
         Scenario::FleetSetup(a) => fleet::setup(a).await,
         Scenario::FleetHold(a) => fleet::hold(a).await,

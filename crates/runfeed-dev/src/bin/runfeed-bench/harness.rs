@@ -680,3 +680,38 @@ pub(crate) fn park(
         })
         .collect()
 }
+
+/// Samples the server's `runfeed_runset_admission_in_use` every `every` until stopped, keeping
+/// the peak: the admission gate's busiest moment during a phase.
+pub struct AdmissionPeak {
+    peak: Arc<AtomicU64>,
+    done: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AdmissionPeak {
+    /// Starts sampling `b`'s admin metrics.
+    pub fn start(b: &Arc<Bench>, every: Duration) -> AdmissionPeak {
+        let peak = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = {
+            let (b, peak, done) = (b.clone(), peak.clone(), done.clone());
+            tokio::spawn(async move {
+                while !done.load(Ordering::Relaxed) {
+                    if let Some(v) = b.metric("runfeed_runset_admission_in_use").await {
+                        peak.fetch_max(v as u64, Ordering::Relaxed);
+                    }
+                    tokio::time::sleep(every).await;
+                }
+            })
+        };
+        AdmissionPeak { peak, done, task }
+    }
+
+    /// Stops sampling; the peak seen.
+    pub async fn stop(self) -> u64 {
+        self.done.store(true, Ordering::Relaxed);
+        let _ = self.task.await;
+        self.peak.load(Ordering::Relaxed)
+    }
+}

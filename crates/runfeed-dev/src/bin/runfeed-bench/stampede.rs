@@ -28,19 +28,7 @@ pub(crate) async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
         c?;
     }
     let q0 = b.metric("runfeed_pg_queries_total").await;
-    let peak = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sampler = {
-        let (b, peak, done) = (b.clone(), peak.clone(), done.clone());
-        tokio::spawn(async move {
-            while !done.load(Ordering::Relaxed) {
-                if let Some(v) = b.metric("runfeed_runset_admission_in_use").await {
-                    peak.fetch_max(v as u64, Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-    };
+    let sampler = AdmissionPeak::start(&b, Duration::from_millis(10));
     let started = Instant::now();
     let tasks: Vec<_> = tags
         .iter()
@@ -62,8 +50,7 @@ pub(crate) async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
         }
     }
     let total = started.elapsed();
-    done.store(true, Ordering::Relaxed);
-    let _ = sampler.await;
+    let peak = sampler.stop().await;
     let q1 = b.metric("runfeed_pg_queries_total").await;
     lat.sort_by(f64::total_cmp);
     report(
@@ -75,10 +62,7 @@ pub(crate) async fn stampede(a: StampedeArgs) -> anyhow::Result<()> {
             ("snapshot p50 (ms)", json!(pct(&lat, 50.0))),
             ("snapshot p99 (ms)", json!(pct(&lat, 99.0))),
             ("errors", json!(errors)),
-            (
-                "peak concurrent resolves (admission in use)",
-                json!(peak.load(Ordering::Relaxed)),
-            ),
+            ("peak concurrent resolves (admission in use)", json!(peak)),
             ("postgres queries", opt(delta(q0, q1))),
         ],
     )

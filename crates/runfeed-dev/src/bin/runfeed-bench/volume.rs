@@ -983,19 +983,8 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let c0 = v.counters().await;
     let cpu = PgCpu::start(&v).await;
-    let peak = Arc::new(AtomicU64::new(0));
     let done = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let (b, peak, done) = (b.clone(), peak.clone(), done.clone());
-        tokio::spawn(async move {
-            while !done.load(Ordering::Relaxed) {
-                if let Some(v) = b.metric("runfeed_runset_admission_in_use").await {
-                    peak.fetch_max(v as u64, Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let sampler = AdmissionPeak::start(&b, Duration::from_millis(20));
     let started = Instant::now();
     let prober = tokio::spawn(probe(
         b.clone(),
@@ -1040,7 +1029,7 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     }
     let stampede_ms = ms(started.elapsed());
     done.store(true, Ordering::Relaxed);
-    let _ = sampler.await;
+    let peak = sampler.stop().await;
     let pg_cpu = cpu.finish().await;
     let c1 = v.counters().await;
     let (rounds, mut probed) = prober.await.unwrap_or_default();
@@ -1061,10 +1050,7 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
             "cold: snapshot body mean (KB)".into(),
             json!(bytes as f64 / answered.max(1) as f64 / 1000.0),
         ),
-        (
-            "cold: peak admission in use".into(),
-            json!(peak.load(Ordering::Relaxed)),
-        ),
+        ("cold: peak admission in use".into(), json!(peak)),
         (
             "cold: postgres CPU per snapshot, runfeed backends (ms)".into(),
             opt(pg_cpu.0.map(|s| s * 1000.0 / feeds.len().max(1) as f64)),

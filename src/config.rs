@@ -171,7 +171,7 @@ pub struct FeedsConfig {
     pub runset_created_at_bucket_ms: u64,
     /// Concurrent cold resolves (run, tag and batch feeds) per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
     pub resolve_admission_limit: usize,
-    /// Of those, the most one environment's tag and batch resolves may hold at once (8); 0 =
+    /// Of those, the most one environment's tag resolves may hold at once (8); 0 =
     /// no per-environment share. One environment's stampede then leaves the rest of the gate to
     /// other environments and to run feeds; the gate stays bounded in total by
     /// `resolve_admission_limit`.

@@ -241,17 +241,48 @@ impl Backstops {
             }
         }
         let set = full().await?;
-        *guard = Some(Arc::new(View {
+        *guard = Some(self.whole(&set, floor, now));
+        Ok(Current::Full(set))
+    }
+
+    /// Keeps a whole-filter read made for another reason (a cold snapshot, a re-check) as the
+    /// filter's view, so its first backstop does not read the filter again. A view whose floor
+    /// is lower, or that is newer, stays; a slot busy with a read is left alone.
+    pub async fn seed(&self, env_id: &EnvId, target: &Target, set: &Arc<RunSet>) {
+        if !set.settled {
+            return;
+        }
+        let (subject, floor) = Subject::of(target);
+        let slot = self
+            .views
+            .get_with((env_id.clone(), subject), async {
+                Arc::new(Mutex::new(None))
+            })
+            .await;
+        let Ok(mut guard) = slot.try_lock() else {
+            return;
+        };
+        let keep = guard
+            .as_ref()
+            .is_some_and(|v| v.floor_ms < floor || v.read_ms >= set.read_ms);
+        if keep {
+            return;
+        }
+        *guard = Some(self.whole(set, floor, Instant::now()));
+    }
+
+    /// The view of a whole-filter read at `floor_ms`, made at `now`.
+    fn whole(&self, set: &RunSet, floor_ms: i64, now: Instant) -> Arc<View> {
+        Arc::new(View {
             heads: set.rows.iter().map(|row| row.meta.clone()).collect(),
-            floor_ms: floor,
+            floor_ms,
             read_at: now,
             read_ms: set.read_ms,
             full_due: self.full_due(now),
             covered_from_ms: set.read_ms - COMMIT_MARGIN_MS,
             cursor: set.cursor,
             settled: set.settled,
-        }));
-        Ok(Current::Full(set))
+        })
     }
 
     /// `view` brought forward: its unfinished runs probed by primary key, the runs created

@@ -112,7 +112,7 @@ pub struct Sets {
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
-    /// Per-environment shares of the gate for tag and batch resolves (`None`: no share).
+    /// Per-environment shares of the gate for tag resolves (`None`: no share).
     env_shares: Option<EnvShares>,
     /// The admission gate's size (for [`ADMISSION_PEAK`]).
     admission_limit: usize,
@@ -440,12 +440,11 @@ impl Sets {
         admit: bool,
     ) -> Result<Arc<RunSet>, ReadError> {
         let admission_started = Instant::now();
-        // A tag or batch resolve first takes a permit of its environment's share: one
-        // environment's stampede cannot hold the whole gate.
+        // A tag resolve first takes a permit of its environment's share: one environment's tag
+        // stampede cannot hold the whole gate (run and batch reads, by primary key and by the
+        // batch index, take only the gate).
         let _share = match (&self.env_shares, target) {
-            (Some(shares), Target::Tag { .. } | Target::Batch { .. }) if admit => {
-                Some(shares.acquire(env_id).await)
-            }
+            (Some(shares), Target::Tag { .. }) if admit => Some(shares.acquire(env_id).await),
             _ => None,
         };
         // Every cold resolve takes a permit, a run feed's too: after a reconnect storm the
@@ -496,17 +495,22 @@ impl Sets {
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
             tracing::warn!(%env_id, cap = self.cap, "run set truncated at the list cap");
         }
-        Ok(Arc::new(RunSet {
+        let set = Arc::new(RunSet {
             cursor,
             rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
             settled,
             read_ms,
-        }))
+        });
+        // A whole-filter read is also the filter's backstop view: its first backstop need not
+        // read the filter again.
+        if let Some(views) = &self.views {
+            views.seed(env_id, target, &set).await;
+        }
+        Ok(set)
     }
 }
 
-/// Per-environment shares of the resolve admission gate: each environment's tag and batch
-/// resolves hold at most `per_env` of the gate's permits at once (`feeds.resolve_admission_per_env`).
+/// Per-environment shares of the resolve admission gate: each environment's tag resolves hold at most `per_env` of the gate's permits at once (`feeds.resolve_admission_per_env`).
 /// Waiters beyond that queue on their environment's share, not on the gate, so other
 /// environments and run feeds still get permits. Bounded: environments unused for a minute are
 /// dropped (a permit still held keeps its semaphore alive).

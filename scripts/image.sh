@@ -4,7 +4,10 @@
 # with podman (as `docker build` would, no daemon), runs them against the local Postgres and Redis
 # with host networking, and checks what a user of the image relies on. Also validates
 # docker-compose.yml and the trigger.dev overlay with a compose implementation (podman-compose).
-#   bash scripts/image.sh
+#   bash scripts/image.sh           # everything below
+#   bash scripts/image.sh build     # the base images and the two builds only (scripts/test.sh
+#                                   # runs this in the background, then the whole script)
+#   bash scripts/image.sh compose   # the compose checks only (seconds)
 # What it prints: one PASS/FAIL line per check, the image sizes and the time of each phase; exits
 # non-zero on any FAIL. Logs: target/test-logs/image-*.log.
 #
@@ -25,7 +28,8 @@
 # own (target/image/containers.conf: no default rlimits, which this machine refuses).
 # Env: IMAGE_HOST_CA (CA bundle trusted inside the builder, default
 # /etc/ssl/certs/ca-certificates.crt), IMAGE_REBUILD_BASE=1 (remake both base images),
-# IMAGE_COLD=1 (drop the built images, the layer cache and the cache mounts first: a cold build),
+# IMAGE_COLD=1 (first drop every podman image, base images included, and the build's cache mounts:
+# what a cold machine builds),
 # IMAGE_STOP_GRACE (seconds `podman stop` waits before SIGKILL, default 10, Docker's default),
 # IMAGE_KEEP=1 (leave the test container and database behind for a look).
 set -uo pipefail
@@ -135,7 +139,8 @@ make_base_image() {
   find "$dir/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
   rm -rf "$dir"/usr/share/man/* "$dir"/usr/share/info/* "$dir"/var/cache/debconf/*-old
   find "$dir/usr/share/locale" -mindepth 1 -maxdepth 1 -not -name locale.alias -exec rm -rf {} +
-  tar -C "$dir" -c . | pm import --change 'CMD ["bash"]' - "$BASE_IMAGE" >/dev/null || return 1
+  tar -C "$dir" -c . | pm import --change 'CMD ["bash"]' - "$BASE_IMAGE" >>"$LOG_DIR/image-debootstrap.log" 2>&1 ||
+    { tail -5 "$LOG_DIR/image-debootstrap.log"; return 1; }
   rm -rf "$dir"
 }
 
@@ -200,13 +205,12 @@ base_images() {
 # ---------------------------------------------------------------------------------------------
 # build
 
-# A cold build: no runfeed images, no cached layers, no cache mounts (the base images stay).
+# A cold machine: no images at all (the base images included), no cached layers, no cache mounts
+# (buildah keeps them under /var/tmp/buildah-cache for root, buildah-cache-<uid> otherwise).
 drop_build_cache() {
-  say "IMAGE_COLD=1: dropping the built images, the layer cache and the cache mounts"
-  pm rmi -f "$IMAGE" "$DEMO_IMAGE" >/dev/null 2>&1 || true
-  pm image prune -a -f --filter "reference!=$BASE_IMAGE" >/dev/null 2>&1 || true
-  pm image prune -f >/dev/null 2>&1 || true
-  rm -rf /var/tmp/buildah-cache-"$(id -u)"
+  say "IMAGE_COLD=1: dropping every image, the layer cache and the build's cache mounts"
+  pm rmi -a -f >/dev/null 2>&1 || true
+  as_root rm -rf /var/tmp/buildah-cache /var/tmp/buildah-cache-"$(id -u)"
 }
 
 # The build a user runs (`docker build [--target demo] .`), through podman: --format docker keeps
@@ -548,10 +552,10 @@ fi
 install_tools
 trap cleanup EXIT
 [ -n "$RUST_VERSION" ] || die "no rust:<version>-bookworm FROM line in the Dockerfile"
+[ "${IMAGE_COLD:-0}" = 1 ] && drop_build_cache
 if ! base_images; then fail "base images"; summary; exit 1; fi
 phase_done "base images"
 
-[ "${IMAGE_COLD:-0}" = 1 ] && drop_build_cache
 check "build: the runtime image (default target)" build "$IMAGE" "$LOG_DIR/image-build.log"
 phase_done "build runtime"
 check "build: the demo image (--target demo)" build "$DEMO_IMAGE" "$LOG_DIR/image-build-demo.log" --target demo

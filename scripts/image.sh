@@ -240,7 +240,7 @@ free_port() {
 
 cleanup() {
   [ "${IMAGE_KEEP:-0}" = 1 ] && { say "IMAGE_KEEP=1: container $NAME and database $DB left behind"; return; }
-  pm rm -f -t 0 "$NAME" "$NAME-migrate" "$NAME-demo" >/dev/null 2>&1 || true
+  pm rm -f -i -t 0 "$NAME" "$NAME-migrate" "$NAME-demo" >/dev/null 2>&1 || true
   psql_q -d postgres -c "DROP DATABASE IF EXISTS \"$DB\" WITH (FORCE)" >/dev/null 2>&1 || true
 }
 

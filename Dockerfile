@@ -89,8 +89,14 @@ USER runfeed:runfeed
 ENV RUNFEED_TELEMETRY__LOG_FORMAT=json \
     RUNFEED_TELEMETRY__ADMIN_LISTEN=0.0.0.0:9464
 EXPOSE 3030 9464
-# No curl in the image: probe /healthz with bash's /dev/tcp.
+# No curl in the image: probe /healthz with bash's /dev/tcp, on the address `serve` listens on: its
+# --listen (from PID 1's command line, also under `docker run --init`), else RUNFEED_LISTEN or
+# RUNFEED_SERVER__LISTEN, else the built-in default; a wildcard address is probed on loopback.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/3030 && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
+  CMD ["bash", "-c", "l=${RUNFEED_LISTEN:-${RUNFEED_SERVER__LISTEN:-127.0.0.1:3030}}; \
+mapfile -d '' a </proc/1/cmdline; \
+for i in \"${!a[@]}\"; do case ${a[i]} in --listen) l=${a[i+1]} ;; --listen=*) l=${a[i]#*=} ;; esac; done; \
+h=${l%:*}; h=${h#[}; h=${h%]}; case $h in 0.0.0.0) h=127.0.0.1 ;; ::) h=::1 ;; esac; \
+exec 3<>/dev/tcp/$h/${l##*:} && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
 ENTRYPOINT ["runfeed"]
 CMD ["serve", "--listen", "0.0.0.0:3030"]

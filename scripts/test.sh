@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317  # the step functions are invoked through run_step
 # THE test command: services, e2e deps, lints (rustfmt, clippy), build, Rust tests, end-to-end
-# tests with the real npm clients, proxies, browser, fuzzing.
+# tests with the real npm clients, proxies, browser, fuzzing, the container image.
 #   bash scripts/test.sh
 # Exits non-zero if any step fails; prints a summary at the end. The lints run first and stop the
 # run when they fail (seconds for rustfmt; clippy's check build is a few minutes cold).
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
 # name pattern, e.g. "scenario 05"), SKIP_LINT=1 / SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_PROXIES=1 /
-# SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 to run a subset locally.
+# SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 / SKIP_IMAGE=1 to run a subset locally.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -98,6 +98,15 @@ start_replica() {
   trap 'bash scripts/replica.sh stop --port "$REPLICA_PORT" >/dev/null 2>&1 || true' EXIT
 }
 
+# Adds COMMAND to the EXIT trap, after whatever an earlier step set there.
+on_exit() { # command
+  local cmd=$1 prev=""
+  eval "set -- $(trap -p EXIT)"
+  [ $# -ge 3 ] && prev=$3
+  # shellcheck disable=SC2064  # expand the earlier trap now, on purpose
+  trap "${prev:+$prev; }$cmd" EXIT
+}
+
 # A local 3-master Redis Cluster for tests/it/changes_cluster.rs (sharded pub/sub); without
 # RUNFEED_TEST_REDIS_CLUSTER_URL those tests skip. Stopped after the Rust tests and on exit.
 REDIS_CLUSTER_BASE_PORT="${REDIS_CLUSTER_BASE_PORT:-7100}"
@@ -105,12 +114,8 @@ stop_redis_cluster() {
   bash scripts/redis-cluster.sh stop --base-port "$REDIS_CLUSTER_BASE_PORT" >/dev/null 2>&1 || true
 }
 start_redis_cluster() {
-  local out prev=""
-  # Chain onto an EXIT trap set earlier (the replica's) instead of replacing it.
-  eval "set -- $(trap -p EXIT)"
-  [ $# -ge 3 ] && prev=$3
-  # shellcheck disable=SC2064  # expand the earlier trap now, on purpose
-  trap "${prev:+$prev; }stop_redis_cluster" EXIT
+  local out
+  on_exit stop_redis_cluster
   out=$(bash scripts/redis-cluster.sh start --base-port "$REDIS_CLUSTER_BASE_PORT") || return 1
   RUNFEED_TEST_REDIS_CLUSTER_URL=$(printf '%s\n' "$out" | sed -n 's/^REDIS_CLUSTER_URL=//p')
   [ -n "$RUNFEED_TEST_REDIS_CLUSTER_URL" ] || return 1
@@ -140,18 +145,26 @@ fi
 FUZZ_BUILD_PID=""
 FUZZ_BUILD_LOG="$LOG_DIR/fuzz-build.log"
 start_fuzz_build() {
-  local prev=""
   # A session of its own (setsid), so that the EXIT trap can stop cargo and rustc with it.
   FUZZ_BUILD_ONLY=1 setsid nice -n 19 bash scripts/fuzz.sh >"$FUZZ_BUILD_LOG" 2>&1 &
   FUZZ_BUILD_PID=$!
   echo "fuzz build started in the background (pid $FUZZ_BUILD_PID, log $FUZZ_BUILD_LOG)"
-  # Chain onto the EXIT traps set earlier: a run that ends early stops the background build.
-  eval "set -- $(trap -p EXIT)"
-  [ $# -ge 3 ] && prev=$3
-  # shellcheck disable=SC2064  # expand the pid and the earlier trap now, on purpose
-  trap "${prev:+$prev; }kill -- -$FUZZ_BUILD_PID 2>/dev/null || true" EXIT
+  # A run that ends early stops the background build.
+  on_exit "kill -- -$FUZZ_BUILD_PID 2>/dev/null || true"
 }
 if [ "${SKIP_FUZZ:-0}" != 1 ]; then start_fuzz_build; fi
+# The container image's build (scripts/image.sh build: base images, then the Dockerfile's release
+# build with podman; minutes when cold) runs in the background the same way, beside the fuzz
+# build; the image step at the end waits for it, then runs the image's checks.
+IMAGE_BUILD_PID=""
+IMAGE_BUILD_LOG="$LOG_DIR/image-build-step.log"
+start_image_build() {
+  setsid nice -n 19 bash scripts/image.sh build >"$IMAGE_BUILD_LOG" 2>&1 &
+  IMAGE_BUILD_PID=$!
+  echo "image build started in the background (pid $IMAGE_BUILD_PID, log $IMAGE_BUILD_LOG)"
+  on_exit "kill -- -$IMAGE_BUILD_PID 2>/dev/null || true"
+}
+if [ "${SKIP_IMAGE:-0}" != 1 ]; then start_image_build; fi
 # Seconds-long smoke of every runfeed-bench scenario (figures printed, not asserted; ~15 s).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then run_step "bench smoke: scripts/bench-smoke.sh" bash scripts/bench-smoke.sh; fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then run_step "e2e: node --test tests/e2e" e2e_tests; fi
@@ -184,6 +197,22 @@ fuzz_step() {
   bash scripts/fuzz.sh
 }
 if [ "${SKIP_FUZZ:-0}" != 1 ]; then run_step "fuzz: scripts/fuzz.sh (${FUZZ_SECONDS:-20}s per target)" fuzz_step; fi
+
+# The container image (scripts/image.sh): once the background build above is done (its log is
+# printed here), the image runs against the local Postgres and Redis (migrate, the demo's seed,
+# health, a real client's snapshot and live poll, non-root, HEALTHCHECK, SIGTERM drain), and the
+# compose files are validated with podman-compose.
+image_step() {
+  local rc=0
+  if [ -n "$IMAGE_BUILD_PID" ]; then
+    echo "(waiting for the background image build, $IMAGE_BUILD_LOG)"
+    wait "$IMAGE_BUILD_PID" || rc=$?
+    cat "$IMAGE_BUILD_LOG"
+    if [ "$rc" -ne 0 ]; then echo "image: the build failed (exit $rc)"; return "$rc"; fi
+  fi
+  bash scripts/image.sh
+}
+if [ "${SKIP_IMAGE:-0}" != 1 ]; then run_step "image: scripts/image.sh (podman build, run, compose)" image_step; fi
 
 summary
 exit "$FAILED"

@@ -851,6 +851,13 @@ fn check_healthcheck(instrs: &[Instr]) -> Vec<String> {
             hc.line
         ));
     }
+    // A fixed port fails every container whose `serve --listen` names another one.
+    if !probe.contains("--listen") {
+        problems.push(format!(
+            "line {}: the HEALTHCHECK probes a fixed address, not the one `serve --listen` names",
+            hc.line
+        ));
+    }
     for port in &ports {
         if *port != listen.port() {
             problems.push(format!(
@@ -1636,6 +1643,7 @@ fn dockerfile_checks_catch_a_bad_dockerfile() {
         BAD_DOCKERFILE.replace("127.0.0.1:3030\", \\\n     \"--bogus\"", "0.0.0.0:3030\"");
     let hc = check_healthcheck(&parse_dockerfile(&fixed_cmd));
     assert_found(&hc, "probes port 8080 but CMD listens on 3030");
+    assert_found(&hc, "probes a fixed address");
     assert_found(&hc, "listen port 3030 is not EXPOSEd");
     assert_found(&hc, "admin port 9464");
     assert_found(

@@ -91,8 +91,10 @@ pub struct View {
     heads: Vec<Arc<RunMeta>>,
     /// The `createdAt` floor the view was read at: it serves feeds whose floor is at or above.
     floor_ms: i64,
-    /// When it was read or brought forward.
-    read_at: Instant,
+    /// Backstops until this reuse it as it is; later ones bring it forward. A view seeded by a
+    /// snapshot is not shared at all: the client has just been sent that read, so its first
+    /// backstop must look again (cheaply, by [`Backstops::advance`]).
+    share_until: Instant,
     /// The same, wall time (epoch ms).
     read_ms: i64,
     /// When the next backstop re-reads the filter fully.
@@ -232,7 +234,7 @@ impl Backstops {
             .as_ref()
             .filter(|v| floor >= v.floor_ms && now < v.full_due)
         {
-            if now.duration_since(view.read_at) < self.share {
+            if now < view.share_until {
                 return Ok(Current::View(view.clone()));
             }
             if let Some(next) = Box::pin(self.advance(env_id, &subject, view)).await? {
@@ -241,7 +243,7 @@ impl Backstops {
             }
         }
         let set = full().await?;
-        *guard = Some(self.whole(&set, floor, now));
+        *guard = Some(self.whole(&set, floor, now, now + self.share));
         Ok(Current::Full(set))
     }
 
@@ -268,15 +270,18 @@ impl Backstops {
         if keep {
             return;
         }
-        *guard = Some(self.whole(set, floor, Instant::now()));
+        let now = Instant::now();
+        *guard = Some(self.whole(set, floor, now, now));
     }
 
-    /// The view of a whole-filter read at `floor_ms`, made at `now`.
-    fn whole(&self, set: &RunSet, floor_ms: i64, now: Instant) -> Arc<View> {
+    /// The view of a whole-filter read at `floor_ms`, made at `now` (its full re-read falls due
+    /// from then), shared by backstops until
+    /// `share_until`.
+    fn whole(&self, set: &RunSet, floor_ms: i64, now: Instant, share_until: Instant) -> Arc<View> {
         Arc::new(View {
             heads: set.rows.iter().map(|row| row.meta.clone()).collect(),
             floor_ms,
-            read_at: now,
+            share_until,
             read_ms: set.read_ms,
             full_due: self.full_due(now),
             covered_from_ms: set.read_ms - COMMIT_MARGIN_MS,
@@ -365,7 +370,7 @@ impl Backstops {
         Ok(Some(Arc::new(View {
             heads,
             floor_ms: view.floor_ms,
-            read_at: started,
+            share_until: started + self.share,
             read_ms: started_ms,
             full_due: view.full_due,
             covered_from_ms,

@@ -2333,6 +2333,28 @@ async fn a_lost_change_to_an_unfinished_run_surfaces_before_the_full_reread() {
     );
 }
 
+/// A lost change made during the first hold after a snapshot surfaces at that hold's backstop,
+/// even when backstops share their reads for a minute: the snapshot's read seeds the filter's
+/// view (so the backstop need not re-read the whole filter) but is not shared as a backstop
+/// read, since the client was just sent it.
+#[tokio::test]
+async fn a_lost_change_in_the_first_hold_after_a_snapshot_surfaces_at_its_backstop() {
+    let (srv, env) = TestServer::start_with_env(300, |c| {
+        c.caches.backstop_share_ms = 60_000;
+        c.caches.runset_cache_ttl_ms = 50;
+    })
+    .await;
+    let run = srv.tagged_run(&env, &["seeded"]).await; // PENDING: not final
+    let h = modern(&env.api_key);
+    let url = tag_url("seeded");
+    let snap = srv.fetch(&url.snapshot(), &h).await;
+    snap.assert_status(200);
+    srv.set_status(&run.id, "EXECUTING").await; // committed, never published
+    let r = srv.fetch(&url.live_after(&snap), &h).await;
+    r.assert_status(200);
+    assert_eq!(r.ops(), vec![op("update", &run.id)], "{}", r.text);
+}
+
 /// A run created without a publish surfaces through the environment's tail (the runs created
 /// since the view was read), before the full re-read.
 #[tokio::test]

@@ -248,8 +248,9 @@ impl Backstops {
     }
 
     /// Keeps a whole-filter read made for another reason (a cold snapshot, a re-check) as the
-    /// filter's view, so its first backstop does not read the filter again. A view whose floor
-    /// is lower, or that is newer, stays; a slot busy with a read is left alone.
+    /// filter's view, so its first backstop brings that view forward instead of re-reading the
+    /// whole filter. A view whose floor is lower, or that is newer, stays; a slot busy with a
+    /// read is left alone.
     pub async fn seed(&self, env_id: &EnvId, target: &Target, set: &Arc<RunSet>) {
         if !set.settled {
             return;

@@ -501,8 +501,8 @@ impl Sets {
             settled,
             read_ms,
         });
-        // A whole-filter read is also the filter's backstop view: its first backstop need not
-        // read the filter again.
+        // A whole-filter read is also the filter's backstop view: its first backstop brings it
+        // forward instead of reading the whole filter again.
         if let Some(views) = &self.views {
             views.seed(env_id, target, &set).await;
         }

@@ -12,8 +12,8 @@
 //!
 //! Times are tokio's monotonic clock (so tests can pause it).
 
+use parking_lot::Mutex;
 use std::hash::Hash;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -134,7 +134,7 @@ where
     /// Sweeps the expired entries out when the last sweep is half a TTL ago (one caller does,
     /// the others go on).
     fn sweep_if_due(&self, now: Instant) {
-        let Ok(mut swept) = self.swept.try_lock() else {
+        let Some(mut swept) = self.swept.try_lock() else {
             return;
         };
         if now.duration_since(*swept) < self.ttl / 2 {

@@ -14,7 +14,7 @@ use moka::future::Cache;
 /// The caches' hasher (their keys are tokens and ids: long strings hashed on every request).
 type Hasher = foldhash::fast::RandomState;
 
-use crate::protocol::EnvId;
+use crate::protocol::{EnvId, OrgId};
 use crate::store::{EnvRecord, EnvStore, StoreError};
 
 pub mod jwt;
@@ -30,7 +30,7 @@ pub use scope::{batch_route_resources, parse_scope, run_route_resources, runs_li
 pub struct AuthedEnv {
     /// Internal `"RuntimeEnvironment".id`; every run/batch lookup is scoped to it.
     pub id: EnvId,
-    pub organization_id: String,
+    pub organization_id: OrgId,
     pub project_id: String,
     /// `PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`.
     pub env_type: String,
@@ -573,8 +573,8 @@ impl Authenticator {
 mod tests {
     use super::*;
     use async_trait::async_trait;
+    use parking_lot::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
 
     #[test]
     fn bearer_token_strips_exact_prefix_and_trims() {
@@ -630,7 +630,7 @@ mod tests {
             pred: impl Fn(&EnvRecord) -> bool,
         ) -> Result<Option<EnvRecord>, StoreError> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            Ok(self.envs.lock().unwrap().iter().find(|e| pred(e)).cloned())
+            Ok(self.envs.lock().iter().find(|e| pred(e)).cloned())
         }
     }
 
@@ -640,7 +640,7 @@ mod tests {
             self.lookup(|e| e.api_key == key)
         }
         async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
-            let revoked = self.revoked.lock().unwrap();
+            let revoked = self.revoked.lock();
             let env_id = revoked.iter().find(|(_, k)| k == key).map(|(e, _)| e);
             self.lookup(|e| env_id.is_some_and(|id| e.id == *id))
         }
@@ -663,7 +663,6 @@ mod tests {
             Ok(self
                 .revoked
                 .lock()
-                .unwrap()
                 .iter()
                 .filter(|(e, _)| e == env_id.as_str())
                 .map(|(_, k)| k.clone())
@@ -675,7 +674,7 @@ mod tests {
         EnvRecord {
             id: id.into(),
             env_type: env_type.into(),
-            organization_id: "org".into(),
+            organization_id: OrgId::new("org"),
             project_id: "proj".into(),
             api_key: key.into(),
             parent_environment_id: None,
@@ -688,7 +687,7 @@ mod tests {
 
     fn store_with(envs: Vec<EnvRecord>) -> Arc<MemEnvs> {
         let store = MemEnvs::default();
-        *store.envs.lock().unwrap() = envs;
+        *store.envs.lock() = envs;
         Arc::new(store)
     }
 
@@ -875,7 +874,7 @@ mod tests {
             mint_public_token("tr_prod_key", "env_1", &[], Duration::from_secs(60), None).unwrap();
         let bearer = format!("Bearer {token}");
         assert!(auth.authenticate(Some(&bearer), None).await.is_ok());
-        store.envs.lock().unwrap()[0].api_key = "tr_prod_rotated".into();
+        store.envs.lock()[0].api_key = "tr_prod_rotated".into();
         let caches = auth.caches.as_ref().unwrap();
         caches.by_id.invalidate_all();
         caches.found_by_id.clear();

@@ -2,9 +2,9 @@
 //! subscription interface the router drives ([`ChangeSource`]), and an in-memory source for
 //! tests ([`MemoryChangeSource`]). The Redis source is `redis::RedisChangeSource`.
 
+use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::mpsc;
 
@@ -38,10 +38,6 @@ pub trait ChangeSource: Send + Sync + 'static {
     fn unsubscribe(&self, env_id: &EnvId);
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 // ---------------------------------------------------------------------------------------------
 // In-memory source
 // ---------------------------------------------------------------------------------------------
@@ -66,7 +62,7 @@ impl MemoryChangeSource {
     /// Delivers `record` on env `env_id` if subscribed; returns whether it was delivered
     /// (`false` also when the consumer is gone).
     pub fn push(&self, env_id: &EnvId, record: ChangeRecord) -> bool {
-        if !lock(&self.subscribed).contains(env_id) {
+        if !self.subscribed.lock().contains(env_id) {
             return false;
         }
         self.tx
@@ -84,7 +80,7 @@ impl MemoryChangeSource {
 
     /// Currently subscribed environments (sorted).
     pub fn subscribed(&self) -> Vec<EnvId> {
-        lock(&self.subscribed).iter().cloned().collect()
+        self.subscribed.lock().iter().cloned().collect()
     }
 }
 
@@ -92,7 +88,7 @@ impl ChangeSource for MemoryChangeSource {
     fn subscribe(&self, env_id: &EnvId) -> u64 {
         // In memory a subscription is active at once.
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        lock(&self.subscribed).insert(env_id.clone());
+        self.subscribed.lock().insert(env_id.clone());
         let _ = self.tx.send(SourceEvent::Subscribed {
             env_id: env_id.clone(),
             generation,
@@ -100,7 +96,7 @@ impl ChangeSource for MemoryChangeSource {
         generation
     }
     fn unsubscribe(&self, env_id: &EnvId) {
-        lock(&self.subscribed).remove(env_id);
+        self.subscribed.lock().remove(env_id);
     }
 }
 

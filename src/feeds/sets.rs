@@ -86,10 +86,6 @@ struct SetKey {
     cols: ColumnSet,
 }
 
-/// Instrument (process-wide, for tests): the most resolve admission permits one instance's gate
-/// had handed out at once (limit − available, sampled when a permit is acquired).
-pub static ADMISSION_PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// Shared backstop reads: moka single-flights them, the [`TtlCache`] keeps their results.
 type BackstopReads = (
     Cache<SetKey, Arc<RunSet>, Hasher>,
@@ -114,8 +110,6 @@ pub struct Sets {
     admission: Option<Arc<Semaphore>>,
     /// Per-environment shares of the gate for tag resolves (`None`: no share).
     env_shares: Option<EnvShares>,
-    /// The admission gate's size (for [`ADMISSION_PEAK`]).
-    admission_limit: usize,
     /// Instruments (no-op unless set through [`crate::feeds::Feeds::with_metrics`]).
     metrics: Arc<Metrics>,
 }
@@ -185,7 +179,6 @@ impl Sets {
             batches: Lookups::new(lookup_ttl),
             admission: (feeds.resolve_admission_limit > 0)
                 .then(|| Arc::new(Semaphore::new(feeds.resolve_admission_limit))),
-            admission_limit: feeds.resolve_admission_limit,
             env_shares: (feeds.resolve_admission_limit > 0 && feeds.resolve_admission_per_env > 0)
                 .then(|| EnvShares::new(feeds.resolve_admission_per_env)),
             metrics: Metrics::noop(),
@@ -275,7 +268,7 @@ impl Sets {
         let ran = std::sync::atomic::AtomicBool::new(false);
         let init = async {
             ran.store(true, std::sync::atomic::Ordering::Relaxed);
-            self.read_fresh_inner(env_id, target, cols, true).await
+            self.read_fresh_inner(env_id, target, cols).await
         };
         let fut = self.sets.try_get_with(key.clone(), init);
         let result = shared_by_deadline(deadline, fut).await;
@@ -424,9 +417,7 @@ impl Sets {
         cols: ColumnSet,
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
-        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols, true))
-            .await
-        {
+        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols)).await {
             Ok(result) => result,
             Err(_) => Err(ReadError::Deadline),
         }
@@ -437,32 +428,23 @@ impl Sets {
         env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
-        admit: bool,
     ) -> Result<Arc<RunSet>, ReadError> {
         let admission_started = Instant::now();
         // A tag resolve first takes a permit of its environment's share: one environment's tag
         // stampede cannot hold the whole gate (run and batch reads, by primary key and by the
         // batch index, take only the gate).
         let _share = match (&self.env_shares, target) {
-            (Some(shares), Target::Tag { .. }) if admit => Some(shares.acquire(env_id).await),
+            (Some(shares), Target::Tag { .. }) => Some(shares.acquire(env_id).await),
             _ => None,
         };
         // Every cold resolve takes a permit, a run feed's too: after a reconnect storm the
         // single-run reads are the many.
-        let _permit = match (&self.admission, admit) {
-            (Some(sem), true) => sem.clone().acquire_owned().await.ok(),
-            _ => None,
+        let _permit = match &self.admission {
+            Some(sem) => sem.clone().acquire_owned().await.ok(),
+            None => None,
         };
         if _permit.is_some() {
             self.metrics.admission_waited(admission_started.elapsed());
-            let free = self
-                .admission
-                .as_ref()
-                .map_or(0, |sem| sem.available_permits());
-            ADMISSION_PEAK.fetch_max(
-                self.admission_limit.saturating_sub(free),
-                std::sync::atomic::Ordering::Relaxed,
-            );
         }
         let read_ms = now_ms();
         let cursor = self.router.touch(env_id);

@@ -28,12 +28,15 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::protocol::{EnvId, OrgId};
 use crate::redis::ConcurrencyScript;
 
 /// How long admission waits for Redis before counting locally.
@@ -119,8 +122,8 @@ struct EnvLease {
 }
 
 impl Leases {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, EnvLease>> {
-        self.envs.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, EnvLease>> {
+        self.envs.lock()
     }
 
     /// A free leased slot of `env_id`, taken, if there is one (one map lookup: the hot path of
@@ -181,7 +184,7 @@ impl Drop for Slot {
                 }
             }
             Some(Release::Local { local, env_id }) => {
-                let mut counts = local.lock().unwrap_or_else(|p| p.into_inner());
+                let mut counts = local.lock();
                 if let Some(n) = counts.get_mut(&env_id) {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
@@ -251,10 +254,10 @@ impl Limiter {
     }
 
     /// The limit that applies to an organization.
-    pub fn limit_for(&self, organization_id: &str) -> u64 {
+    pub fn limit_for(&self, organization_id: &OrgId) -> u64 {
         self.cfg
             .overrides
-            .get(organization_id)
+            .get(organization_id.as_str())
             .copied()
             .unwrap_or(self.cfg.default_limit)
     }
@@ -279,8 +282,9 @@ impl Limiter {
 
     /// Takes a slot for a live poll of `env_id`, or `None` when the environment is at its limit
     /// (answer 429 `{"error":"Too many concurrent requests"}`).
-    pub async fn acquire(&self, env_id: &str, organization_id: &str) -> Option<Slot> {
+    pub async fn acquire(&self, env_id: &EnvId, organization_id: &OrgId) -> Option<Slot> {
         let limit = self.limit_for(organization_id);
+        let env_id = env_id.as_str();
         if let Some(script) = &self.script {
             let block = self.lease_block(limit);
             // A free slot of this instance's lease is taken without an await; the Redis paths
@@ -306,7 +310,7 @@ impl Limiter {
                 }
             }
         }
-        let mut counts = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = self.local.lock();
         let held = counts.entry(env_id.to_string()).or_insert(0);
         if *held >= limit {
             if *held == 0 {
@@ -523,17 +527,21 @@ mod tests {
             lease_slots: 32,
         };
         let limiter = Limiter::new(None, cfg);
-        let a = limiter.acquire("e", "org").await;
-        let b = limiter.acquire("e", "org").await;
+        let a = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
+        let b = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
         assert!(a.is_some() && b.is_some());
-        let third = limiter.acquire("e", "org").await;
+        let third = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
         assert!(third.is_none(), "third live poll over a limit of 2");
-        let other_env = limiter.acquire("other", "org").await;
+        let other_env = limiter
+            .acquire(&EnvId::new("other"), &OrgId::new("org"))
+            .await;
         assert!(other_env.is_some(), "counted per environment");
         drop(a);
-        let freed = limiter.acquire("e", "org").await;
+        let freed = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
         assert!(freed.is_some(), "a released slot is free at once");
-        let zero = limiter.acquire("e2", "small").await;
+        let zero = limiter
+            .acquire(&EnvId::new("e2"), &OrgId::new("small"))
+            .await;
         assert!(zero.is_none(), "REQ-03: a limit of 0 is a real limit");
         assert_eq!(limiter.stats.rejections.load(Ordering::Relaxed), 2);
     }

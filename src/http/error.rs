@@ -15,26 +15,13 @@ use serde_json::json;
 use crate::auth::AuthError;
 use crate::feeds::FeedError;
 use crate::protocol::body::FragmentBody;
-use crate::protocol::headers::ElectricHeaders;
+use crate::protocol::headers::{ClientGeneration, ElectricHeaders};
 use crate::protocol::Handle;
 
 /// `Retry-After` of every 503, seconds: a store or Redis failure is usually a restart or a
 /// failover that lasts seconds (docs/faults.md). `@electric-sql/client` retries 5xx with its own
 /// backoff whatever this says; other clients and proxies can honour it.
 pub const RETRY_AFTER_S: &str = "1";
-
-/// Which header names and error statuses a client understands: clients that send no
-/// `x-trigger-electric-version` (`@electric-sql/client` 0.6.3, trigger SDK 3.1.x) read the
-/// legacy Electric header names and loop on a 400, so they get 422 instead
-/// (docs/protocol.md §8).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ClientGeneration {
-    /// Sends `x-trigger-electric-version`: modern header names, 400 for bad input.
-    #[default]
-    Modern,
-    /// Sends none: legacy header names, 422 for bad input.
-    Legacy,
-}
 
 /// Why a request was not answered with a feed.
 #[derive(Debug, thiserror::Error)]
@@ -145,7 +132,7 @@ impl IntoResponse for ApiError {
                     handle: handle.clone(),
                     ..ElectricHeaders::default()
                 }
-                .apply(headers, *client == ClientGeneration::Legacy);
+                .apply(headers, *client);
                 response
             }
             ApiError::Forbidden => Json(json!({

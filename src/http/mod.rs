@@ -38,12 +38,13 @@ use crate::auth::{
 use crate::clock::now_ms;
 use crate::feeds::{FeedReply, FeedRequest, Feeds, Freshness, Target};
 use crate::protocol::electric::{self, LogMode};
+use crate::protocol::headers::ClientGeneration;
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::params::{parse_duration_ms, parse_tags};
 use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, Handle};
 use crate::store::RunResource;
 use admit::Limiter;
-pub use error::{ApiError, ClientGeneration};
+pub use error::ApiError;
 
 /// The current trigger.dev API version (`x-trigger-api-version`); any other value gets the
 /// legacy `DEQUEUED → EXECUTING` rewrite (docs/trigger-dev.md §3).
@@ -486,7 +487,9 @@ async fn run_feed_at(
     let find = |freshness| async move {
         found(
             Box::pin(sets.find_run(env_id, run_id, freshness)).await,
-            false,
+            ApiError::NotFound {
+                should_retry: false,
+            },
         )
     };
     let run = find(Freshness::Cached).await?;
@@ -508,15 +511,15 @@ async fn run_feed_at(
     serve(&state, begun, target).await
 }
 
-/// A URL-id lookup's outcome: the resource, a 404 (`should_retry` as the route says) when it
-/// is not in the environment, or a 503 when the store failed.
+/// A URL-id lookup's outcome: the resource, `missing` (the route's 404) when it is not in the
+/// environment, or a 503 when the store failed.
 fn found<T>(
     lookup: Result<Option<T>, crate::store::StoreError>,
-    should_retry: bool,
+    missing: ApiError,
 ) -> Result<T, ApiError> {
     lookup
         .map_err(|err| ApiError::unavailable(&err))?
-        .ok_or(ApiError::NotFound { should_retry })
+        .ok_or(missing)
 }
 
 async fn tag_feed(State(state): State<AppState>, begun: Begun) -> Result<Response, ApiError> {
@@ -609,7 +612,10 @@ async fn batch_feed_at(
         .feeds
         .sets()
         .find_batch(&begun.principal.env.id, &batch_id);
-    let batch = found(Box::pin(lookup).await, true)?;
+    let batch = found(
+        Box::pin(lookup).await,
+        ApiError::NotFound { should_retry: true },
+    )?;
     if !begun
         .principal
         .ability
@@ -701,9 +707,7 @@ static FEED_HEADERS: std::sync::LazyLock<HeaderMap> = std::sync::LazyLock::new(|
 /// N feeds builds N of these (BENCHMARKS.md "Fan-out").
 fn ok(reply: FeedReply, client: ClientGeneration) -> Response {
     let mut headers = FEED_HEADERS.clone();
-    reply
-        .headers
-        .apply(&mut headers, client == ClientGeneration::Legacy);
+    reply.headers.apply(&mut headers, client);
     let mut response = Response::new(axum::body::Body::from(reply.body));
     *response.headers_mut() = headers;
     response

@@ -28,7 +28,9 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -41,10 +43,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::admit::Slot;
-use super::ClientGeneration;
 use crate::feeds::stream::{sse_frames, StreamTiming};
 use crate::feeds::{FeedRequest, Feeds};
 use crate::protocol::cursor::{next_cursor, Gap};
+use crate::protocol::headers::ClientGeneration;
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::sse::CONTENT_TYPE;
@@ -77,7 +79,7 @@ pub fn response(
     h.insert("content-type", HeaderValue::from_static(CONTENT_TYPE));
     h.insert("cache-control", HeaderValue::from_static("no-store"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    headers.apply(h, client == ClientGeneration::Legacy);
+    headers.apply(h, client);
     response
 }
 
@@ -139,10 +141,8 @@ struct Pipe {
 }
 
 impl Pipe {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Queue> {
+        self.queue.lock()
     }
 
     /// Queues `frame` if it fits within `bound` (always when the queue is empty); gives it

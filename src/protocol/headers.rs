@@ -51,6 +51,19 @@ fn owned(text: String) -> Result<HeaderValue, InvalidHeaderValue> {
     HeaderValue::from_maybe_shared(bytes::Bytes::from(text))
 }
 
+/// Which header names and error statuses a client understands: clients that send no
+/// `x-trigger-electric-version` (`@electric-sql/client` 0.6.3, trigger SDK 3.1.x) read the
+/// legacy Electric header names and loop on a 400, so they get 422 instead
+/// (docs/protocol.md §8).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ClientGeneration {
+    /// Sends `x-trigger-electric-version`: modern header names, 400 for bad input.
+    #[default]
+    Modern,
+    /// Sends none: legacy header names, 422 for bad input.
+    Legacy,
+}
+
 /// The Electric headers of one 2xx (or 409) response.
 #[derive(Clone, Debug, Default)]
 pub struct ElectricHeaders {
@@ -65,19 +78,19 @@ pub struct ElectricHeaders {
 }
 
 impl ElectricHeaders {
-    /// Writes the headers. `legacy` = the request had no `x-trigger-electric-version`: then
-    /// `electric-shape-id`/`electric-chunk-last-offset`/`electric-next-cursor`/
+    /// Writes the headers. For a [`ClientGeneration::Legacy`] client (no
+    /// `x-trigger-electric-version`), `electric-shape-id`/`electric-chunk-last-offset`/`electric-next-cursor`/
     /// `electric-chunk-up-to-date` replace the modern `electric-handle`/`electric-offset` (the
     /// modern names are absent), cursor is sent under both names.
     ///
     /// Existing values under the same names are replaced. A value that is not a valid header
     /// value (never the case for handles/offsets/cursors this server mints) is skipped with a
     /// debug log instead of panicking.
-    pub fn apply(self, headers: &mut HeaderMap, legacy: bool) {
+    pub fn apply(self, headers: &mut HeaderMap, client: ClientGeneration) {
         let handle = HeaderValue::from_str(&self.handle);
         let offset = self.offset.map(owned);
         let cursor = self.cursor.map(owned);
-        if legacy {
+        if client == ClientGeneration::Legacy {
             headers.remove(&ELECTRIC_HANDLE);
             headers.remove(&ELECTRIC_OFFSET);
             put(headers, ELECTRIC_SHAPE_ID, handle);
@@ -104,7 +117,7 @@ impl ElectricHeaders {
         }
         if self.up_to_date {
             headers.insert(ELECTRIC_UP_TO_DATE, UP_TO_DATE_VALUE);
-            if legacy {
+            if client == ClientGeneration::Legacy {
                 headers.insert(ELECTRIC_CHUNK_UP_TO_DATE, UP_TO_DATE_VALUE);
             }
         }
@@ -139,7 +152,7 @@ mod tests {
     #[test]
     fn hdr_02_modern_names() {
         let mut h = HeaderMap::new();
-        sample().apply(&mut h, false);
+        sample().apply(&mut h, ClientGeneration::Modern);
         let modern = [
             "electric-handle",
             "electric-offset",
@@ -163,7 +176,7 @@ mod tests {
     fn hdr_02_legacy_names() {
         let mut h = HeaderMap::new();
         h.insert("electric-handle", HeaderValue::from_static("stale"));
-        sample().apply(&mut h, true);
+        sample().apply(&mut h, ClientGeneration::Legacy);
         let handle_and_offset = values(&h, ["electric-shape-id", "electric-chunk-last-offset"]);
         assert_eq!(
             handle_and_offset,
@@ -185,7 +198,7 @@ mod tests {
             handle: "h".into(),
             ..Default::default()
         }
-        .apply(&mut h, false);
+        .apply(&mut h, ClientGeneration::Modern);
         assert_eq!(get(&h, "electric-handle"), Some("h"));
         assert_eq!(h.len(), 1);
     }
@@ -200,7 +213,7 @@ mod tests {
             schema: None,
             up_to_date: false,
         }
-        .apply(&mut h, false);
+        .apply(&mut h, ClientGeneration::Modern);
         assert!(!h.contains_key("electric-handle"));
         assert!(!h.contains_key("electric-cursor"));
         assert_eq!(get(&h, "electric-offset"), Some("0_0"));

@@ -111,6 +111,12 @@ id_type! {
 }
 
 id_type! {
+    /// An organization id (`"Organization".id`, the environment's `organizationId`): what
+    /// per-organization concurrency limits are keyed by.
+    OrgId
+}
+
+id_type! {
     /// An internal run id (`"TaskRun".id`, a cuid), as change records and the router carry it.
     RunId
 }

@@ -25,5 +25,5 @@ pub mod row;
 pub mod sse;
 
 pub use columns::{Column, ColumnSet};
-pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, RunId};
+pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, OrgId, RunId};
 pub use row::{is_final_status, RunMeta, RunRow, SerializedRow};

@@ -10,7 +10,7 @@ use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 
 use super::slots::SlotMap;
-use super::state::{lock, Shared, SHARDNUMSUB_BATCH, SHARD_CHECK_TIMEOUT};
+use super::state::{Shared, SHARDNUMSUB_BATCH, SHARD_CHECK_TIMEOUT};
 use crate::changes::record::channel_name;
 use crate::protocol::EnvId;
 
@@ -39,8 +39,10 @@ pub(super) async fn check_shards(
                 continue;
             }
         };
-        *lock(&shared.routing) = Some(routing.clone());
-        let snapshot: Vec<(EnvId, u64, Option<Server>)> = lock(&shared.confirmed)
+        *shared.routing.lock() = Some(routing.clone());
+        let snapshot: Vec<(EnvId, u64, Option<Server>)> = shared
+            .confirmed
+            .lock()
             .iter()
             .map(|(env, c)| (env.clone(), c.epoch, c.server.clone()))
             .collect();
@@ -85,7 +87,7 @@ pub(super) async fn check_shards(
             }
         }
         if !located.is_empty() {
-            let mut confirmed = lock(&shared.confirmed);
+            let mut confirmed = shared.confirmed.lock();
             for (env, epoch, server) in located {
                 if let Some(c) = confirmed.get_mut(&env).filter(|c| c.epoch == epoch) {
                     c.server = Some(server);
@@ -102,7 +104,7 @@ pub(super) async fn check_shards(
                 "sharded subscriptions gone (slot moved or dropped by the server); re-subscribing"
             );
             {
-                let mut resync = lock(&shared.resync);
+                let mut resync = shared.resync.lock();
                 resync.lost.extend(lost);
                 resync.announce = true;
             }

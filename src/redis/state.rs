@@ -2,9 +2,9 @@
 //! work queued for the reconciler, and the Cluster slot map (see [`super::subscribe`] for the
 //! design).
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use fred::prelude::Server;
@@ -12,12 +12,6 @@ use tokio::sync::Notify;
 
 use super::slots::SlotMap;
 use crate::protocol::EnvId;
-
-/// Locks `m`; a poisoned lock only means another task panicked mid-update, and the state is
-/// still the best there is.
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// Bound on each command of the shard check (`CLUSTER SLOTS`, `PUBSUB SHARDNUMSUB`).
 pub(super) const SHARD_CHECK_TIMEOUT: Duration = Duration::from_secs(2);

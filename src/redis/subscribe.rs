@@ -9,7 +9,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
@@ -22,7 +24,7 @@ use tokio::task::JoinHandle;
 
 use super::shard_check::check_shards;
 pub use super::state::SourceStats;
-use super::state::{lock, Confirmed, Resync, Shared, SHARD_CHECK_TIMEOUT};
+use super::state::{Confirmed, Resync, Shared, SHARD_CHECK_TIMEOUT};
 use super::{close, close_in_background, redact, RedisError, RedisOptions};
 use crate::changes::record::{channel_name, env_of_channel};
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
@@ -323,14 +325,14 @@ impl RedisChangeSource {
 
     /// Environments the consumer asked for (sorted), confirmed by Redis or not.
     pub fn subscribed(&self) -> Vec<EnvId> {
-        lock(&self.shared.desired).keys().cloned().collect()
+        self.shared.desired.lock().keys().cloned().collect()
     }
 
     /// Environments whose subscription Redis confirmed on the current connection(s) (sorted).
     /// Lags [`RedisChangeSource::subscribed`] by a round trip; its length is the "active
     /// subscriptions" figure (NTF-07/09).
     pub fn confirmed(&self) -> Vec<EnvId> {
-        lock(&self.shared.confirmed).keys().cloned().collect()
+        self.shared.confirmed.lock().keys().cloned().collect()
     }
 
     /// Counters (messages received, errors).
@@ -385,12 +387,15 @@ impl Drop for RedisChangeSource {
 impl ChangeSource for RedisChangeSource {
     fn subscribe(&self, env_id: &EnvId) -> u64 {
         let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        lock(&self.shared.desired).insert(env_id.clone(), generation);
+        self.shared
+            .desired
+            .lock()
+            .insert(env_id.clone(), generation);
         self.shared.wake.notify_one();
         generation
     }
     fn unsubscribe(&self, env_id: &EnvId) {
-        if lock(&self.shared.desired).remove(env_id).is_some() {
+        if self.shared.desired.lock().remove(env_id).is_some() {
             self.shared.wake.notify_one();
         }
     }
@@ -497,13 +502,15 @@ async fn watch_reconnects(mut rx: broadcast::Receiver<Server>, shared: Arc<Share
             Err(broadcast::error::RecvError::Closed) => return,
         };
         let known = match (&server, mode) {
-            (Some(server), Mode::Sharded) => lock(&shared.routing)
+            (Some(server), Mode::Sharded) => shared
+                .routing
+                .lock()
                 .as_ref()
                 .is_none_or(|routing| routing.has_primary(server)),
             _ => false,
         };
         {
-            let mut resync = lock(&shared.resync);
+            let mut resync = shared.resync.lock();
             match server {
                 Some(server) if known => {
                     resync.servers.insert(server);
@@ -532,8 +539,8 @@ async fn reconcile(
     let mut epochs: u64 = 0;
     loop {
         {
-            let mut resync = lock(&shared.resync);
-            let mut confirmed = lock(&shared.confirmed);
+            let mut resync = shared.resync.lock();
+            let mut confirmed = shared.confirmed.lock();
             if resync.all {
                 confirmed.clear();
             } else if !resync.servers.is_empty() {
@@ -553,9 +560,9 @@ async fn reconcile(
             *resync = Resync::default();
         }
         let (to_subscribe, to_unsubscribe, to_announce) = {
-            let routing = lock(&shared.routing);
-            let desired = lock(&shared.desired);
-            let mut confirmed = lock(&shared.confirmed);
+            let routing = shared.routing.lock();
+            let desired = shared.desired.lock();
+            let mut confirmed = shared.confirmed.lock();
             let to_subscribe: Vec<(EnvId, u64)> = desired
                 .iter()
                 .filter(|(env, _)| !confirmed.contains_key(*env))
@@ -608,7 +615,7 @@ async fn reconcile(
             let channels = to_unsubscribe.iter().map(|env| channel_name(env)).collect();
             match mode.unsubscribe(&client, channels).await {
                 Ok(()) => {
-                    let mut confirmed = lock(&shared.confirmed);
+                    let mut confirmed = shared.confirmed.lock();
                     for env in &to_unsubscribe {
                         confirmed.remove(env);
                     }
@@ -628,8 +635,8 @@ async fn reconcile(
             let (done, error) = mode.subscribe(&client, &channels).await;
             let done = &to_subscribe[..done.min(to_subscribe.len())];
             {
-                let routing = lock(&shared.routing);
-                let mut confirmed = lock(&shared.confirmed);
+                let routing = shared.routing.lock();
+                let mut confirmed = shared.confirmed.lock();
                 for (env, generation) in done {
                     epochs += 1;
                     let server = match mode {

@@ -66,7 +66,7 @@ impl Inner {
     ) -> Result<Vec<SerializedRow>, ()> {
         let key = ReplayKey {
             env_id: env.id.clone(),
-            epoch: lock(&env.state).epoch,
+            epoch: env.state.lock().epoch,
             cols,
             runs: buffered
                 .iter()
@@ -177,7 +177,7 @@ impl Inner {
         let window = Duration::from_millis(self.cfg.replay_window_ms);
         let now = Instant::now();
         let records = arrival.records;
-        let mut state = lock(&env.state);
+        let mut state = env.state.lock();
         let first_seq = state.last_seq + 1;
         let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
         let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
@@ -236,7 +236,7 @@ impl Inner {
         struct Done(Arc<Env>, u64);
         impl Drop for Done {
             fn drop(&mut self) {
-                lock(&self.0.state).in_flight.remove(&self.1);
+                self.0.state.lock().in_flight.remove(&self.1);
             }
         }
         let done: Vec<Done> = arrivals
@@ -304,7 +304,7 @@ impl Inner {
             let withheld = self.tripwire(env_id, &arrival.records, &view, outcome, arrival.attempt);
             for (_, (slot, run_ids)) in arrival.matches {
                 let Some(rows_by_id) = view.get(&slot.cols).and_then(Option::as_ref) else {
-                    slot.push(Vec::new(), true);
+                    slot.push_recheck();
                     woken.push(slot);
                     continue;
                 };
@@ -317,7 +317,7 @@ impl Inner {
                     .collect();
                 if !rows.is_empty() {
                     deliveries += rows.len() as u64;
-                    slot.push(rows, false);
+                    slot.push(rows);
                     woken.push(slot);
                 }
             }

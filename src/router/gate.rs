@@ -20,7 +20,9 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use futures::future::{FutureExt, Shared};
@@ -46,7 +48,7 @@ impl SharedRead {
         F: FnOnce() -> Pin<Box<dyn Future<Output = Result<Option<Lsn>, String>> + Send>>,
     {
         let fut = {
-            let mut latest = self.latest.lock().unwrap_or_else(|p| p.into_inner());
+            let mut latest = self.latest.lock();
             match &*latest {
                 Some((started, fut)) if *started >= after => fut.clone(),
                 _ => {
@@ -211,7 +213,7 @@ impl Gate {
     fn sample(&self, lag_ms: u64) {
         let now = Instant::now();
         let window = Duration::from_millis(self.cfg.window_ms);
-        let mut est = self.estimator.lock().unwrap_or_else(|p| p.into_inner());
+        let mut est = self.estimator.lock();
         est.samples.push_back((now, lag_ms.min(MAX_LAG_SAMPLE_MS)));
         while est
             .samples
@@ -229,7 +231,7 @@ impl Gate {
         self.sample(lag_ms);
         let now = Instant::now();
         let ttl = Duration::from_millis(self.cfg.observed_floor_ttl_ms);
-        let mut est = self.estimator.lock().unwrap_or_else(|p| p.into_inner());
+        let mut est = self.estimator.lock();
         let keep = est
             .floor
             .is_some_and(|(at, v)| now.saturating_duration_since(at) <= ttl && v >= lag_ms);
@@ -244,7 +246,7 @@ impl Gate {
         let now = Instant::now();
         let window = Duration::from_millis(self.cfg.window_ms);
         let ttl = Duration::from_millis(self.cfg.observed_floor_ttl_ms);
-        let est = self.estimator.lock().unwrap_or_else(|p| p.into_inner());
+        let est = self.estimator.lock();
         let windowed = est
             .samples
             .iter()

@@ -27,7 +27,9 @@ mod tripwire;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, Notify};
@@ -181,14 +183,18 @@ struct Slot {
 }
 
 impl Slot {
-    fn push(&self, rows: Vec<SerializedRow>, recheck: bool) {
-        let mut inbox = lock(&self.inbox);
-        inbox.rows.extend(rows);
-        inbox.recheck |= recheck;
+    /// Rows for the feed's next wake.
+    fn push(&self, rows: Vec<SerializedRow>) {
+        self.inbox.lock().rows.extend(rows);
+    }
+
+    /// The feed's next wake re-reads its filter (a gap: what it missed is unknown).
+    fn push_recheck(&self) {
+        self.inbox.lock().recheck = true;
     }
 
     fn take(&self) -> Wake {
-        std::mem::take(&mut *lock(&self.inbox))
+        std::mem::take(&mut *self.inbox.lock())
     }
 }
 
@@ -251,12 +257,6 @@ struct Inner {
     replays: fanout::SharedReplays,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned lock only means another task panicked mid-update; the state is still the best
-    // we have, and refusing to serve would turn one bug into an outage.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// The router. Cheap to clone.
 #[derive(Clone)]
 pub struct Router {
@@ -306,7 +306,7 @@ impl Router {
                     }
                     SourceEvent::Subscribed { env_id, generation } => {
                         if let Some(env) = inner.env(&env_id) {
-                            let mut state = lock(&env.state);
+                            let mut state = env.state.lock();
                             // A late confirmation of an earlier incarnation's subscription
                             // must not vouch for this one.
                             if state.generation == generation && !state.active {
@@ -328,7 +328,7 @@ impl Router {
     pub fn touch(&self, env_id: &EnvId) -> ReplayCursor {
         let env = self.inner.ensure_env(env_id);
         let cursor = {
-            let mut state = lock(&env.state);
+            let mut state = env.state.lock();
             state.pending -= 1;
             state.cursor(self.inner.instance)
         };
@@ -385,7 +385,7 @@ impl Router {
             return true;
         };
         let (recent, complete_since): (Vec<(Instant, ChangeRecord)>, _) = {
-            let state = lock(&env.state);
+            let state = env.state.lock();
             let recent = state
                 .buffer
                 .since(0)
@@ -425,10 +425,10 @@ impl Router {
 
     /// Held feeds by kind `(run, tag, batch)`.
     pub fn held_feeds(&self) -> (usize, usize, usize) {
-        let envs: Vec<Arc<Env>> = lock(&self.inner.envs).values().cloned().collect();
+        let envs: Vec<Arc<Env>> = self.inner.envs.lock().values().cloned().collect();
         let mut counts = (0, 0, 0);
         for env in envs {
-            let state = lock(&env.state);
+            let state = env.state.lock();
             for slot in state.feeds.values() {
                 match slot.filter {
                     FeedFilter::Run { .. } => counts.0 += 1,
@@ -443,15 +443,15 @@ impl Router {
     /// Arrivals still waiting for (or in) their hydrate, over every environment.
     #[cfg(test)]
     fn inner_in_flight(&self) -> usize {
-        let envs: Vec<Arc<Env>> = lock(&self.inner.envs).values().cloned().collect();
+        let envs: Vec<Arc<Env>> = self.inner.envs.lock().values().cloned().collect();
         envs.iter()
-            .map(|env| lock(&env.state).in_flight.len())
+            .map(|env| env.state.lock().in_flight.len())
             .sum()
     }
 
     /// Environments currently routed (including lingering ones).
     pub fn active_envs(&self) -> usize {
-        lock(&self.inner.envs).len()
+        self.inner.envs.lock().len()
     }
 }
 
@@ -461,15 +461,15 @@ impl Inner {
     }
 
     fn env(&self, env_id: &EnvId) -> Option<Arc<Env>> {
-        lock(&self.envs).get(env_id).cloned()
+        self.envs.lock().get(env_id).cloned()
     }
 
     /// The env's state, created and subscribed if needed, with one `pending` mark the caller
     /// must release ([`EnvState::pending`]).
     fn ensure_env(&self, env_id: &EnvId) -> Arc<Env> {
-        let mut envs = lock(&self.envs);
+        let mut envs = self.envs.lock();
         if let Some(env) = envs.get(env_id) {
-            let mut state = lock(&env.state);
+            let mut state = env.state.lock();
             // New interest cancels a pending teardown.
             state.linger_generation += 1;
             state.pending += 1;
@@ -488,23 +488,23 @@ impl Inner {
         });
         // Subscribe under the locks: the confirmation cannot be applied before the generation
         // is recorded (`subscribe` never blocks).
-        lock(&env.state).generation = self.source.subscribe(env_id);
+        env.state.lock().generation = self.source.subscribe(env_id);
         envs.insert(env_id.clone(), env.clone());
         env
     }
 
     fn on_gap(&self) {
-        let envs: Vec<Arc<Env>> = lock(&self.envs).values().cloned().collect();
+        let envs: Vec<Arc<Env>> = self.envs.lock().values().cloned().collect();
         for env in envs {
             let slots: Vec<Arc<Slot>> = {
-                let mut state = lock(&env.state);
+                let mut state = env.state.lock();
                 state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
                 state.active_since_wall_ms = crate::clock::now_ms();
                 state.complete_since = Some(Instant::now());
                 state.feeds.values().cloned().collect()
             };
             for slot in slots {
-                slot.push(Vec::new(), true);
+                slot.push_recheck();
                 slot.notify.notify_one();
             }
         }

@@ -28,7 +28,7 @@ impl Router {
         });
         let replay_enabled = self.inner.cfg.replay_window_ms > 0;
         let (mut covered, replay_ids) = {
-            let mut state = lock(&env.state);
+            let mut state = env.state.lock();
             state.feeds.insert(id, slot.clone());
             state.index(id, &filter);
             state.pending -= 1;
@@ -61,7 +61,7 @@ impl Router {
                         &self.inner.stats.replays_delivered
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
-                    registration.slot.push(rows, false);
+                    registration.slot.push(rows);
                 }
                 Err(()) => covered = false,
             }
@@ -74,7 +74,7 @@ impl Router {
 impl Inner {
     pub(super) fn deregister(self: &Arc<Self>, env: &Arc<Env>, id: u64) {
         let idle = {
-            let mut state = lock(&env.state);
+            let mut state = env.state.lock();
             if let Some(slot) = state.feeds.remove(&id) {
                 state.deindex(id, &slot.filter);
             }
@@ -87,7 +87,7 @@ impl Inner {
 
     pub(super) fn schedule_teardown_if_idle(self: &Arc<Self>, env: &Arc<Env>) {
         let generation = {
-            let mut state = lock(&env.state);
+            let mut state = env.state.lock();
             if !state.feeds.is_empty() || state.pending > 0 {
                 return;
             }
@@ -98,9 +98,9 @@ impl Inner {
         let weak = Arc::downgrade(self);
         let env = env.clone();
         let teardown = move |inner: &Inner| {
-            let mut envs = lock(&inner.envs);
+            let mut envs = inner.envs.lock();
             let still_idle = {
-                let state = lock(&env.state);
+                let state = env.state.lock();
                 state.feeds.is_empty()
                     && state.pending == 0
                     && state.linger_generation == generation
@@ -151,7 +151,7 @@ impl Registration {
             return true;
         }
         let replay: Vec<Buffered> = {
-            let state = lock(&self.env.state);
+            let state = self.env.state.lock();
             let Some(from) =
                 state.replay_from(&cursor, self.inner.instance, self.inner.hop_margin_ms())
             else {
@@ -168,7 +168,7 @@ impl Registration {
             .await
         {
             Ok(rows) => {
-                self.slot.push(rows, false);
+                self.slot.push(rows);
                 true
             }
             Err(()) => false,
@@ -184,7 +184,7 @@ impl Registration {
     /// by this router (nothing to replay, even where [`Self::covered`] cannot vouch for the
     /// stream: a cursor taken before the subscription was confirmed).
     pub fn quiet_since(&self, cursor: &ReplayCursor) -> bool {
-        cursor.instance == self.inner.instance && lock(&self.env.state).last_seq == cursor.seq
+        cursor.instance == self.inner.instance && self.env.state.lock().last_seq == cursor.seq
     }
 
     /// Closes out a response built now: the cursor it may hand out, then what reached the inbox
@@ -197,7 +197,7 @@ impl Registration {
 
     /// The cursor a response built now may hand out (without draining the inbox).
     pub(super) fn cursor(&self) -> ReplayCursor {
-        lock(&self.env.state).cursor(self.inner.instance)
+        self.env.state.lock().cursor(self.inner.instance)
     }
 }
 

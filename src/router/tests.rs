@@ -13,7 +13,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -67,16 +69,15 @@ impl FakeStore {
     fn put_in(&self, env: &str, row: RunRow) {
         self.rows
             .lock()
-            .unwrap()
             .insert((env.to_string(), row.id.to_string()), row);
     }
 
     fn calls(&self) -> Vec<HydrateCall> {
-        self.calls.lock().unwrap().clone()
+        self.calls.lock().clone()
     }
 
     fn hydrate_count(&self) -> usize {
-        self.calls.lock().unwrap().len()
+        self.calls.lock().len()
     }
 
     /// The id lists of every hydrate call, in call order.
@@ -92,7 +93,7 @@ impl FakeStore {
     fn gate_next(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
         let (entered_tx, entered_rx) = oneshot::channel();
         let (release_tx, release_rx) = oneshot::channel();
-        self.gates.lock().unwrap().push_back(Gate {
+        self.gates.lock().push_back(Gate {
             entered: entered_tx,
             release: release_rx,
         });
@@ -108,14 +109,14 @@ type Found<T> = Result<Option<T>, StoreError>;
 #[async_trait]
 impl RunStore for FakeStore {
     async fn hydrate(&self, env_id: &EnvId, run_ids: &[RunId], cols: ColumnSet) -> Rows {
-        self.calls.lock().unwrap().push(HydrateCall {
+        self.calls.lock().push(HydrateCall {
             env: env_id.to_string(),
             ids: run_ids.iter().map(RunId::to_string).collect(),
             cols,
         });
         // Snapshot semantics: the rows as they are when the query starts.
         let snapshot: Vec<RunRow> = {
-            let rows = self.rows.lock().unwrap();
+            let rows = self.rows.lock();
             run_ids
                 .iter()
                 .filter_map(|id| rows.get(&(env_id.to_string(), id.to_string())).cloned())
@@ -125,7 +126,7 @@ impl RunStore for FakeStore {
             .fail_next
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
-        let gate = self.gates.lock().unwrap().pop_front();
+        let gate = self.gates.lock().pop_front();
         if let Some(gate) = gate {
             let _ = gate.entered.send(());
             let _ = gate.release.await;
@@ -463,7 +464,7 @@ fn env_active(router: &Router, env: &str) -> bool {
     router
         .inner
         .env(&crate::protocol::EnvId::from(env))
-        .is_some_and(|e| lock(&e.state).active)
+        .is_some_and(|e| e.state.lock().active)
 }
 
 /// Lets spawned tasks run (a just-armed linger timer starts its sleep when first polled),
@@ -1542,11 +1543,11 @@ async fn lng_03_zero_linger_teardown_does_not_orphan_concurrent_registration() {
             .inner
             .env(&crate::protocol::EnvId::from(ENV))
             .expect("env exists");
-        let gen0 = lock(&env.state).linger_generation;
+        let gen0 = env.state.lock().linger_generation;
         let dropper = std::thread::spawn(move || {
             // Wait for the registration's ensure_env (it bumps the generation), then leave.
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while lock(&env.state).linger_generation == gen0 && std::time::Instant::now() < deadline
+            while env.state.lock().linger_generation == gen0 && std::time::Instant::now() < deadline
             {
                 std::hint::spin_loop();
             }
@@ -1644,19 +1645,19 @@ struct ManualSource {
 
 impl ManualSource {
     fn calls(&self) -> Vec<String> {
-        self.calls.lock().unwrap().clone()
+        self.calls.lock().clone()
     }
 }
 
 impl ChangeSource for ManualSource {
     /// Generation = number of subscribe calls so far (1, 2, …).
     fn subscribe(&self, env_id: &EnvId) -> u64 {
-        let mut calls = self.calls.lock().unwrap();
+        let mut calls = self.calls.lock();
         calls.push(format!("sub:{env_id}"));
         calls.iter().filter(|c| c.starts_with("sub:")).count() as u64
     }
     fn unsubscribe(&self, env_id: &EnvId) {
-        self.calls.lock().unwrap().push(format!("unsub:{env_id}"));
+        self.calls.lock().push(format!("unsub:{env_id}"));
     }
 }
 

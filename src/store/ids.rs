@@ -6,7 +6,7 @@ use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArgumentBuffer, PgHasArrayType, PgTypeInfo, PgValueRef};
 use sqlx::{Decode, Encode, Postgres, Type};
 
-use crate::protocol::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, RunId};
+use crate::protocol::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, OrgId, RunId};
 
 macro_rules! pg_text_id {
     ($($name:ident),*) => {$(
@@ -39,4 +39,4 @@ macro_rules! pg_text_id {
     )*};
 }
 
-pg_text_id!(EnvId, RunId, FriendlyRunId, BatchId, FriendlyBatchId);
+pg_text_id!(EnvId, OrgId, RunId, FriendlyRunId, BatchId, FriendlyBatchId);

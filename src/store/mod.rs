@@ -14,7 +14,7 @@
 use async_trait::async_trait;
 
 use crate::protocol::{
-    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow,
+    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, OrgId, RunId, RunMeta, RunRow,
 };
 
 pub mod grants;
@@ -75,7 +75,7 @@ pub struct EnvRecord {
     pub id: EnvId,
     /// `PRODUCTION` | `STAGING` | `DEVELOPMENT` | `PREVIEW`.
     pub env_type: String,
-    pub organization_id: String,
+    pub organization_id: OrgId,
     pub project_id: String,
     pub api_key: String,
     pub parent_environment_id: Option<EnvId>,

@@ -325,14 +325,11 @@ mod tests {
 
     /// A `Write` that appends to a shared buffer (captured log output).
     #[derive(Clone, Default)]
-    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+    struct Captured(Arc<parking_lot::Mutex<Vec<u8>>>);
 
     impl std::io::Write for Captured {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend_from_slice(buf);
+            self.0.lock().extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -374,7 +371,7 @@ mod tests {
                     .expect("response");
             });
         });
-        let out = String::from_utf8(captured.0.lock().expect("log").clone()).expect("utf-8");
+        let out = String::from_utf8(captured.0.lock().clone()).expect("utf-8");
         out
     }
 

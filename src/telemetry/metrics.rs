@@ -331,7 +331,7 @@ impl FixedCounter {
 /// (BENCHMARKS.md "Cost per unit of work").
 pub struct KeyedCounter<K> {
     counts: Arc<
-        std::sync::RwLock<HashMap<K, std::sync::atomic::AtomicU64, foldhash::fast::RandomState>>,
+        parking_lot::RwLock<HashMap<K, std::sync::atomic::AtomicU64, foldhash::fast::RandomState>>,
     >,
 }
 
@@ -345,11 +345,11 @@ where
         spec: &Recorded,
         attrs: impl Fn(&K) -> Vec<KeyValue> + Send + Sync + 'static,
     ) -> KeyedCounter<K> {
-        let counts: Arc<std::sync::RwLock<HashMap<K, std::sync::atomic::AtomicU64, _>>> =
+        let counts: Arc<parking_lot::RwLock<HashMap<K, std::sync::atomic::AtomicU64, _>>> =
             Arc::default();
         let read = counts.clone();
         observable_counter(meter, spec, move |o| {
-            let counts = read.read().unwrap_or_else(|p| p.into_inner());
+            let counts = read.read();
             for (key, count) in counts.iter() {
                 o.observe(
                     count.load(std::sync::atomic::Ordering::Relaxed),
@@ -362,13 +362,13 @@ where
 
     /// Adds `n` to the label set `key`.
     fn add(&self, key: K, n: u64) {
-        let counts = self.counts.read().unwrap_or_else(|p| p.into_inner());
+        let counts = self.counts.read();
         if let Some(count) = counts.get(&key) {
             count.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
             return;
         }
         drop(counts);
-        let mut counts = self.counts.write().unwrap_or_else(|p| p.into_inner());
+        let mut counts = self.counts.write();
         counts
             .entry(key)
             .or_default()

@@ -12,6 +12,7 @@ use common::{free_port, redis_server};
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
+use runfeed::protocol::{EnvId, OrgId};
 use runfeed::redis::{
     publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
@@ -536,7 +537,11 @@ async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
 
     // 1. The client goes away while the script waits in Redis.
     pause(300).await;
-    let abandoned = timeout(Duration::from_millis(50), limiter.acquire(&env_id, "org")).await;
+    let abandoned = timeout(
+        Duration::from_millis(50),
+        limiter.acquire(&EnvId::new(&env_id), &OrgId::new("org")),
+    )
+    .await;
     assert!(
         abandoned.is_err(),
         "the admission was still waiting for Redis"
@@ -546,7 +551,9 @@ async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
     // 2. Redis answers after the deadline: the poll is counted locally, and the member the
     //    script adds later is removed again.
     pause(400).await;
-    let local = limiter.acquire(&env_id, "org").await;
+    let local = limiter
+        .acquire(&EnvId::new(&env_id), &OrgId::new("org"))
+        .await;
     assert!(local.is_some(), "admitted locally after the deadline");
     slot_comes_free("deadline passed").await;
     drop(local);
@@ -587,13 +594,13 @@ async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_earl
     let mut on_a = Vec::new();
     for _ in 0..30 {
         on_a.push(
-            a.acquire(&env_id, "org")
+            a.acquire(&EnvId::new(&env_id), &OrgId::new("org"))
                 .await
                 .expect("a admits below the limit"),
         );
     }
     let mut on_b = Vec::new();
-    while let Some(slot) = b.acquire(&env_id, "org").await {
+    while let Some(slot) = b.acquire(&EnvId::new(&env_id), &OrgId::new("org")).await {
         on_b.push(slot);
         assert!(
             on_a.len() + on_b.len() <= LIMIT as usize,
@@ -611,7 +618,12 @@ async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_earl
         zcard().await <= LIMIT,
         "the set never holds more than the limit"
     );
-    assert!(a.acquire(&env_id, "org").await.is_some() || admitted == LIMIT as usize);
+    assert!(
+        a.acquire(&EnvId::new(&env_id), &OrgId::new("org"))
+            .await
+            .is_some()
+            || admitted == LIMIT as usize
+    );
 
     // A poll that ends and comes back reuses the instance's lease: no Redis call.
     let calls = b
@@ -621,7 +633,7 @@ async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_earl
     for _ in 0..100 {
         drop(on_b.pop());
         on_b.push(
-            b.acquire(&env_id, "org")
+            b.acquire(&EnvId::new(&env_id), &OrgId::new("org"))
                 .await
                 .expect("the freed slot is taken again"),
         );
@@ -654,7 +666,7 @@ async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_earl
         assert!(Instant::now() < deadline, "A's slots never left the set");
         sleep(Duration::from_millis(10)).await;
     }
-    while let Some(slot) = b.acquire(&env_id, "org").await {
+    while let Some(slot) = b.acquire(&EnvId::new(&env_id), &OrgId::new("org")).await {
         on_b.push(slot);
     }
     assert_eq!(

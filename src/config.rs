@@ -265,6 +265,11 @@ pub struct RouterConfig {
     pub coalesce_ceiling_ms: u64,
     /// Most runs one hydrate batch reads, over all environments and column sets (1 000).
     pub hydrate_batch_max_runs: usize,
+    /// Most change records waiting for a hydrate batch (100 000; ≈ 300 B each). While the store
+    /// is too slow or down, records beyond this are dropped, and each drop is a gap in its
+    /// environment: the feeds held there re-read from the store, as after a lost Redis
+    /// connection. Bounds the router's memory whatever the rate of records.
+    pub max_queued_records: usize,
     /// How long buffered change records stay replayable, ms; 0 disables replay (2 000).
     pub replay_window_ms: u64,
     /// Cap on buffered records per environment (512).
@@ -284,6 +289,7 @@ impl Default for RouterConfig {
         RouterConfig {
             coalesce_ceiling_ms: 25,
             hydrate_batch_max_runs: 1_000,
+            max_queued_records: 100_000,
             replay_window_ms: 2_000,
             replay_max_runs: 512,
             unsubscribe_linger_ms: 5_000,
@@ -526,6 +532,11 @@ impl Config {
         if f.max_list_results == 0 {
             return Err(ConfigError::Invalid(
                 "feeds.max_list_results must be > 0".into(),
+            ));
+        }
+        if self.router.max_queued_records == 0 {
+            return Err(ConfigError::Invalid(
+                "router.max_queued_records must be > 0".into(),
             ));
         }
         let t = &self.telemetry;

@@ -139,6 +139,9 @@ pub fn register(metrics: &Metrics, sources: Sources) {
     stat(&observed::ROUTER_ARRIVALS, |r| {
         vec![(r.stats().batches.load(Relaxed), vec![])]
     });
+    stat(&observed::ROUTER_QUEUE_OVERFLOWS, |r| {
+        vec![(r.stats().overflows.load(Relaxed), vec![])]
+    });
 
     if let Some(gate) = router.gate() {
         let g = Arc::downgrade(gate);

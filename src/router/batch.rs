@@ -13,6 +13,13 @@
 //! `router.hydrate_batch_max_runs` runs, from any number of environments: the store reads them
 //! in one query per column set.
 //!
+//! **The queue is bounded:** at most `router.max_queued_records` records wait (an arrival
+//! weighs its records). An arrival that does not fit is dropped, and the drop is a gap in its
+//! environment ([`super::Inner::overflow`]): the feeds held there re-read from the store, as
+//! after a lost Redis connection, and the environment's replay cursors stop vouching for it.
+//! So a store that is down or slow under a high rate of records costs a bounded amount of
+//! memory, and correctness rests on the re-reads once it is back.
+//!
 //! The fixed leading-edge window of trigger.dev's notifier (`ENV_WAKE_COALESCE_WINDOW_MS`,
 //! docs/behaviours.md NTF-16..19) delayed every second change of an environment by up to the
 //! window, even when nothing else was happening; here no record waits for a timer.
@@ -74,6 +81,8 @@ pub(super) struct BatchLimits {
     pub ceiling: Duration,
     /// Most runs (summed over column sets) in one batch.
     pub max_runs: usize,
+    /// Most records queued (`router.max_queued_records`); see the module doc for overflow.
+    pub max_queued: usize,
 }
 
 /// The queue in front of the hydrate stage (cheap to clone).
@@ -121,6 +130,8 @@ async fn dispatch(
     limits: BatchLimits,
 ) {
     let mut queue: VecDeque<(Instant, Arrival)> = VecDeque::new();
+    // Records in `queue`, against `limits.max_queued`.
+    let mut queued_records = 0usize;
     let mut running: JoinSet<()> = JoinSet::new();
     loop {
         let ceiling_at = queue
@@ -133,9 +144,21 @@ async fn dispatch(
                 let Some(arrival) = next else { break };
                 let now = Instant::now();
                 let before = queue.len();
-                queue.push_back((now, arrival));
-                while let Ok(arrival) = rx.try_recv() {
+                let mut overflow = Vec::new();
+                for arrival in std::iter::once(arrival).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                    if queued_records + arrival.runs() > limits.max_queued && !queue.is_empty() {
+                        overflow.push(arrival);
+                        continue;
+                    }
+                    queued_records += arrival.runs();
                     queue.push_back((now, arrival));
+                }
+                if !overflow.is_empty() {
+                    if let Some(inner) = inner.upgrade() {
+                        for arrival in overflow {
+                            inner.overflow(arrival);
+                        }
+                    }
                 }
                 if !running.is_empty() {
                     // These arrivals wait for a hydrate in flight (the only wait there is).
@@ -154,7 +177,9 @@ async fn dispatch(
             if !(running.is_empty() || (overdue && running.len() < MAX_IN_FLIGHT)) {
                 break;
             }
-            let batch: Vec<Routed> = take_batch(&mut queue, limits.max_runs.max(1))
+            let taken = take_batch(&mut queue, limits.max_runs.max(1));
+            queued_records -= taken.iter().map(Arrival::runs).sum::<usize>();
+            let batch: Vec<Routed> = taken
                 .into_iter()
                 .filter_map(|arrival| inner.route(arrival))
                 .collect();

@@ -15,6 +15,14 @@
 //! - a match for a feed that is registered but busy (cold re-check, building a response) is
 //!   parked in its inbox instead of dropped;
 //! - partial records are classified for batch feeds too (item 10).
+//!
+//! **Queues on the change path.** The source's events reach the router through one channel that
+//! its pump drains without awaiting anything (each record is counted and handed on at once), so
+//! it holds only what a scheduling hiccup leaves. Records then wait for a hydrate batch in
+//! [`batch`]'s queue, bounded by `router.max_queued_records`: past the bound a record is
+//! dropped and its environment has a gap (a new epoch, every held feed re-reads from the store;
+//! `runfeed_router_queue_overflows_total`), the rule the Redis source applies to its own buffer
+//! (a lagged subscriber is reported as a reconnect).
 
 mod batch;
 mod buffer;
@@ -157,6 +165,9 @@ pub struct RouterStats {
     pub stale_recovered: AtomicU64,
     /// Runs delivered stale after the retry budget (echo passes follow).
     pub stale_gave_up: AtomicU64,
+    /// Change records dropped because the hydrate queue was full (each a gap in its
+    /// environment: its feeds re-read).
+    pub overflows: AtomicU64,
 }
 
 /// What a woken feed finds in its inbox.
@@ -278,6 +289,7 @@ impl Router {
         let limits = BatchLimits {
             ceiling: Duration::from_millis(cfg.coalesce_ceiling_ms),
             max_runs: cfg.hydrate_batch_max_runs,
+            max_queued: cfg.max_queued_records,
         };
         let inner = Arc::new(Inner {
             source,
@@ -493,21 +505,42 @@ impl Inner {
         env
     }
 
+    /// The change stream lost records of every environment (the subscriber reconnected).
     fn on_gap(&self) {
         let envs: Vec<Arc<Env>> = self.envs.lock().values().cloned().collect();
         for env in envs {
-            let slots: Vec<Arc<Slot>> = {
-                let mut state = env.state.lock();
-                state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
-                state.active_since_wall_ms = crate::clock::now_ms();
-                state.complete_since = Some(Instant::now());
-                state.feeds.values().cloned().collect()
-            };
-            for slot in slots {
-                slot.push_recheck();
-                slot.notify.notify_one();
-            }
+            self.gap(&env);
         }
+    }
+
+    /// The change stream lost records of `env`: a new epoch (no replay cursor handed out before
+    /// vouches for what follows), and every feed held there re-reads from the store.
+    fn gap(&self, env: &Env) {
+        let slots: Vec<Arc<Slot>> = {
+            let mut state = env.state.lock();
+            state.epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+            state.active_since_wall_ms = crate::clock::now_ms();
+            state.complete_since = Some(Instant::now());
+            state.feeds.values().cloned().collect()
+        };
+        for slot in slots {
+            slot.push_recheck();
+            slot.notify.notify_one();
+        }
+    }
+
+    /// An arrival the hydrate queue had no room for (`router.max_queued_records`): a gap in its
+    /// environment. It still counts as routed, so requests waiting for it go on.
+    fn overflow(&self, arrival: Arrival) {
+        let Some(env) = self.env(&arrival.env_id) else {
+            return;
+        };
+        self.stats
+            .overflows
+            .fetch_add(arrival.records.len() as u64, Ordering::Relaxed);
+        self.gap(&env);
+        env.routed.fetch_add(1, Ordering::SeqCst);
+        env.routed_changed.notify_waiters();
     }
 }
 

@@ -741,6 +741,44 @@ async fn rtr_16_records_arriving_during_a_hydrate_go_together_in_the_next() {
     assert_eq!(load(&h.router.stats().coalesced_batches), 2);
 }
 
+/// The hydrate queue is bounded (`router.max_queued_records`): while a hydrate is stuck (the
+/// store down), records beyond the bound are dropped instead of queued, each drop is a gap
+/// (the environment's held feeds are told to re-read), and requests waiting for those records
+/// to be routed are not left waiting.
+#[tokio::test]
+async fn records_beyond_the_queue_bound_are_dropped_as_a_gap_that_rechecks_the_feeds() {
+    let h = Harness::new(RouterConfig {
+        max_queued_records: 3,
+        coalesce_ceiling_ms: 60_000, // queued records wait for the stuck hydrate
+        ..cfg()
+    });
+    h.store.put(row("r0", &["t"], None));
+    let f = h.reg(tag_feed(&["t"]), None).await;
+    let (gate_in, release) = h.store.gate_next();
+    h.push(full("r0", &["t"]));
+    entered(gate_in).await; // the first hydrate is stuck
+    for i in 1..=10 {
+        h.push(full(&format!("n{i}"), &["other"]));
+    }
+    wait_until("7 records dropped", || {
+        load(&h.router.stats().overflows) == 7
+    })
+    .await;
+    let w = wake(&f).await;
+    assert!(w.recheck, "a dropped record is a gap: the feed re-reads");
+    let env = crate::protocol::EnvId::from(ENV);
+    let received = h.router.received(&env);
+    assert_eq!(received, 11);
+    let _ = release.send(());
+    wait_until("every record routed or dropped", || {
+        h.router
+            .inner
+            .env(&env)
+            .is_some_and(|e| e.routed.load(Ordering::SeqCst) == 11)
+    })
+    .await;
+}
+
 /// No record waits for a window while the router is idle: on tokio's paused clock, time only
 /// moves when something sleeps, and the delivery of a lone record leaves the clock where it
 /// was (trigger.dev's fixed `ENV_WAKE_COALESCE_WINDOW_MS` delays every second record of an

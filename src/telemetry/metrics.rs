@@ -904,6 +904,7 @@ pub struct Observed {
 /// | `runfeed.router.stale_hydrates` {run}, `outcome` = recovered \| gave_up | `runfeed_router_stale_hydrates_total` | `RouterStats::stale_*` |
 /// | `runfeed.notifier.batches_delivered` | `runfeed_notifier_batches_delivered_total` | `RouterStats::coalesced_batches` (hydrate batches) |
 /// | `runfeed.router.arrivals` | `runfeed_router_arrivals_total` | `RouterStats::batches` (arrivals routed) |
+/// | `runfeed.router.queue_overflows` {record} | `runfeed_router_queue_overflows_total` | `RouterStats::overflows` |
 /// | `runfeed.notifier.messages_received` | `runfeed_notifier_messages_received_total` | Redis source |
 /// | `runfeed.notifier.active_subscriptions` | `runfeed_notifier_active_subscriptions` | Redis source (confirmed channels) |
 /// | `runfeed.notifier.publishes`, `result` = ok \| error | `runfeed_notifier_publishes_total` | this process's `redis::Publisher`s |
@@ -1208,8 +1209,17 @@ pub mod observed {
         description: "Change-record arrivals routed through the index of held feeds (sequenced and buffered for replay, whether or not a feed matched)",
     };
 
+    /// `runfeed.router.queue_overflows` (counter).
+    pub const ROUTER_QUEUE_OVERFLOWS: Observed = Observed {
+        name: "runfeed.router.queue_overflows",
+        kind: ObservedKind::Counter,
+        unit: "{record}",
+        labels: &[],
+        description: "Change records dropped because router.max_queued_records were already waiting for a hydrate (the store is slow or down); each drop makes its environment's feeds re-read from the store",
+    };
+
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 31] = [
+    pub const ALL: [&Observed; 32] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -1241,6 +1251,7 @@ pub mod observed {
         &ROUTER_STALE_HYDRATES,
         &NOTIFIER_BATCHES_DELIVERED,
         &ROUTER_ARRIVALS,
+        &ROUTER_QUEUE_OVERFLOWS,
     ];
 }
 

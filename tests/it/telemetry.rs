@@ -47,6 +47,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_router_replay_evictions_total",
     "runfeed_router_stale_hydrates_total",
     "runfeed_router_arrivals_total",
+    "runfeed_router_queue_overflows_total",
     "runfeed_router_hydrate_batch",
     "runfeed_pg_acquire_wait_milliseconds",
     // notifier

@@ -12,10 +12,10 @@
 //!
 //! Times are tokio's monotonic clock (so tests can pause it).
 
-use parking_lot::Mutex;
 use std::hash::Hash;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 /// Initial size of a map: it grows to its bound as entries are inserted.

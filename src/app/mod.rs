@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -79,7 +78,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     crate::store::grants::check_at_startup(&store).await?;
     let telemetry = Arc::new(Telemetry::new(&config.telemetry).context("telemetry")?);
     let redis = Redis::connect(RedisOptions::from(&config.redis)).context("redis")?;
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = crate::changes::event_channel();
     let redis_source = Arc::new(
         redis
             .change_source(tx, SubscriberSettings::default())

@@ -11,4 +11,7 @@ pub mod record;
 pub mod source;
 
 pub use record::{channel_name, env_of_channel, ChangeRecord};
-pub use source::{ChangeSource, MemoryChangeSource, SourceEvent};
+pub use source::{
+    event_channel, ChangeSource, EventReceiver, EventSender, MemoryChangeSource, SourceEvent,
+    EVENT_QUEUE,
+};

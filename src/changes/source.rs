@@ -2,10 +2,10 @@
 //! subscription interface the router drives ([`ChangeSource`]), and an in-memory source for
 //! tests ([`MemoryChangeSource`]). The Redis source is `redis::RedisChangeSource`.
 
-use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use super::ChangeRecord;
@@ -27,6 +27,23 @@ pub enum SourceEvent {
     Reconnected,
 }
 
+/// Most [`SourceEvent`]s waiting for their consumer. The router's pump hands each on without
+/// waiting for anything, so this only absorbs scheduling hiccups. When it is full the Redis
+/// reader waits; fred's message buffer behind it then overflows, which the reader reports as a
+/// gap ([`SourceEvent::Reconnected`]): the feeds re-read. The in-memory source refuses a
+/// record instead.
+pub const EVENT_QUEUE: usize = 8_192;
+
+/// The sending side of a source's events (bounded by [`EVENT_QUEUE`]).
+pub type EventSender = mpsc::Sender<SourceEvent>;
+/// The receiving side of a source's events.
+pub type EventReceiver = mpsc::Receiver<SourceEvent>;
+
+/// A channel for a source's events, bounded by [`EVENT_QUEUE`].
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    mpsc::channel(EVENT_QUEUE)
+}
+
 /// Per-environment subscription management. Implementations deliver [`SourceEvent`]s on the
 /// sender they were built with. Both calls are idempotent and never block; failures are
 /// retried/logged inside the source (a missed record only costs latency: the backstop covers it).
@@ -44,14 +61,14 @@ pub trait ChangeSource: Send + Sync + 'static {
 
 /// In-memory source: [`MemoryChangeSource::push`] delivers a record iff its env is subscribed.
 pub struct MemoryChangeSource {
-    tx: mpsc::UnboundedSender<SourceEvent>,
+    tx: EventSender,
     subscribed: Mutex<BTreeSet<EnvId>>,
     generations: AtomicU64,
 }
 
 impl MemoryChangeSource {
     /// A source delivering to `tx`.
-    pub fn new(tx: mpsc::UnboundedSender<SourceEvent>) -> Self {
+    pub fn new(tx: EventSender) -> Self {
         MemoryChangeSource {
             tx,
             subscribed: Mutex::default(),
@@ -60,13 +77,13 @@ impl MemoryChangeSource {
     }
 
     /// Delivers `record` on env `env_id` if subscribed; returns whether it was delivered
-    /// (`false` also when the consumer is gone).
+    /// (`false` also when the consumer is gone or [`EVENT_QUEUE`] events wait).
     pub fn push(&self, env_id: &EnvId, record: ChangeRecord) -> bool {
         if !self.subscribed.lock().contains(env_id) {
             return false;
         }
         self.tx
-            .send(SourceEvent::Record {
+            .try_send(SourceEvent::Record {
                 env_id: env_id.clone(),
                 record,
             })
@@ -75,7 +92,7 @@ impl MemoryChangeSource {
 
     /// Simulates a subscriber reconnect.
     pub fn reconnect(&self) {
-        let _ = self.tx.send(SourceEvent::Reconnected);
+        let _ = self.tx.try_send(SourceEvent::Reconnected);
     }
 
     /// Currently subscribed environments (sorted).
@@ -89,7 +106,7 @@ impl ChangeSource for MemoryChangeSource {
         // In memory a subscription is active at once.
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         self.subscribed.lock().insert(env_id.clone());
-        let _ = self.tx.send(SourceEvent::Subscribed {
+        let _ = self.tx.try_send(SourceEvent::Subscribed {
             env_id: env_id.clone(),
             generation,
         });
@@ -115,7 +132,7 @@ mod tests {
 
     #[test]
     fn memory_source_delivers_only_subscribed() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, mut rx) = event_channel();
         let s = MemoryChangeSource::new(tx);
         assert!(!s.push(&crate::protocol::EnvId::from("e"), rec("r0")));
         s.subscribe(&crate::protocol::EnvId::from("e"));

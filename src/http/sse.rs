@@ -29,8 +29,6 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -39,6 +37,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::task::AtomicWaker;
 use futures::{Stream, StreamExt};
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 

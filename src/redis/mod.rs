@@ -113,7 +113,7 @@ impl Redis {
     /// Errors: as [`RedisChangeSource::connect`].
     pub async fn change_source(
         &self,
-        tx: tokio::sync::mpsc::UnboundedSender<crate::changes::SourceEvent>,
+        tx: crate::changes::EventSender,
         settings: SubscriberSettings,
     ) -> Result<RedisChangeSource, RedisError> {
         RedisChangeSource::connect(&self.options, tx, settings).await

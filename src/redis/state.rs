@@ -2,12 +2,12 @@
 //! work queued for the reconciler, and the Cluster slot map (see [`super::subscribe`] for the
 //! design).
 
-use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use fred::prelude::Server;
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::slots::SlotMap;

@@ -10,8 +10,6 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
@@ -19,7 +17,8 @@ use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
 use fred::types::ConnectHandle;
 use fred::util::redis_keyslot;
-use tokio::sync::{broadcast, mpsc, Notify};
+use parking_lot::Mutex;
+use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
 
 use super::shard_check::check_shards;
@@ -27,7 +26,7 @@ pub use super::state::SourceStats;
 use super::state::{Confirmed, Resync, Shared, SHARD_CHECK_TIMEOUT};
 use super::{close, close_in_background, redact, RedisError, RedisOptions};
 use crate::changes::record::{channel_name, env_of_channel};
-use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
+use crate::changes::{ChangeRecord, ChangeSource, EventSender, SourceEvent};
 use crate::protocol::EnvId;
 
 /// How long [`RedisChangeSource::connect`] waits for the first connection before returning and
@@ -204,7 +203,7 @@ impl RedisChangeSource {
     /// configuration fred refuses, including one detected during the initial wait.
     pub async fn connect(
         options: &RedisOptions,
-        tx: mpsc::UnboundedSender<SourceEvent>,
+        tx: EventSender,
         settings: SubscriberSettings,
     ) -> Result<Self, RedisError> {
         Self::start(
@@ -218,7 +217,7 @@ impl RedisChangeSource {
 
     async fn start(
         options: &RedisOptions,
-        tx: mpsc::UnboundedSender<SourceEvent>,
+        tx: EventSender,
         initial_wait: Duration,
         check_interval: Duration,
     ) -> Result<Self, RedisError> {
@@ -422,7 +421,7 @@ fn tcp_config() -> TcpConfig {
 /// Forwards fred pub/sub messages as [`SourceEvent::Record`]s until the consumer or fred goes.
 async fn read_messages(
     mut rx: broadcast::Receiver<fred::types::Message>,
-    tx: mpsc::UnboundedSender<SourceEvent>,
+    tx: EventSender,
     shared: Arc<Shared>,
 ) {
     loop {
@@ -456,7 +455,7 @@ async fn read_messages(
             }
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        if tx.send(event).is_err() {
+        if tx.send(event).await.is_err() {
             return;
         }
     }
@@ -527,12 +526,7 @@ async fn watch_reconnects(mut rx: broadcast::Receiver<Server>, shared: Arc<Share
 /// The single task that issues (S)SUBSCRIBE/(S)UNSUBSCRIBE: brings what Redis has in line with
 /// what the consumer wants, retrying failures with backoff; after a reconnect or a lost
 /// subscription, re-subscribes what is missing and then emits [`SourceEvent::Reconnected`].
-async fn reconcile(
-    client: SubscriberClient,
-    mode: Mode,
-    shared: Arc<Shared>,
-    tx: mpsc::UnboundedSender<SourceEvent>,
-) {
+async fn reconcile(client: SubscriberClient, mode: Mode, shared: Arc<Shared>, tx: EventSender) {
     let mut backoff = RETRY_MIN;
     // A gap to announce once every desired env is subscribed again.
     let mut announce = false;
@@ -604,6 +598,7 @@ async fn reconcile(
         for (env_id, generation) in to_announce {
             if tx
                 .send(SourceEvent::Subscribed { env_id, generation })
+                .await
                 .is_err()
             {
                 return;
@@ -658,6 +653,7 @@ async fn reconcile(
             for (env_id, generation) in done.iter().cloned() {
                 if tx
                     .send(SourceEvent::Subscribed { env_id, generation })
+                    .await
                     .is_err()
                 {
                     return;
@@ -680,7 +676,7 @@ async fn reconcile(
             // In sync: every desired env is subscribed on the current connection(s), so a
             // consumer reacting to the announcement cannot miss a later record. (If a connection
             // dropped again meanwhile, that reconnect is announced in turn.)
-            if std::mem::take(&mut announce) && tx.send(SourceEvent::Reconnected).is_err() {
+            if std::mem::take(&mut announce) && tx.send(SourceEvent::Reconnected).await.is_err() {
                 return;
             }
             if tx.is_closed() {
@@ -706,7 +702,7 @@ mod tests {
 
     #[tokio::test]
     async fn cluster_url_needs_cluster_mode() {
-        let (tx, _rx) = mpsc::unbounded_channel();
+        let (tx, _rx) = crate::changes::event_channel();
         let url = "redis-cluster://127.0.0.1:1?node=127.0.0.1:2";
         let settings = SubscriberSettings {
             initial_wait: Duration::ZERO,
@@ -727,7 +723,7 @@ mod tests {
 
     #[tokio::test]
     async fn bad_url_is_an_error() {
-        let (tx, _rx) = mpsc::unbounded_channel();
+        let (tx, _rx) = crate::changes::event_channel();
         let options = RedisOptions::standalone("not a url");
         assert!(
             RedisChangeSource::connect(&options, tx, SubscriberSettings::default())

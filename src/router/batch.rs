@@ -40,6 +40,11 @@ use crate::protocol::{ColumnSet, EnvId, RunId};
 /// Most hydrate batches in flight at once (only the ceiling starts more than one).
 pub const MAX_IN_FLIGHT: usize = 4;
 
+/// Most arrivals handed to the dispatch task and not yet taken into its queue. The task takes
+/// them all at every turn, so this only absorbs a turn spent routing a batch; an arrival that
+/// finds it full is a gap, like one the queue has no room for.
+const HANDOFF: usize = 8_192;
+
 /// Records of one environment waiting for their batch.
 pub(super) struct Arrival {
     pub env_id: EnvId,
@@ -88,22 +93,24 @@ pub(super) struct BatchLimits {
 /// The queue in front of the hydrate stage (cheap to clone).
 #[derive(Clone)]
 pub(super) struct Batcher {
-    tx: mpsc::UnboundedSender<Arrival>,
+    tx: mpsc::Sender<Arrival>,
 }
 
 impl Batcher {
     /// A batcher whose dispatch task hydrates through `inner` (held weakly: the task ends with
     /// the router).
     pub fn start(inner: Weak<Inner>, limits: BatchLimits) -> Batcher {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(HANDOFF);
         tokio::spawn(dispatch(inner, rx, limits));
         Batcher { tx }
     }
 
-    /// Queues `arrival` for the next batch (a dropped arrival leaves the in-flight set when the
-    /// router is gone anyway).
-    pub fn push(&self, arrival: Arrival) {
-        let _ = self.tx.send(arrival);
+    /// Queues `arrival` for the next batch; gives it back when [`HANDOFF`] arrivals already wait
+    /// (or the router is gone): the caller treats it as a gap.
+    pub fn push(&self, arrival: Arrival) -> Result<(), Arrival> {
+        self.tx.try_send(arrival).map_err(|err| match err {
+            mpsc::error::TrySendError::Full(a) | mpsc::error::TrySendError::Closed(a) => a,
+        })
     }
 }
 
@@ -124,11 +131,7 @@ fn take_batch(queue: &mut VecDeque<(Instant, Arrival)>, max_runs: usize) -> Vec<
     batch
 }
 
-async fn dispatch(
-    inner: Weak<Inner>,
-    mut rx: mpsc::UnboundedReceiver<Arrival>,
-    limits: BatchLimits,
-) {
+async fn dispatch(inner: Weak<Inner>, mut rx: mpsc::Receiver<Arrival>, limits: BatchLimits) {
     let mut queue: VecDeque<(Instant, Arrival)> = VecDeque::new();
     // Records in `queue`, against `limits.max_queued`.
     let mut queued_records = 0usize;

@@ -146,12 +146,15 @@ impl Inner {
         let Some(env) = self.env(env_id) else { return };
         env.received.fetch_add(1, Ordering::SeqCst);
         if let Some(batcher) = self.batcher.get() {
-            batcher.push(Arrival {
+            let arrival = Arrival {
                 env_id: env_id.clone(),
                 records,
                 attempt,
                 arrived,
-            });
+            };
+            if let Err(arrival) = batcher.push(arrival) {
+                self.overflow(arrival);
+            }
         }
     }
 

@@ -21,11 +21,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::Duration;
 
 use futures::future::{FutureExt, Shared};
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::changes::ChangeRecord;

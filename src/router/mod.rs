@@ -16,13 +16,14 @@
 //!   parked in its inbox instead of dropped;
 //! - partial records are classified for batch feeds too (item 10).
 //!
-//! **Queues on the change path.** The source's events reach the router through one channel that
-//! its pump drains without awaiting anything (each record is counted and handed on at once), so
-//! it holds only what a scheduling hiccup leaves. Records then wait for a hydrate batch in
-//! [`batch`]'s queue, bounded by `router.max_queued_records`: past the bound a record is
-//! dropped and its environment has a gap (a new epoch, every held feed re-reads from the store;
-//! `runfeed_router_queue_overflows_total`), the rule the Redis source applies to its own buffer
-//! (a lagged subscriber is reported as a reconnect).
+//! **Queues on the change path**, each bounded, and what overflow means:
+//! 1. the source's events ([`crate::changes::EVENT_QUEUE`]), drained by the router's pump,
+//!    which waits for nothing: when full, the Redis reader waits, fred's buffer behind it
+//!    overflows, and the reader reports a gap (every environment's feeds re-read);
+//! 2. the hand-off to the batch dispatcher (`batch::HANDOFF` arrivals), and
+//! 3. the records waiting for a hydrate batch (`router.max_queued_records`): an arrival that
+//!    finds either full is dropped, a gap in its environment (a new epoch, every feed held
+//!    there re-reads from the store; `runfeed_router_queue_overflows_total`).
 
 mod batch;
 mod buffer;
@@ -36,11 +37,10 @@ mod tripwire;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, Notify};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
 
 pub use buffer::{Buffered, Eviction, ReplayBuffer};
 pub use filter::FeedFilter;
@@ -101,7 +101,7 @@ pub struct RouterParts {
     /// Where matched runs are hydrated from.
     pub store: Arc<dyn RunStore>,
     /// What `source` reports.
-    pub events: mpsc::UnboundedReceiver<SourceEvent>,
+    pub events: crate::changes::EventReceiver,
     /// The read-your-writes gate, when hydrates read a lagging replica: wake-path hydrates wait
     /// until the replica applied the announced commits, and rows still read stale are withheld
     /// and re-hydrated (see [`gate`]).

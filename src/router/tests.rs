@@ -14,12 +14,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{mpsc, oneshot};
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
 use tokio::time::timeout;
 
 use super::*;
@@ -364,7 +363,7 @@ fn start(
     cfg: RouterConfig,
     source: Arc<dyn ChangeSource>,
     store: Arc<FakeStore>,
-    events: mpsc::UnboundedReceiver<SourceEvent>,
+    events: crate::changes::EventReceiver,
     gate: Option<Arc<gate::Gate>>,
 ) -> Router {
     Router::start(RouterParts {
@@ -385,7 +384,7 @@ struct Harness {
 
 impl Harness {
     fn new(cfg: RouterConfig) -> Harness {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = crate::changes::event_channel();
         let source = Arc::new(MemoryChangeSource::new(tx));
         let store = Arc::new(FakeStore::default());
         let router = start(cfg, source.clone(), store.clone(), rx, None);
@@ -1705,9 +1704,9 @@ fn manual(
     Router,
     Arc<ManualSource>,
     Arc<FakeStore>,
-    mpsc::UnboundedSender<SourceEvent>,
+    crate::changes::EventSender,
 ) {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = crate::changes::event_channel();
     let source = Arc::new(ManualSource::default());
     let store = Arc::new(FakeStore::default());
     let router = start(cfg, source.clone(), store.clone(), rx, None);
@@ -1746,11 +1745,11 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
     assert_eq!(router.touch(&crate::protocol::EnvId::from(ENV)).epoch, 0);
 
     // Routed live even before the confirmation.
-    tx.send(record_event(full("r1", &[]))).unwrap();
+    tx.try_send(record_event(full("r1", &[]))).unwrap();
     assert_eq!(ids(&wake(&a).await.rows), vec!["r1"]);
 
-    tx.send(subscribed_event("env_unknown", 1)).unwrap();
-    tx.send(subscribed_event(ENV, 1)).unwrap();
+    tx.try_send(subscribed_event("env_unknown", 1)).unwrap();
+    tx.try_send(subscribed_event(ENV, 1)).unwrap();
     wait_until("confirmed", || a.cursor().epoch != 0).await;
     assert_eq!(
         router.active_envs(),
@@ -1781,7 +1780,7 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     // No await point below lets the pump run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
     let a = router.register(feed(run_feed("zz"), None)).await;
-    tx.send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
+    tx.try_send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
     drop(a);
     let b = router.register(feed(run_feed("r1"), None)).await;
     assert_eq!(
@@ -1793,7 +1792,7 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
         ]
     );
     // Fence: the pump has processed the stale confirmation once it routes this record.
-    tx.send(record_event(full("r1", &[]))).unwrap();
+    tx.try_send(record_event(full("r1", &[]))).unwrap();
     assert_eq!(ids(&wake(&b).await.rows), vec!["r1"]);
     assert_eq!(b.cursor().epoch, 0, "subscribe #2 was never confirmed");
 }
@@ -1819,7 +1818,7 @@ impl crate::store::ReplicaProbe for FakeReplica {
 }
 
 fn gated(max_delay_ms: u64, retries: u32) -> (Harness, Arc<FakeReplica>) {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = crate::changes::event_channel();
     let source = Arc::new(MemoryChangeSource::new(tx));
     let store = Arc::new(FakeStore::default());
     let replica = Arc::new(FakeReplica {

@@ -27,7 +27,6 @@ use runfeed::changes::{channel_name, ChangeRecord, ChangeSource, SourceEvent};
 use runfeed::redis::{
     publish_once, Publisher, RedisChangeSource, RedisOptions, SubscriberSettings,
 };
-use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -187,7 +186,7 @@ impl Cluster {
 /// Publishes `rec` to its one subscriber and asserts it is the next record on `rx`.
 async fn delivered(
     publisher: &Publisher,
-    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rx: &mut runfeed::changes::EventReceiver,
     rec: ChangeRecord,
     skip_gaps: bool,
 ) {
@@ -238,11 +237,9 @@ fn init_logs() {
     }
 }
 
-async fn source(
-    options: &RedisOptions,
-) -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
+async fn source(options: &RedisOptions) -> (RedisChangeSource, runfeed::changes::EventReceiver) {
     init_logs();
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = runfeed::changes::event_channel();
     let source = RedisChangeSource::connect(options, tx, SubscriberSettings::default())
         .await
         .expect("connect subscriber");
@@ -277,7 +274,7 @@ async fn wait_confirmed(source: &RedisChangeSource, envs: &[&str]) {
 
 /// The next record, skipping subscription confirmations and (with `skip_gaps`) `Reconnected`.
 async fn next_record(
-    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rx: &mut runfeed::changes::EventReceiver,
     skip_gaps: bool,
 ) -> (String, ChangeRecord) {
     let deadline = Instant::now() + WAIT;
@@ -298,7 +295,7 @@ async fn next_record(
 
 /// Waits for `Reconnected`, skipping confirmations (and records, which are returned).
 async fn wait_reconnected(
-    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rx: &mut runfeed::changes::EventReceiver,
     within: Duration,
 ) -> Vec<ChangeRecord> {
     let deadline = Instant::now() + within;
@@ -615,7 +612,7 @@ async fn sharded_subscription_follows_a_slot_migration() {
     let other = env_on(&c.owners, ports[1]);
     let slot = redis_keyslot(channel_name(&env_id).as_bytes());
 
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = runfeed::changes::event_channel();
     let settings = SubscriberSettings {
         shard_check_interval: Duration::from_millis(500),
         ..SubscriberSettings::default()

@@ -20,7 +20,6 @@ use runfeed::redis::{
 fn standalone(url: &str) -> RedisOptions {
     RedisOptions::standalone(url)
 }
-use tokio::sync::mpsc;
 use tokio::time::{sleep, timeout, Instant};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -41,8 +40,8 @@ fn full_record(env_id: &str, run_id: &str) -> ChangeRecord {
     }
 }
 
-async fn source() -> (RedisChangeSource, mpsc::UnboundedReceiver<SourceEvent>) {
-    let (tx, rx) = mpsc::unbounded_channel();
+async fn source() -> (RedisChangeSource, runfeed::changes::EventReceiver) {
+    let (tx, rx) = runfeed::changes::event_channel();
     let source =
         RedisChangeSource::connect(&standalone(REDIS_URL), tx, SubscriberSettings::default())
             .await
@@ -84,7 +83,7 @@ async fn subscribe_confirmed(source: &RedisChangeSource, env_id: &str) {
 
 /// Asserts that the next event is `record`, received on `env_id`'s channel.
 async fn expect_record(
-    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rx: &mut runfeed::changes::EventReceiver,
     env_id: &str,
     record: ChangeRecord,
 ) {
@@ -96,7 +95,7 @@ async fn expect_record(
 /// event (so nothing published before it on other channels was delivered).
 async fn delivered(
     publisher: &Publisher,
-    rx: &mut mpsc::UnboundedReceiver<SourceEvent>,
+    rx: &mut runfeed::changes::EventReceiver,
     record: ChangeRecord,
 ) {
     publish_to(publisher, &record, 1).await;
@@ -107,7 +106,7 @@ async fn delivered(
 /// The change source and a publisher on the shared Redis.
 async fn connected() -> (
     RedisChangeSource,
-    mpsc::UnboundedReceiver<SourceEvent>,
+    runfeed::changes::EventReceiver,
     Publisher,
 ) {
     let (source, rx) = source().await;
@@ -121,7 +120,7 @@ async fn publish_to(publisher: &Publisher, record: &ChangeRecord, receivers: u64
 
 /// The next event other than a subscription confirmation (those are checked with
 /// `wait_confirmed`).
-async fn next_event(rx: &mut mpsc::UnboundedReceiver<SourceEvent>) -> SourceEvent {
+async fn next_event(rx: &mut runfeed::changes::EventReceiver) -> SourceEvent {
     loop {
         match timeout(WAIT, rx.recv()).await {
             Ok(Some(SourceEvent::Subscribed { .. })) => continue,
@@ -306,7 +305,7 @@ async fn reconnected_after_client_kill() {
 #[tokio::test]
 async fn unreachable_redis_does_not_hang() {
     let url = format!("redis://127.0.0.1:{}", free_port());
-    let (tx, _rx) = mpsc::unbounded_channel();
+    let (tx, _rx) = runfeed::changes::event_channel();
     let started = Instant::now();
     let options = standalone(&url);
     let (source, publisher) = tokio::join!(
@@ -344,7 +343,7 @@ impl Drop for RedisServer {
 async fn late_redis_is_connected_in_background() {
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}");
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = runfeed::changes::event_channel();
     let source = RedisChangeSource::connect(
         &standalone(&url),
         tx,

@@ -87,7 +87,7 @@ e2e_tests() {
 }
 
 # A streaming replica of the local Postgres for tests/it/replica.rs (read-your-writes on a lagging
-# replica); without RUNFEED_TEST_REPLICA_URL those tests skip. Stopped on exit.
+# replica); without RUNFEED_TEST_REPLICA_URL those tests fail. Stopped on exit.
 REPLICA_PORT="${REPLICA_PORT:-5433}"
 start_replica() {
   local out
@@ -108,7 +108,7 @@ on_exit() { # command
 }
 
 # A local 3-master Redis Cluster for tests/it/changes_cluster.rs (sharded pub/sub); without
-# RUNFEED_TEST_REDIS_CLUSTER_URL those tests skip. Stopped after the Rust tests and on exit.
+# RUNFEED_TEST_REDIS_CLUSTER_URL those tests fail. Stopped after the Rust tests and on exit.
 REDIS_CLUSTER_BASE_PORT="${REDIS_CLUSTER_BASE_PORT:-7100}"
 stop_redis_cluster() {
   bash scripts/redis-cluster.sh stop --base-port "$REDIS_CLUSTER_BASE_PORT" >/dev/null 2>&1 || true

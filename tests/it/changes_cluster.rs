@@ -5,7 +5,7 @@
 //! sharded pub/sub across a restart of the env's shard (needs the local Postgres, like
 //! tests/it/feeds_http.rs).
 //!
-//! Skipped (passing, with a note on stderr) unless `RUNFEED_TEST_REDIS_CLUSTER_URL` is set, e.g.
+//! They need `RUNFEED_TEST_REDIS_CLUSTER_URL` and fail without it (never pass silently), e.g.
 //! `redis-cluster://127.0.0.1:7100?node=127.0.0.1:7101&node=127.0.0.1:7102` as the script prints
 //! it (`scripts/test.sh` starts one). The node-restart test drives that script (`restart-node`),
 //! so it needs a cluster the script started.
@@ -34,17 +34,15 @@ const WAIT: Duration = Duration::from_secs(20);
 /// The cluster tests restart nodes and move slots: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The cluster URL, or `None` (with a note) when the cluster tests are not enabled.
+/// The cluster URL; panics when it is not set (the test needs the cluster and never passes
+/// without it).
 fn cluster_url(test: &str) -> Option<String> {
     match std::env::var("RUNFEED_TEST_REDIS_CLUSTER_URL") {
         Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            eprintln!(
-                "skipping {test}: RUNFEED_TEST_REDIS_CLUSTER_URL is not set \
-                 (start a cluster with `bash scripts/redis-cluster.sh start`)"
-            );
-            None
-        }
+        _ => panic!(
+            "{test} needs a Redis Cluster: RUNFEED_TEST_REDIS_CLUSTER_URL is not set \
+             (start one with `bash scripts/redis-cluster.sh start`, or run `bash scripts/test.sh`)"
+        ),
     }
 }
 

@@ -473,17 +473,17 @@ async fn a_partial_record_after_a_full_one_never_hides_a_run_that_joined_a_tag_f
 }
 
 /// The replica's base URL (`scripts/replica.sh start` → `RUNFEED_TEST_REPLICA_URL`, as
-/// `tests/it/replica.rs` uses it); tests that need it print a notice and pass without it.
-/// The replica base URL (`RUNFEED_TEST_REPLICA_URL`), or `None` after saying the test is
-/// skipped.
+/// `tests/it/replica.rs` uses it); a test that needs it fails without it.
 fn replica_base() -> Option<String> {
     let base = std::env::var("RUNFEED_TEST_REPLICA_URL")
         .ok()
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty());
-    if base.is_none() {
-        println!("skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)");
-    }
+    assert!(
+        base.is_some(),
+        "RUNFEED_TEST_REPLICA_URL is not set: start a replica with `bash scripts/replica.sh start` \
+         (or run `bash scripts/test.sh`)"
+    );
     base
 }
 

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! `scripts/test.sh` does this around `cargo test`. Without `RUNFEED_TEST_REPLICA_URL` every test
-//! prints a skip notice and passes, so a plain `cargo test` works on a machine without a replica.
+//! fails with that instruction: none passes without the replica it tests.
 //!
 //! Each test creates its own database on the primary (`TestDb` through [`TestServer`]), waits until
 //! the database and its migrations have replayed on the replica, then starts runfeed in-process with
@@ -43,7 +43,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-const SKIP: &str = "skipped: RUNFEED_TEST_REPLICA_URL not set (scripts/replica.sh start)";
+const NO_REPLICA: &str = "RUNFEED_TEST_REPLICA_URL is not set: start a replica with \
+    `bash scripts/replica.sh start --delay-ms 300 --port 5433` (or run `bash scripts/test.sh`)";
 /// Gate cap the tests run with: the replica applies each commit `recovery_min_apply_delay`
 /// (300 ms) after its commit time, so the default 1 000 ms cap is raised for headroom.
 const GATE_MAX_DELAY_MS: u64 = 3_000;
@@ -91,12 +92,11 @@ fn replica_base() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-/// Runs `body` with the replica's base URL through [`serial`]; without a replica, prints the
-/// skip notice and passes.
+/// Runs `body` with the replica's base URL through [`serial`]; without a replica, fails.
 fn with_replica<F: std::future::Future<Output = ()>>(body: impl FnOnce(String) -> F) {
     match replica_base() {
         Some(base) => serial(body(base)),
-        None => println!("{SKIP}"),
+        None => panic!("{NO_REPLICA}"),
     }
 }
 

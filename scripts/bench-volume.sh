@@ -13,7 +13,8 @@
 # NO_BUILD (1: do not build), RUNFEED_BIN (target/release/runfeed), BENCH (target/release/runfeed-bench),
 # BENCH_OUT (target/bench-volume), DB (runfeed_volume_<RUNS>), PG_ADMIN, REDIS_URL, SERVER_LOG
 # (runfeed's RUST_LOG, default info).
-# The data stays for the next run; drop it with `psql -c 'DROP DATABASE runfeed_volume_<RUNS>'`.
+# The data stays for the next run; drop it with `psql -c 'DROP DATABASE runfeed_volume_<RUNS>'`,
+# and do before `scripts/test.sh`: its replica step copies the whole local Postgres (pg_basebackup).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$(pwd)

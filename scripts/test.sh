@@ -7,7 +7,8 @@
 # run when they fail (seconds for rustfmt; clippy's check build is a few minutes cold).
 # Env: E2E_TIMEOUT (seconds for the whole e2e run, default 480), E2E_FILTER (a node --test
 # name pattern, e.g. "scenario 05"), SKIP_LINT=1 / SKIP_CARGO_TEST=1 / SKIP_E2E=1 / SKIP_PROXIES=1 /
-# SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 / SKIP_IMAGE=1 to run a subset locally.
+# SKIP_BROWSER=1 / SKIP_BENCH=1 / SKIP_FUZZ=1 / SKIP_IMAGE=1 to run a subset locally; SKIP_CHECK=1 skips the
+# seeded delivery check inside cargo test (CONTRIBUTING.md).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1

@@ -29,7 +29,7 @@ use rand::Rng;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::sets::{ReadError, RunSet, Target};
+use super::read::{ReadError, RunSet, Target};
 use crate::clock::now_ms;
 use crate::protocol::{BatchId, EnvId, RunId, RunMeta};
 use crate::router::{FeedFilter, ReplayCursor, Router};

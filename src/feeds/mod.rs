@@ -14,6 +14,7 @@
 pub mod backstop;
 pub mod cursors;
 pub mod diff;
+pub mod read;
 pub mod sets;
 pub mod stream;
 
@@ -46,7 +47,8 @@ use crate::store::RunStore;
 use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
-pub use sets::{Freshness, ReadError, RunSet, Sets, Target};
+pub use read::{ReadError, RunSet, Target};
+pub use sets::{Freshness, Sets};
 use state::{ConnKey, ConnStates};
 pub use state::{ConnState, HOP_BACK_AFTER_MS, SHARED_REWRITE_AFTER};
 

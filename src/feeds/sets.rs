@@ -9,42 +9,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use moka::future::Cache;
-
-/// The caches' hasher (keys hashed on every poll).
-type Hasher = foldhash::fast::RandomState;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::backstop::{BackstopSettings, Backstops, Current};
 use super::diff::Known;
+use super::read::{ReadError, RunSet, Target};
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
-use crate::protocol::{
-    BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, SerializedRow,
-};
-use crate::router::{Registration, ReplayCursor, Router};
+use crate::protocol::{ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta};
+use crate::router::{Registration, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 use crate::telemetry::metrics::{Metrics, ResolveResult};
 
-/// What a feed is about (internal ids).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Target {
-    Run { run_id: RunId },
-    Tag { tags: Arc<[String]>, floor_ms: i64 },
-    Batch { batch_id: BatchId },
-}
-
-impl Target {
-    /// A tag feed's tag filter, as the request sent it (`None` for run and batch feeds).
-    pub fn tags(&self) -> Option<Arc<[String]>> {
-        match self {
-            Target::Tag { tags, .. } => Some(tags.clone()),
-            _ => None,
-        }
-    }
-}
+/// The caches' hasher (keys hashed on every poll).
+type Hasher = foldhash::fast::RandomState;
 
 /// Whether a URL-id lookup may be served from the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,29 +34,6 @@ pub enum Freshness {
     Cached,
     /// Read the store now (its mutable part, the tags, decides something).
     Fresh,
-}
-
-/// A store read result: the rows (serialized for one column set) and the router cursor taken
-/// before the read.
-#[derive(Debug)]
-pub struct RunSet {
-    pub cursor: ReplayCursor,
-    pub rows: Vec<SerializedRow>,
-    /// The read-your-writes gate let the read through: the replica had applied what the
-    /// records before `cursor` announced. When false, a response built from this read must
-    /// hand out a cursor later polls re-check.
-    pub settled: bool,
-    /// Wall time the read started, epoch ms.
-    pub read_ms: i64,
-}
-
-/// A read failed or ran past the poll's deadline.
-#[derive(Debug, thiserror::Error, Clone)]
-pub enum ReadError {
-    #[error("{0}")]
-    Store(Arc<StoreError>),
-    #[error("deadline exceeded")]
-    Deadline,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

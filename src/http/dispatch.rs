@@ -1,6 +1,6 @@
 //! The feed routes' `GET`s, served without axum's router: every live poll and its re-poll come
 //! this way, so they skip the router's per-request work (route matching a second time after
-//! [`route_of`], the `MatchedPath` extension, a clone of the boxed route service, three future
+//! [`super::route_of`], the `MatchedPath` extension, a clone of the boxed route service, three future
 //! wrappers) and go straight to the same handlers, extractors and responses. Everything else
 //! (`HEAD`, `POST`, `OPTIONS` outside the CORS layer, `/healthz`, unknown paths) goes to the
 //! router, which still declares every route and answers a feed route's `HEAD` with [`routed`],
@@ -19,10 +19,8 @@ use futures::future::Either;
 use futures::FutureExt;
 
 use super::forward::Forwarder;
-use super::{
-    batch_feed_at, route_of, run_feed_at, tag_feed, ApiError, AppState, Begun, BATCH_ROUTE,
-    RUNS_ROUTE, RUN_ROUTE,
-};
+use super::route::FeedRoute;
+use super::{batch_feed_at, run_feed_at, tag_feed, ApiError, AppState, Begun};
 use crate::auth::AuthError;
 
 /// The response future of a feed route served here.
@@ -33,32 +31,6 @@ type FeedFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Se
 pub(super) struct FeedRoutes<R> {
     pub(super) state: AppState,
     pub(super) router: R,
-}
-
-/// Which feed route a `GET` is for, with its one path segment (percent-decoded as axum's
-/// `Path` does; `None` when it is not UTF-8 once decoded, which the handler answers 404).
-pub(super) enum FeedRoute {
-    Run(Option<String>),
-    Tags,
-    Batch(Option<String>),
-}
-
-impl FeedRoute {
-    fn of(path: &str) -> Option<FeedRoute> {
-        let segment = |prefix: &str| {
-            let raw = path.strip_prefix(prefix).unwrap_or_default();
-            percent_encoding::percent_decode_str(raw)
-                .decode_utf8()
-                .ok()
-                .map(|id| id.into_owned())
-        };
-        match route_of(path) {
-            RUNS_ROUTE => Some(FeedRoute::Tags),
-            RUN_ROUTE => Some(FeedRoute::Run(segment("/realtime/v1/runs/"))),
-            BATCH_ROUTE => Some(FeedRoute::Batch(segment("/realtime/v1/batches/"))),
-            _ => None,
-        }
-    }
 }
 
 impl<R> tower::Service<axum::extract::Request> for FeedRoutes<R>

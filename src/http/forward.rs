@@ -35,7 +35,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use super::dispatch::FeedRoute;
+use super::route::FeedRoute;
 use super::{ApiError, BATCH_ROUTE, RUNS_ROUTE, RUN_ROUTE};
 use crate::telemetry::metrics::ForwardOutcome;
 use crate::telemetry::Metrics;

@@ -16,6 +16,7 @@ pub mod cors;
 mod dispatch;
 pub mod error;
 pub mod forward;
+mod route;
 pub mod serve;
 pub mod sse;
 

@@ -1,0 +1,50 @@
+//! What a store read is for and what it returns: a feed's [`Target`], the [`RunSet`] read for
+//! it and the [`ReadError`] that ends it. Shared by the readers ([`super::sets`]) and the
+//! backstops ([`super::backstop`]).
+
+use std::sync::Arc;
+
+use crate::protocol::{BatchId, RunId, SerializedRow};
+use crate::router::ReplayCursor;
+use crate::store::StoreError;
+
+/// What a feed is about (internal ids).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Run { run_id: RunId },
+    Tag { tags: Arc<[String]>, floor_ms: i64 },
+    Batch { batch_id: BatchId },
+}
+
+impl Target {
+    /// A tag feed's tag filter, as the request sent it (`None` for run and batch feeds).
+    pub fn tags(&self) -> Option<Arc<[String]>> {
+        match self {
+            Target::Tag { tags, .. } => Some(tags.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// A store read result: the rows (serialized for one column set) and the router cursor taken
+/// before the read.
+#[derive(Debug)]
+pub struct RunSet {
+    pub cursor: ReplayCursor,
+    pub rows: Vec<SerializedRow>,
+    /// The read-your-writes gate let the read through: the replica had applied what the
+    /// records before `cursor` announced. When false, a response built from this read must
+    /// hand out a cursor later polls re-check.
+    pub settled: bool,
+    /// Wall time the read started, epoch ms.
+    pub read_ms: i64,
+}
+
+/// A read failed or ran past the poll's deadline.
+#[derive(Debug, thiserror::Error, Clone)]
+pub enum ReadError {
+    #[error("{0}")]
+    Store(Arc<StoreError>),
+    #[error("deadline exceeded")]
+    Deadline,
+}

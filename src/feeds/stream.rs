@@ -53,6 +53,8 @@ type Hold = Pin<Box<dyn Future<Output = Result<FeedReply, FeedError>> + Send>>;
 struct State {
     feeds: Arc<Feeds>,
     req: FeedRequest,
+    /// The frames of one reply (its rows, at most `feeds.max_list_results`, and its up-to-date)
+    /// or one keep-alive: filled only when empty, so bounded by one reply; nothing overflows.
     queue: VecDeque<Bytes>,
     hold: Option<Hold>,
     last_sent: Instant,

@@ -121,14 +121,10 @@ struct EnvLease {
 }
 
 impl Leases {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, EnvLease>> {
-        self.envs.lock()
-    }
-
     /// A free leased slot of `env_id`, taken, if there is one (one map lookup: the hot path of
     /// every admission).
     fn take(self: &Arc<Self>, env_id: &str) -> Option<Slot> {
-        let mut envs = self.lock();
+        let mut envs = self.envs.lock();
         let lease = envs.get_mut(env_id)?;
         if lease.in_use >= lease.members.len() {
             return None;
@@ -174,7 +170,7 @@ impl Drop for Slot {
                 member,
             }) => script.release(&env_id, member),
             Some(Release::Leased { leases, env_id }) => {
-                let mut envs = leases.lock();
+                let mut envs = leases.envs.lock();
                 if let Some(lease) = envs.get_mut(&env_id) {
                     lease.in_use = lease.in_use.saturating_sub(1);
                     if lease.in_use == 0 {
@@ -268,7 +264,12 @@ impl Limiter {
 
     /// Slots this instance holds in Redis now, over all environments (leased, used or not).
     pub fn leased_slots(&self) -> usize {
-        self.leases.lock().values().map(|l| l.members.len()).sum()
+        self.leases
+            .envs
+            .lock()
+            .values()
+            .map(|l| l.members.len())
+            .sum()
     }
 
     fn member(&self) -> String {
@@ -373,7 +374,7 @@ impl Limiter {
             return Leased::Slot(slot);
         }
         let leasing = {
-            let mut envs = self.leases.lock();
+            let mut envs = self.leases.envs.lock();
             let key: Arc<str> = Arc::from(env_id);
             let lease = envs.entry(key.clone()).or_insert_with(|| EnvLease {
                 env_id: key,
@@ -406,7 +407,7 @@ impl Limiter {
             Ok(Ok(added)) => {
                 let mut members = pending.settle();
                 members.truncate(added);
-                let mut envs = self.leases.lock();
+                let mut envs = self.leases.envs.lock();
                 if let Some(lease) = envs.get_mut(env_id) {
                     lease.members.extend(members);
                 } else {
@@ -445,7 +446,7 @@ impl Limiter {
         };
         let mut returned = Vec::new();
         {
-            let mut envs = self.leases.lock();
+            let mut envs = self.leases.envs.lock();
             envs.retain(|env_id, lease| {
                 let idle = lease.in_use == 0
                     && now.saturating_duration_since(lease.idle_since) >= IDLE_RETURN;
@@ -475,6 +476,7 @@ impl Limiter {
         };
         let held: Vec<(Arc<str>, Vec<String>)> = self
             .leases
+            .envs
             .lock()
             .iter()
             .filter(|(_, l)| !l.members.is_empty())

@@ -45,8 +45,7 @@ use super::admit::Slot;
 use crate::feeds::stream::{sse_frames, StreamTiming};
 use crate::feeds::{FeedRequest, Feeds};
 use crate::protocol::cursor::{next_cursor, Gap};
-use crate::protocol::headers::ClientGeneration;
-use crate::protocol::headers::ElectricHeaders;
+use crate::protocol::headers::{ClientGeneration, ElectricHeaders};
 use crate::protocol::offset::OffsetParam;
 use crate::protocol::sse::CONTENT_TYPE;
 
@@ -140,14 +139,10 @@ struct Pipe {
 }
 
 impl Pipe {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, Queue> {
-        self.queue.lock()
-    }
-
     /// Queues `frame` if it fits within `bound` (always when the queue is empty); gives it
     /// back otherwise.
     fn try_push(&self, frame: Bytes, bound: QueueBound) -> Result<(), Bytes> {
-        let mut q = self.lock();
+        let mut q = self.queue.lock();
         let fits = q.frames.is_empty()
             || (q.frames.len() < bound.max_events && q.bytes + frame.len() <= bound.max_bytes);
         if !fits {
@@ -162,7 +157,7 @@ impl Pipe {
 
     /// Ends the stream; a stall also frees what was queued.
     fn end(&self, end: End) {
-        let mut q = self.lock();
+        let mut q = self.queue.lock();
         if end == End::Stalled {
             q.frames.clear();
             q.bytes = 0;
@@ -265,7 +260,7 @@ impl Stream for BoundedBody {
             return Poll::Ready(None);
         }
         self.pipe.ready.register(cx.waker());
-        let mut q = self.pipe.lock();
+        let mut q = self.pipe.queue.lock();
         if let Some(frame) = q.frames.pop_front() {
             q.bytes -= frame.len();
             drop(q);
@@ -314,14 +309,17 @@ mod tests {
         let mut body = std::pin::pin!(body);
         tokio::time::sleep(Duration::from_millis(100)).await;
         {
-            let q = body.pipe.lock();
+            let q = body.pipe.queue.lock();
             assert_eq!(q.frames.len(), 3, "the events bound holds");
             assert!(q.bytes <= 100);
         }
         // One more event was read from the holds and waits for room: nothing else.
         assert!(produced.load(Ordering::SeqCst) <= 4);
         tokio::time::sleep(Duration::from_millis(600)).await;
-        assert!(body.pipe.lock().frames.is_empty(), "the queue was freed");
+        assert!(
+            body.pipe.queue.lock().frames.is_empty(),
+            "the queue was freed"
+        );
         assert!(stalled_streams() > before);
         let err = body
             .next()

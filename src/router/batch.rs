@@ -132,6 +132,8 @@ fn take_batch(queue: &mut VecDeque<(Instant, Arrival)>, max_runs: usize) -> Vec<
 }
 
 async fn dispatch(inner: Weak<Inner>, mut rx: mpsc::Receiver<Arrival>, limits: BatchLimits) {
+    // At most `limits.max_queued` records (`router.max_queued_records`); an arrival beyond that
+    // is a gap in its environment (module doc).
     let mut queue: VecDeque<(Instant, Arrival)> = VecDeque::new();
     // Records in `queue`, against `limits.max_queued`.
     let mut queued_records = 0usize;

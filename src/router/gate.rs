@@ -78,6 +78,8 @@ pub enum GateOutcome {
 /// Lag estimate (ms): the maximum sample inside the window, floored by recent stale
 /// observations (LAG-01..06).
 struct Estimator {
+    /// Samples inside `replica_lag.window_ms`, one per sample interval: older ones are pruned
+    /// as each is added, so the window bounds it; nothing overflows.
     samples: VecDeque<(Instant, u64)>,
     floor: Option<(Instant, u64)>,
 }

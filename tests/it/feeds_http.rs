@@ -2241,15 +2241,21 @@ async fn backstops_of_one_filter_share_one_read() {
     assert_eq!(reference, 3, "three quiet holds, every backstop reading");
 }
 
+/// A server with 300 ms holds whose backstops share their reads for `share_ms` (snapshot reads
+/// are cached only 50 ms, so backstops never reuse them as such).
+async fn shared_backstop_server(share_ms: u64) -> (TestServer, DemoEnv) {
+    TestServer::start_with_env(300, move |c| {
+        c.caches.backstop_share_ms = share_ms;
+        c.caches.runset_cache_ttl_ms = 50;
+    })
+    .await
+}
+
 /// A shared backstop still finds a change whose publish was lost: once the window of the read
 /// that predates it ends, the next backstop reads again and delivers it as an `update`.
 #[tokio::test]
 async fn a_lost_publish_surfaces_after_the_backstop_share_window() {
-    let (srv, env) = TestServer::start_with_env(300, |c| {
-        c.caches.backstop_share_ms = 1_000;
-        c.caches.runset_cache_ttl_ms = 50;
-    })
-    .await;
+    let (srv, env) = shared_backstop_server(1_000).await;
     let run = srv.tagged_run(&env, &["lost"]).await;
     let h = modern(&env.api_key);
     let mut at = srv.fetch(&tag_url("lost").snapshot(), &h).await;
@@ -2344,11 +2350,7 @@ async fn a_lost_change_to_an_unfinished_run_surfaces_before_the_full_reread() {
 /// read, since the client was just sent it.
 #[tokio::test]
 async fn a_lost_change_in_the_first_hold_after_a_snapshot_surfaces_at_its_backstop() {
-    let (srv, env) = TestServer::start_with_env(300, |c| {
-        c.caches.backstop_share_ms = 60_000;
-        c.caches.runset_cache_ttl_ms = 50;
-    })
-    .await;
+    let (srv, env) = shared_backstop_server(60_000).await;
     let run = srv.tagged_run(&env, &["seeded"]).await; // PENDING: not final
     let h = modern(&env.api_key);
     let url = tag_url("seeded");

@@ -10,6 +10,7 @@
 # Env: RUNS (2500000), DAYS (2), ENVS (5), SEED (1), K (1000), IDLE_S (150), CHURN_PER_SEC (0),
 # EXPLAIN (1: the plans after the phases), EXTRA (server environment, `VAR=value …`; several
 # configurations separated by `|`, each measured on a fresh server of the same binary, in order),
+# VOLUME_ARGS (more `runfeed-bench volume` arguments, e.g. `--probes 40 --probe-interval-ms 250`),
 # NO_BUILD (1: do not build), RUNFEED_BIN (target/release/runfeed), BENCH (target/release/runfeed-bench),
 # BENCH_OUT (target/bench-volume), DB (runfeed_volume_<RUNS>), PG_ADMIN, REDIS_URL, SERVER_LOG
 # (runfeed's RUST_LOG, default info).
@@ -97,6 +98,8 @@ pass() {
   [ -n "$base" ] || { log "server never listened"; stop; return 1; }
   local extra=()
   [ "$EXPLAIN" = 1 ] && extra+=(--explain)
+  # shellcheck disable=SC2206
+  extra+=(${VOLUME_ARGS:-})
   "$BENCH" volume --base-url "$base" --database-url "$DB_URL" --redis-url "$REDIS_URL" \
     --admin-url "http://127.0.0.1:$admin_port" --server-pid "$PID" --server-log "$logf" \
     --k "$K" --idle-s "$IDLE_S" --churn-per-sec "$CHURN_PER_SEC" --json "$OUT/volume-$n.json" "${extra[@]}"

@@ -171,10 +171,12 @@ pub struct FeedsConfig {
     pub runset_created_at_bucket_ms: u64,
     /// Concurrent cold resolves (run, tag and batch feeds) per instance; 0 = unbounded (`RESOLVE_ADMISSION_LIMIT`, 16).
     pub resolve_admission_limit: usize,
-    /// Of those, the most one environment's tag resolves may hold at once (8); 0 =
+    /// Of those, the most one environment's tag resolves may hold at once (2); 0 =
     /// no per-environment share. One environment's stampede then leaves the rest of the gate to
-    /// other environments and to run feeds; the gate stays bounded in total by
-    /// `resolve_admission_limit`.
+    /// other environments and to run feeds, and the replica's cores to their queries; the gate
+    /// stays bounded in total by `resolve_admission_limit`. 2 gave the same stampede time as 8
+    /// on 2.5 M runs and halved the other feeds' waits (BENCHMARKS.md, "At production data
+    /// volume"); raise it with the replica's cores.
     pub resolve_admission_per_env: usize,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,
@@ -237,7 +239,7 @@ impl Default for FeedsConfig {
             maximum_created_at_filter_age_ms: 86_400_000,
             runset_created_at_bucket_ms: 60_000,
             resolve_admission_limit: 16,
-            resolve_admission_per_env: 8,
+            resolve_admission_per_env: 2,
             default_concurrency_limit: 100_000,
             concurrency_lease_slots: 32,
             concurrency_limit_overrides: std::collections::BTreeMap::new(),

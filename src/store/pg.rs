@@ -589,6 +589,7 @@ impl RunStore for PgStore {
             let sql = self.sql.get(RunQuery::TagSet, cols);
             let query = || {
                 sqlx::query(AssertSqlSafe(sql.clone()))
+                    .persistent(!RunQuery::TagSet.custom_plan())
                     .bind(env_id)
                     .bind(tags)
                     .bind(floor)

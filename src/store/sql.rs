@@ -25,11 +25,32 @@ pub(crate) enum RunQuery {
     /// `$1` env, `$2` id.
     ReadOne,
     /// `$1` env, `$2` text[] tags (non-empty), `$3` floor timestamp, `$4` limit.
+    ///
+    /// The window is written as the row comparison `("runtimeEnvironmentId", "createdAt") >=
+    /// ($1, $3)`, which with `"runtimeEnvironmentId" = $1` means `"createdAt" >= $3`. A plain
+    /// `"createdAt" >= $3` lets the planner AND the tag's GIN bitmap with trigger.dev's BRIN on
+    /// `"createdAt"`, and a BRIN scan reads the summary of every block range of the table: on
+    /// 2.5 M runs it was 6 of a rare tag's 6.5 ms, and it grows with the table's history. The row
+    /// comparison only a btree can use, so a rare tag is its GIN posting list (0.1 ms) and a
+    /// common one still the ordered scan of `TaskRun_runtimeEnvironmentId_createdAt_idx`
+    /// (BENCHMARKS.md, "At production data volume"). Sent unprepared ([`RunQuery::custom_plan`]):
+    /// a cached generic plan cannot see how rare the tag is.
     TagSet,
     /// `$1` env, `$2` floor timestamp, `$3` limit (no tag filter).
     TagSetUnfiltered,
     /// `$1` env, `$2` internal batch id, `$3` limit.
     BatchSet,
+}
+
+impl RunQuery {
+    /// Whether the statement is sent unprepared, so that Postgres plans it for its parameters
+    /// each time instead of settling on a generic plan after five executions: the tag set,
+    /// whose best plan depends on how rare its tags are (a generic plan of [`RunQuery::TagSet`]
+    /// took 0.1–2 s where the custom plans took 0.1–80 ms). A cold read, so the extra parse is
+    /// cheap beside it.
+    pub(crate) fn custom_plan(self) -> bool {
+        matches!(self, RunQuery::TagSet)
+    }
 }
 
 /// Columns every run read fetches whatever the column set: the router needs identity, version
@@ -76,7 +97,7 @@ pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = $2 LIMIT 1"#
         ),
         RunQuery::TagSet => format!(
-            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND ("runtimeEnvironmentId", "createdAt") >= ($1, $3) ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
         RunQuery::TagSetUnfiltered => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#

@@ -724,7 +724,8 @@ enum SetQuery {
     Batch(String),
 }
 
-/// `EXPLAIN (ANALYZE, BUFFERS)` of runfeed's set query `q` in `env`: the plan's lines.
+/// `EXPLAIN (ANALYZE, BUFFERS)` of runfeed's set query `q` in `env` (the text of
+/// `src/store/sql.rs`): the plan's lines.
 async fn explain(
     v: &Volume,
     env: &DemoEnv,
@@ -734,7 +735,7 @@ async fn explain(
     let select = select_all();
     let sql = match q {
         SetQuery::Tags(_) => format!(
-            r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+            r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND ("runtimeEnvironmentId", "createdAt") >= ($1, $3) ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
         SetQuery::Unfiltered => format!(
             r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
@@ -743,7 +744,10 @@ async fn explain(
             r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "batchId" = $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
         ),
     };
-    let query = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(sql)).bind(&env.env_id);
+    // Unprepared, as runfeed sends the tag set (a custom plan for these parameters).
+    let query = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(sql))
+        .persistent(false)
+        .bind(&env.env_id);
     let query = match q {
         SetQuery::Tags(tags) => query.bind(tags).bind(v.floor).bind(limit),
         SetQuery::Unfiltered => query.bind(v.floor).bind(limit),

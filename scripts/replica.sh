@@ -21,7 +21,8 @@
 # earlier run is stopped and replaced first, so `start` is idempotent.
 # stop: pg_ctl stop -m fast (immediate if that does not finish), then removes the directory.
 #
-# Every wait is bounded by REPLICA_TIMEOUT seconds (default 30). Databases created on the primary
+# Every wait is bounded by REPLICA_TIMEOUT seconds (default 30), the base backup by that plus one
+# second per 50 MB of the primary's databases. Databases created on the primary
 # later appear on the replica after the apply delay.
 set -euo pipefail
 
@@ -187,12 +188,17 @@ start_replica() {
   chown postgres:postgres "$DIR" 2>/dev/null || as_root chown postgres:postgres "$DIR"
   chmod 700 "$DIR"
   echo "$PRIMARY_PORT" >"$DIR/primary-port"
-  log "pg_basebackup of $PRIMARY_HOST:$PRIMARY_PORT into $DATA"
-  if ! as_postgres timeout "$TIMEOUT" "$bin/pg_basebackup" -h "$PRIMARY_HOST" -p "$PRIMARY_PORT" -U postgres -w \
+  # The copy's time grows with the primary's size (a generated benchmark database can be tens of
+  # GB): its bound is TIMEOUT plus one second per 50 MB.
+  local bytes copy_timeout
+  bytes=$(primary_sql "SELECT sum(pg_database_size(datname))::bigint FROM pg_database") || bytes=0
+  copy_timeout=$((TIMEOUT + bytes / 50000000))
+  log "pg_basebackup of $PRIMARY_HOST:$PRIMARY_PORT ($((bytes / 1000000)) MB) into $DATA (bound ${copy_timeout}s)"
+  if ! as_postgres timeout "$copy_timeout" "$bin/pg_basebackup" -h "$PRIMARY_HOST" -p "$PRIMARY_PORT" -U postgres -w \
       -D "$DATA" -R -X stream -c fast --no-sync >"$DIR/basebackup.log" 2>&1; then
     cat "$DIR/basebackup.log" >&2 || true
     rm -rf "$DIR"
-    die "pg_basebackup failed or took longer than ${TIMEOUT}s"
+    die "pg_basebackup failed or took longer than ${copy_timeout}s"
   fi
 
   # A hot standby needs these at least as large as on the primary.

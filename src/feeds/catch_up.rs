@@ -1,6 +1,16 @@
 //! Catch-up (a non-live request with a handle) and the response every poll ends with.
 
-use super::*;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::protocol::cursor::next_offset_seq;
+use crate::protocol::offset::Offset;
+use crate::router::Registration;
+
+use super::diff::{Known, Pending};
+use super::state::ConnState;
+use super::{max_ms, FeedError, FeedReply, Feeds, Poll, ReplyShape};
 
 impl Feeds {
     /// Non-live request with a handle (catch-up, prefetch, resume after pause): answered at

@@ -1,7 +1,15 @@
 //! Handles: the claims a handle carries for a feed, checking one the client presents (409 must-
 //! refetch otherwise), and the target a tag feed resumes with (its pinned `createdAt` floor).
 
-use super::*;
+use rand::Rng;
+
+use crate::clock::now_ms;
+use crate::protocol::handle::{filter_digest, filter_digest_is, FeedKind, HandleClaims};
+use crate::protocol::Handle;
+
+use super::read::Target;
+use super::state::ConnState;
+use super::{bucket, FeedError, FeedRequest, Feeds};
 
 impl Feeds {
     pub(super) fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {

@@ -1,7 +1,16 @@
 //! The live long-poll: hold until the router delivers what the client lacks, or the hold expires
 //! and the backstop re-reads.
 
-use super::*;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::router::Registration;
+use crate::telemetry::metrics::{DeliveryPath, LivePath, WakeReason};
+
+use super::diff::{Known, Pending};
+use super::read::ReadError;
+use super::{FeedError, FeedReply, Feeds, Poll, ReplyShape};
 
 impl Feeds {
     /// `live=true`: hold until the router delivers a change the client does not have, or the
@@ -111,8 +120,9 @@ impl Feeds {
     }
 
     /// Reads what the feed carries as of now; false if that failed (logged). A poll that knows
-    /// its client's versions may use the shared read plus a replay ([`Sets::read_covered`]):
-    /// the diff drops whatever the client is already past. One that does not reads fresh.
+    /// its client's versions may use the shared read plus a replay
+    /// ([`Sets::read_covered`](super::Sets::read_covered)): the diff drops whatever the client
+    /// is already past. One that does not reads fresh.
     pub(super) async fn recheck(
         &self,
         poll: Poll<'_>,

@@ -31,20 +31,19 @@ use rand::Rng;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::body::{FragmentBody, Operation};
-use crate::protocol::cursor::{next_cursor, next_offset_seq, vouched_wall_ms, Gap};
+use crate::protocol::cursor::{next_cursor, Gap};
 use crate::protocol::electric::LogMode;
 use crate::protocol::encode::schema_header;
-use crate::protocol::handle::{filter_digest, filter_digest_is, FeedKind, HandleClaims, HandleKey};
+use crate::protocol::handle::{HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
-use crate::protocol::{ColumnSet, EnvId, Handle, RunId, SerializedRow};
+use crate::protocol::{ColumnSet, EnvId, Handle, SerializedRow};
 use crate::redis::{CursorStats, CursorStore};
-use crate::router::{Feed, FeedFilter, Registration, ReplayCursor, Router};
+use crate::router::{Feed, FeedFilter, ReplayCursor, Router};
 use crate::store::RunStore;
-use crate::telemetry::metrics::{DeliveryPath, LivePath, Metrics, WakeReason};
+use crate::telemetry::metrics::{DeliveryPath, Metrics};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
 pub use read::{ReadError, RunSet, Target};

@@ -1,6 +1,19 @@
 //! The snapshot (`offset=-1`, `offset=now`): everything the feed carries, under a new handle.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::protocol::cursor::next_offset_seq;
+use crate::protocol::electric::LogMode;
+use crate::protocol::offset::{Offset, OffsetParam};
+use crate::router::Feed;
+
+use super::diff::{Known, Pending, WorkingSet};
+use super::read::Target;
+use super::state::ConnState;
+use super::{bucket, filter_of, max_ms, FeedError, FeedReply, FeedRequest, Feeds, ReplyShape};
 
 impl Feeds {
     /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01,

@@ -1,7 +1,20 @@
 //! Connection state: what each response left its client with, recorded per offset locally and in
 //! the fleet-shared store, and what a poll knows when it resumes from the offset its client echoes.
 
-use super::*;
+use std::sync::Arc;
+
+use crate::cache::TtlCache;
+use crate::clock::now_ms;
+use crate::protocol::cursor::vouched_wall_ms;
+use crate::protocol::handle::HandleClaims;
+use crate::protocol::offset::Offset;
+use crate::protocol::{EnvId, Handle, RunId};
+use crate::router::ReplayCursor;
+
+use super::cursors;
+use super::diff::{Known, Pending, Version, WorkingSet};
+use super::read::Target;
+use super::{FeedRequest, Feeds, Poll};
 
 /// What the server recorded for one offset it handed out.
 #[derive(Debug)]
@@ -45,7 +58,7 @@ pub(super) type ConnKey = (EnvId, Handle, Offset);
 /// The per-connection states of this instance, by (environment, handle, offset): bounded in
 /// number (`caches.working_set_max_entries` × 2) and expiring `caches.working_set_ttl_ms` after
 /// they were recorded.
-pub(super) type ConnStates = crate::cache::TtlCache<ConnKey, Arc<ConnState>>;
+pub(super) type ConnStates = TtlCache<ConnKey, Arc<ConnState>>;
 
 /// What a poll knows about the offset its client echoed.
 pub(super) struct Resume {

@@ -2,7 +2,16 @@
 //! index, hydrating the matched runs with ONE store query per column set, serializing each ONCE,
 //! and pushing the shared rows into every matching feed's inbox.
 
-use super::*;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::batch::{Arrival, Routed};
+use super::{Buffered, Env, Eviction, FeedFilter, GateOutcome, HydratedRows, Inner, Slot};
+use crate::changes::ChangeRecord;
+use crate::protocol::encode::serialize_row;
+use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
 
 /// Most bytes of replayed rows kept for sharing ([`SharedReplays`]): a few hundred large rows.
 const SHARED_REPLAY_MAX_BYTES: u64 = 64 * 1024 * 1024;
@@ -133,9 +142,10 @@ impl Inner {
         }
     }
 
-    /// Records of `env_id` arrived: queue them for the hydrate stage ([`batch`]), which routes
-    /// them when their batch starts — at once when no hydrate is in flight. `attempt` > 0: a
-    /// re-hydrate of records the stale tripwire withheld (or an echo pass after giving up).
+    /// Records of `env_id` arrived: queue them for the hydrate stage
+    /// ([`batch`](super::batch)), which routes them when their batch starts — at once when no
+    /// hydrate is in flight. `attempt` > 0: a re-hydrate of records the stale tripwire withheld
+    /// (or an echo pass after giving up).
     pub(super) fn arrive(
         self: &Arc<Self>,
         env_id: &EnvId,

@@ -1,10 +1,13 @@
 //! The per-environment index of held feeds (by run id, tag and batch id), the replay positions it
 //! hands out, and which buffered records a cursor's gap needs replayed.
 
-use super::*;
+use super::{Buffered, EnvState, FastMap, FastSet, FeedFilter, ReplayCursor, ReplayFrom};
+use crate::changes::ChangeRecord;
 
 impl EnvState {
-    pub(super) fn routed_through(&self) -> u64 {
+    /// The sequence through which every record of the environment was routed (the records of
+    /// batches still in flight excluded).
+    fn routed_through(&self) -> u64 {
         match self.in_flight.keys().next() {
             Some(first) => first - 1,
             None => self.last_seq,

@@ -34,7 +34,7 @@ mod index;
 mod registration;
 mod tripwire;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,11 +48,10 @@ pub use gate::{Gate, GateOutcome};
 
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
 use crate::config::RouterConfig;
-use crate::protocol::encode::serialize_row;
 use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::store::RunStore;
 use crate::telemetry::metrics::Metrics;
-use batch::{Arrival, BatchLimits, Batcher, Routed};
+use batch::{Arrival, BatchLimits, Batcher};
 
 /// Rows of one hydrate, by environment and run.
 type HydratedRows = HashMap<(EnvId, RunId), SerializedRow>;

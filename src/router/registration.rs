@@ -1,7 +1,14 @@
 //! Registering a held feed: its index entry, the replay of its gap, its inbox and wake, and what
 //! happens when its poll ends (deregistration, the lingering unsubscribe).
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::{Buffered, Env, Feed, Inner, Registration, ReplayCursor, Router, Slot, Wake};
 
 impl Router {
     /// Registers a held feed and replays the buffered records it has not seen (those after

@@ -10,7 +10,8 @@ use crate::telemetry::metrics::{DeliveryPath, LivePath, WakeReason};
 
 use super::diff::{Known, Pending};
 use super::read::ReadError;
-use super::{FeedError, FeedReply, Feeds, Poll, ReplyShape};
+use super::reply::ReplyShape;
+use super::{FeedError, FeedReply, Feeds, Poll};
 
 impl Feeds {
     /// `live=true`: hold until the router delivers a change the client does not have, or the

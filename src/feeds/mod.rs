@@ -3,8 +3,9 @@
 //!
 //! Read it top to bottom: this file holds the request and reply types and [`Feeds::serve`],
 //! which sends a poll to [`snapshot`] (`offset=-1`), [`catch_up`] (a handle, not live) or
-//! [`live`] (the hold); [`handles`] checks the handle a poll presents, and [`state`] records
-//! and resumes what each response left its client with.
+//! [`live`] (the hold), each of which ends in [`reply`] (the response every poll ends with);
+//! [`handles`] checks the handle a poll presents, and [`state`] records and resumes what each
+//! response left its client with.
 //!
 //! Per connection (environment + handle) the server records, for every offset it hands out,
 //! what that response left the client with: a working set and a replay cursor
@@ -21,6 +22,7 @@ pub mod stream;
 mod catch_up;
 mod handles;
 mod live;
+mod reply;
 mod snapshot;
 mod state;
 
@@ -32,14 +34,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{CachesConfig, FeedsConfig};
-use crate::protocol::body::{FragmentBody, Operation};
-use crate::protocol::cursor::{next_cursor, Gap};
+use crate::protocol::body::FragmentBody;
 use crate::protocol::electric::LogMode;
-use crate::protocol::encode::schema_header;
 use crate::protocol::handle::{HandleClaims, HandleKey};
 use crate::protocol::headers::ElectricHeaders;
 use crate::protocol::offset::{Offset, OffsetParam};
-use crate::protocol::{ColumnSet, EnvId, Handle, SerializedRow};
+use crate::protocol::{ColumnSet, EnvId, Handle};
 use crate::redis::{CursorStats, CursorStore};
 use crate::router::{Feed, FeedFilter, ReplayCursor, Router};
 use crate::store::RunStore;
@@ -149,20 +149,6 @@ impl Poll<'_> {
             since,
         }
     }
-}
-
-/// How a response is built beyond its rows.
-#[derive(Clone, Copy)]
-struct ReplyShape {
-    /// Carry `electric-schema` (non-live responses).
-    schema: bool,
-    /// The cursor this reply records vouches for its gap (its `epoch` is not 0): the client's
-    /// `electric-cursor` says so ([`Gap`]).
-    vouched: bool,
-    /// Every store re-check of this poll succeeded. When one failed, the recorded cursor is one
-    /// no later poll takes as covered, so that poll re-checks instead of trusting a stream that
-    /// may have skipped this feed.
-    trusted: bool,
 }
 
 impl Feeds {
@@ -330,40 +316,6 @@ impl Feeds {
         let tick = expiry_tick(self.cfg.live_poll_timeout_ms);
         align_up(Instant::now() + self.hold(), tick)
     }
-
-    fn reply(
-        &self,
-        req: &FeedRequest,
-        handle: Handle,
-        offset: Offset,
-        changes: &[(Operation, SerializedRow)],
-        shape: ReplyShape,
-    ) -> FeedReply {
-        let refs: Vec<(Operation, &SerializedRow)> =
-            changes.iter().map(|(op, row)| (*op, row)).collect();
-        let body = if refs.is_empty() {
-            FragmentBody::up_to_date()
-        } else {
-            FragmentBody::changes_then_up_to_date(&refs, req.legacy_api_version)
-        };
-        FeedReply {
-            offset,
-            headers: ElectricHeaders {
-                handle,
-                offset: Some(offset.text()),
-                cursor: Some(
-                    itoa::Buffer::new()
-                        .format(next_cursor(req.cursor.as_deref(), gap_of(shape)))
-                        .to_owned(),
-                ),
-                schema: shape.schema.then(|| schema_header(req.cols)),
-                up_to_date: true,
-            },
-            body,
-            rows: changes.len(),
-            newest_ms: changes.iter().map(|(_, r)| r.meta.updated_at_ms).max(),
-        }
-    }
 }
 
 /// Longest rounding of a hold's expiry ([`Feeds::hold_deadline`]), ms.
@@ -389,15 +341,6 @@ fn align_up(at: Instant, tick: Duration) -> Instant {
     at + Duration::from_nanos(u64::try_from(up).unwrap_or(0))
 }
 
-/// The mark of a reply's `electric-cursor`.
-fn gap_of(shape: ReplyShape) -> Gap {
-    if shape.vouched {
-        Gap::Vouched
-    } else {
-        Gap::Unvouched
-    }
-}
-
 fn filter_of(target: &Target) -> FeedFilter {
     match target {
         Target::Run { run_id } => FeedFilter::Run {
@@ -411,13 +354,6 @@ fn filter_of(target: &Target) -> FeedFilter {
             batch_id: batch_id.clone(),
         },
     }
-}
-
-fn max_ms(floor: i64, changes: &[(Operation, SerializedRow)]) -> i64 {
-    changes
-        .iter()
-        .map(|(_, r)| r.meta.updated_at_ms)
-        .fold(floor.max(0), i64::max)
 }
 
 /// Rounds `ms` down to a multiple of `bucket_ms` (0 = unchanged) (TAG-01).

@@ -12,8 +12,9 @@ use crate::router::Feed;
 
 use super::diff::{Known, Pending, WorkingSet};
 use super::read::Target;
+use super::reply::{max_ms, ReplyShape};
 use super::state::ConnState;
-use super::{bucket, filter_of, max_ms, FeedError, FeedReply, FeedRequest, Feeds, ReplyShape};
+use super::{bucket, filter_of, FeedError, FeedReply, FeedRequest, Feeds};
 
 impl Feeds {
     /// `offset=-1`: everything the feed carries as `insert`, under a new handle (RUN-01,

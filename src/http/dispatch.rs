@@ -19,8 +19,9 @@ use futures::future::Either;
 use futures::FutureExt;
 
 use super::forward::Forwarder;
+use super::handlers::{batch_feed_at, run_feed_at, tag_feed, Begun};
 use super::route::FeedRoute;
-use super::{batch_feed_at, run_feed_at, tag_feed, ApiError, AppState, Begun};
+use super::{ApiError, AppState};
 use crate::auth::AuthError;
 
 /// The response future of a feed route served here.

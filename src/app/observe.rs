@@ -8,8 +8,8 @@ use std::sync::{Arc, Weak};
 
 use opentelemetry::KeyValue;
 
+use crate::feeds::admit::Limiter;
 use crate::feeds::Feeds;
-use crate::http::admit::Limiter;
 use crate::redis::{CommandCounts, RedisChangeSource};
 use crate::router::Router;
 use crate::store::PgStore;

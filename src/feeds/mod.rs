@@ -6,12 +6,14 @@
 //! [`live`] (the hold), each of which ends in [`reply`] (the response every poll ends with);
 //! [`handles`] checks the handle a poll presents, and [`state`] records and resumes what each
 //! response left its client with.
+//! Before a live poll is served, [`admit`] takes its slot of the environment's concurrency limit.
 //!
 //! Per connection (environment + handle) the server records, for every offset it hands out,
 //! what that response left the client with: a working set and a replay cursor
 //! ([`ConnState`]). The next poll looks up the offset the client ECHOES, so a lost response is
 //! simply answered again. States expire (working-set TTL) and are bounded in number.
 
+pub mod admit;
 pub mod backstop;
 pub mod cursors;
 pub mod diff;

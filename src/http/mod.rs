@@ -9,10 +9,9 @@
 //! The other concerns, one file each: `handlers` (the feed routes' handlers: authentication,
 //! the checks, serving the feed and its 200), `params` (query parsing), `limits` (request
 //! limits), `dispatch` (the feed routes' `GET`s without the router), `route` (which feed route a
-//! path is), [`error`], [`cors`], [`admit`], [`sse`], [`forward`] and [`serve`] (the accept
-//! loop).
+//! path is), [`error`], [`cors`], [`sse`], [`forward`] and [`serve`] (the accept loop).
+//! Admission (the live-poll concurrency limit) is `feeds::admit`'s.
 
-pub mod admit;
 pub mod cors;
 mod dispatch;
 pub mod error;
@@ -32,8 +31,8 @@ use axum::Json;
 use serde_json::json;
 
 use crate::auth::Authenticator;
+use crate::feeds::admit::Limiter;
 use crate::feeds::Feeds;
-use admit::Limiter;
 pub use error::ApiError;
 pub use handlers::{SUBSET_BODY_MAX_BYTES, SUBSET_BODY_READ};
 pub use limits::RequestLimits;

@@ -41,7 +41,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::admit::Slot;
+use crate::feeds::admit::Slot;
 use crate::feeds::stream::{sse_frames, StreamTiming};
 use crate::feeds::{FeedRequest, Feeds};
 use crate::protocol::cursor::{next_cursor, Gap};

@@ -8,7 +8,7 @@
 //! as many members as there are slots left under the limit, so an instance can admit many live
 //! polls from one round trip. Leased members count exactly like polls, so trigger.dev's native
 //! backend sharing the key sees the same total. The admission policy around both (leases,
-//! fallback, slot guards) is `http::admit`.
+//! fallback, slot guards) is `feeds::admit`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};

@@ -911,7 +911,7 @@ pub struct Observed {
 /// | `runfeed.replica.lag_estimate` (ms) | `runfeed_replica_lag_estimate_milliseconds` | `router::Gate::estimate_ms` (only with a gate) |
 /// | `runfeed.replica.gate_waits`, `outcome` = waited \| gave_up | `runfeed_replica_gate_waits_total` | `Gate::waited`, `gave_up` (only with a gate) |
 /// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | `redis::CursorStats` (only with shared cursors) |
-/// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `http::admit::LimiterStats` (429s) |
+/// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `feeds::admit::LimiterStats` (429s) |
 /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
 /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
 /// | `runfeed.feeds.stalled_streams` | `runfeed_feeds_stalled_streams_total` | `http::sse::stalled_streams` (process-wide) |

@@ -487,7 +487,7 @@ async fn a_burst_of_slot_releases_frees_every_slot_in_a_few_commands() {
 /// the same connection after the abandoned script, so it cannot be admitted before that ran.
 #[tokio::test]
 async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
-    use runfeed::http::admit::{Limiter, LimiterConfig};
+    use runfeed::feeds::admit::{Limiter, LimiterConfig};
     let (_server, url, admin) = own_redis().await;
     let redis = runfeed::redis::Redis::connect(standalone(&url)).expect("client");
     let cfg = LimiterConfig {
@@ -566,7 +566,7 @@ async fn a_live_poll_abandoned_while_redis_admits_it_leaves_no_slot_behind() {
 /// instance.
 #[tokio::test]
 async fn leased_slots_never_admit_past_the_limit_and_refuse_at_most_a_block_early() {
-    use runfeed::http::admit::{Limiter, LimiterConfig, IDLE_RETURN};
+    use runfeed::feeds::admit::{Limiter, LimiterConfig, IDLE_RETURN};
     const LIMIT: u64 = 64;
     let redis = runfeed::redis::Redis::connect(standalone(REDIS_URL)).expect("client");
     let admin = Client::new(Config::from_url(REDIS_URL).expect("url"), None, None, None);

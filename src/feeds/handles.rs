@@ -1,17 +1,38 @@
-//! Handles: the claims a handle carries for a feed, checking one the client presents (409 must-
-//! refetch otherwise), and the target a tag feed resumes with (its pinned `createdAt` floor).
+//! Handles: an issued offset needs one ([`issued_offset`], the one check of that rule), the
+//! claims a handle carries for a feed, checking one the client presents (409 must-refetch
+//! otherwise), and the target a tag feed resumes with (its pinned `createdAt` floor).
 
 use rand::Rng;
 
 use crate::clock::now_ms;
 use crate::protocol::handle::{filter_digest, filter_digest_is, FeedKind, HandleClaims};
+use crate::protocol::offset::{Offset, OffsetParam};
 use crate::protocol::Handle;
 
 use super::read::Target;
 use super::state::ConnState;
 use super::{bucket, FeedError, FeedRequest, Feeds};
 
+/// The issued offset a request resumes from, with the handle it presents (any form of it:
+/// the HTTP layer checks its query's before any lookup, [`Feeds::serve`] and [`Feeds::check`]
+/// the request's); `None` for a snapshot (`offset=-1`, `offset=now`). An issued offset without
+/// a handle is refused ([`FeedError::HandleRequired`], a 400): this is the one place that rule
+/// is checked.
+pub fn issued_offset<H>(
+    offset: OffsetParam,
+    handle: Option<H>,
+) -> Result<Option<(Offset, H)>, FeedError> {
+    match offset {
+        OffsetParam::Initial | OffsetParam::Now => Ok(None),
+        OffsetParam::At(offset) => match handle {
+            Some(handle) => Ok(Some((offset, handle))),
+            None => Err(FeedError::HandleRequired(offset.to_string())),
+        },
+    }
+}
+
 impl Feeds {
+    /// The claims of a handle minted for `req`'s feed (a tag feed's with its `createdAt` floor).
     pub(super) fn claims_for(&self, req: &FeedRequest, floor_ms: Option<i64>) -> HandleClaims {
         let (kind, target) = match &req.target {
             Target::Run { run_id } => (FeedKind::Run, run_id.to_string()),

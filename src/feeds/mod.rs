@@ -48,6 +48,7 @@ use crate::store::RunStore;
 use crate::telemetry::metrics::{DeliveryPath, Metrics};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
+pub use handles::issued_offset;
 pub use read::{ReadError, RunSet, Target};
 pub use sets::{Freshness, Sets};
 use state::{ConnKey, ConnStates};
@@ -96,7 +97,7 @@ pub enum FeedError {
     /// it needs is gone): 409 must-refetch with a fresh handle.
     #[error("must refetch")]
     MustRefetch { handle: Handle },
-    /// `offset` other than -1 without a handle.
+    /// `offset` other than -1 (or `now`) without a handle ([`issued_offset`]): 400.
     #[error("offset {0} requires a handle")]
     HandleRequired(String),
     /// The store failed or was too slow: 503 (the client retries with backoff).
@@ -238,13 +239,10 @@ impl Feeds {
     /// Answers one feed request. Live polls hold up to the configured hold (±jitter); dropping
     /// the future (client gone) releases everything at once.
     pub async fn serve(&self, req: FeedRequest) -> Result<FeedReply, FeedError> {
-        let offset = match req.offset {
+        let (offset, handle) = match issued_offset(req.offset, req.handle.as_ref())? {
             // Boxed: only the live path's state may size the future a held poll keeps.
-            OffsetParam::Initial | OffsetParam::Now => return Box::pin(self.snapshot(&req)).await,
-            OffsetParam::At(offset) => offset,
-        };
-        let Some(handle) = req.handle.as_ref() else {
-            return Err(FeedError::HandleRequired(offset.to_string()));
+            None => return Box::pin(self.snapshot(&req)).await,
+            Some(issued) => issued,
         };
         // A state this instance recorded for exactly this handle and offset exists only if it
         // minted or verified the handle: its claims stand in for a second HMAC check, once
@@ -282,11 +280,7 @@ impl Feeds {
     /// (409 must-refetch). The SSE mode checks this before it sends its 200 headers, so that a
     /// must-refetch stays an ordinary 409 (docs/protocol.md §13.4).
     pub fn check(&self, req: &FeedRequest) -> Result<(), FeedError> {
-        if let OffsetParam::At(offset) = req.offset {
-            let handle = req
-                .handle
-                .as_ref()
-                .ok_or_else(|| FeedError::HandleRequired(offset.to_string()))?;
+        if let Some((_, handle)) = issued_offset(req.offset, req.handle.as_ref())? {
             self.verify(req, handle)?;
         }
         Ok(())
@@ -387,6 +381,28 @@ mod tests {
         let later = now + Duration::from_secs(3);
         assert_eq!(align_up(later, Duration::ZERO), later);
         assert_eq!(align_up(align_up(later, tick), tick), align_up(later, tick));
+    }
+
+    #[test]
+    fn an_issued_offset_needs_a_handle() {
+        let at = Offset { ms: 1, seq: 2 };
+        let handle = Handle::new("h");
+        assert!(matches!(
+            issued_offset(OffsetParam::Initial, None::<&Handle>),
+            Ok(None)
+        ));
+        assert!(matches!(
+            issued_offset(OffsetParam::Now, Some(&handle)),
+            Ok(None)
+        ));
+        assert!(matches!(
+            issued_offset(OffsetParam::At(at), Some(&handle)),
+            Ok(Some((o, h))) if o == at && *h == handle
+        ));
+        assert!(matches!(
+            issued_offset(OffsetParam::At(at), None::<&str>),
+            Err(FeedError::HandleRequired(o)) if o == at.to_string()
+        ));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::auth::{
     batch_route_resources, run_route_resources, runs_list_resources, AuthError, Principal,
 };
 use crate::clock::now_ms;
-use crate::feeds::{FeedReply, FeedRequest, Freshness, Target};
+use crate::feeds::{issued_offset, FeedReply, FeedRequest, Freshness, Target};
 use crate::protocol::electric::{self, LogMode};
 use crate::protocol::headers::ClientGeneration;
 use crate::protocol::offset::OffsetParam;
@@ -83,14 +83,9 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(Principa
 fn parse_offset(ctx: &Ctx) -> Result<OffsetParam, ApiError> {
     let offset = OffsetParam::parse(ctx.params.offset.as_deref())
         .map_err(|e| ApiError::bad_request(ctx.client, e.to_string()))?;
-    if let OffsetParam::At(o) = offset {
-        if ctx.params.handle.is_none() {
-            return Err(ApiError::bad_request(
-                ctx.client,
-                format!("offset {o} requires a handle"),
-            ));
-        }
-    }
+    // Before any lookup (a 400 comes before a 404), by the feeds' own rule.
+    issued_offset(offset, ctx.params.handle.as_deref())
+        .map_err(|err| ApiError::from_feed(err, ctx.client))?;
     Ok(offset)
 }
 

@@ -78,6 +78,8 @@ impl Feeds {
         }
     }
 
+    /// The claims of `handle` if this server issued it for `req`'s feed and environment; else
+    /// a 409 must-refetch carrying a fresh handle for the feed.
     pub(super) fn verify(
         &self,
         req: &FeedRequest,
@@ -113,6 +115,7 @@ impl Feeds {
         }
     }
 
+    /// The oldest `createdAt` floor a tag feed may have now (`maximum_created_at_filter_age_ms`).
     pub(super) fn min_floor_ms(&self) -> i64 {
         now_ms() - i64::try_from(self.cfg.maximum_created_at_filter_age_ms).unwrap_or(i64::MAX / 2)
     }

@@ -99,6 +99,9 @@ impl Feeds {
         );
     }
 
+    /// What the poll knows about the offset its client echoed: this instance's state for it
+    /// (dropping the one before it), else the replay cursor and recent versions the fleet-shared
+    /// store holds.
     pub(super) async fn lookup(&self, poll: Poll<'_>) -> Resume {
         let Poll {
             req,
@@ -164,6 +167,8 @@ impl Feeds {
         Self::caught_up(cursor, req, HOP_BACK_AFTER_MS)
     }
 
+    /// What the client has, as far as the poll knows: the state's working set, a run feed's
+    /// offset as a floor, the shared store's recent versions, or nothing.
     pub(super) fn known(&self, poll: Poll<'_>, resume: &Resume) -> Known {
         match (&resume.state, &resume.recent, poll.target) {
             (Some(s), _, _) => Known::Set(s.ws.clone()),

@@ -14,6 +14,8 @@ impl EnvState {
         }
     }
 
+    /// The replay cursor a response built now may hand out (`epoch` 0 until the subscription is
+    /// confirmed).
     pub(super) fn cursor(&self, instance: u64) -> ReplayCursor {
         ReplayCursor {
             epoch: if self.active { self.epoch } else { 0 },
@@ -42,6 +44,8 @@ impl EnvState {
             .then_some(ReplayFrom::Wall(from))
     }
 
+    /// The buffered records `filter` is a candidate for, from `from` (everything buffered when
+    /// `None`).
     pub(super) fn replay_candidates(
         &self,
         from: Option<&ReplayFrom>,
@@ -57,6 +61,7 @@ impl EnvState {
         }
     }
 
+    /// Adds feed `id` to the index under what `filter` watches.
     pub(super) fn index(&mut self, id: u64, filter: &FeedFilter) {
         match filter {
             FeedFilter::Run { run_id } => {
@@ -81,6 +86,7 @@ impl EnvState {
         }
     }
 
+    /// Removes feed `id` from the index (the reverse of [`EnvState::index`]).
     pub(super) fn deindex(&mut self, id: u64, filter: &FeedFilter) {
         fn remove<K: std::hash::Hash + Eq>(index: &mut FastMap<K, FastSet<u64>>, key: &K, id: u64) {
             if let Some(set) = index.get_mut(key) {

@@ -79,6 +79,8 @@ impl Router {
 }
 
 impl Inner {
+    /// Drops feed `id` of `env` (its poll ended); an environment left without feeds lingers,
+    /// then unsubscribes.
     pub(super) fn deregister(self: &Arc<Self>, env: &Arc<Env>, id: u64) {
         let idle = {
             let mut state = env.state.lock();
@@ -92,6 +94,8 @@ impl Inner {
         }
     }
 
+    /// Unsubscribes `env` after `router.unsubscribe_linger_ms` if it still has no feed and no
+    /// caller pending then (at once when the linger is 0).
     pub(super) fn schedule_teardown_if_idle(self: &Arc<Self>, env: &Arc<Env>) {
         let generation = {
             let mut state = env.state.lock();

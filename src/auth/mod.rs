@@ -9,10 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use moka::future::Cache;
-
-/// The caches' hasher (their keys are tokens and ids: long strings hashed on every request).
-type Hasher = foldhash::fast::RandomState;
+use crate::cache::TtlCache;
 
 use crate::protocol::{EnvId, OrgId};
 use crate::store::{EnvRecord, EnvStore, StoreError};
@@ -143,22 +140,31 @@ pub use jwt::mint_public_token;
 /// bounded).
 const CACHE_MAX_ENTRIES: u64 = 10_000;
 
-/// The per-lookup caches (found AND not-found results are cached; errors are not).
+/// The per-lookup caches, one per lookup (found AND not-found results are cached; errors are
+/// not, and are shared by the callers that waited on the failing lookup: [`TtlCache::get_or_load`]).
+/// Each holds at most [`CACHE_MAX_ENTRIES`] entries.
 struct Caches {
-    by_api_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
-    by_revoked_key: Cache<String, Option<Arc<EnvRecord>>, Hasher>,
-    by_id: Cache<EnvId, Option<Arc<EnvRecord>>, Hasher>,
-    /// The found environments of `by_id`, read first: every poll of a public token looks its
-    /// environment up, and a moka read (access log, housekeeping) cost about three times this
-    /// map's. Filled only by the caller whose read went to the store, so an entry is never older
-    /// than one TTL.
-    found_by_id: crate::cache::TtlCache<EnvId, Arc<EnvRecord>>,
-    branch: Cache<(EnvId, String), Option<Arc<EnvRecord>>, Hasher>,
-    revoked_keys: Cache<EnvId, Vec<String>, Hasher>,
-    /// Public tokens already verified with their environment's current signing key: a live
-    /// poll re-presents the same token every ~20 s, and decoding plus HMAC verification was the
-    /// largest single cost of a delivery (BENCHMARKS.md "Cost per unit of work").
-    verified: crate::cache::TtlCache<String, Arc<VerifiedToken>>,
+    /// Environments by secret key: `cache_ttl`.
+    by_api_key: TtlCache<String, Option<Arc<EnvRecord>>>,
+    /// Environments by revoked key: `cache_ttl`.
+    by_revoked_key: TtlCache<String, Option<Arc<EnvRecord>>>,
+    /// Environments by id (the public-token path; every poll of a public token looks its
+    /// environment up): found ones for the found-env TTL (the longer of it and `cache_ttl`),
+    /// misses for `cache_ttl` (a just-created environment is not refused for long).
+    by_id: TtlCache<EnvId, Option<Arc<EnvRecord>>>,
+    /// Branch environments by parent and branch name: `cache_ttl`.
+    branch: TtlCache<(EnvId, String), Option<Arc<EnvRecord>>>,
+    /// The unexpired revoked keys of an environment: `cache_ttl`.
+    revoked_keys: TtlCache<EnvId, Vec<String>>,
+    /// Public tokens already verified with their environment's current signing key, for the
+    /// found-env TTL (the longer of it and `cache_ttl`): a live poll re-presents the same token
+    /// every ~20 s, and decoding plus HMAC verification was the largest single cost of a
+    /// delivery (BENCHMARKS.md "Cost per unit of work"). Not a loading cache.
+    verified: TtlCache<String, Arc<VerifiedToken>>,
+    /// How long `by_id` keeps a found environment.
+    found_by_id_ttl: Duration,
+    /// `cache_ttl`: how long `by_id` keeps a miss.
+    lookup_ttl: Duration,
 }
 
 /// What a verified public token grants, kept so the next request with the same token skips the
@@ -181,89 +187,54 @@ impl VerifiedToken {
     }
 }
 
-/// Found environments by id (the public-token path) live `found`, misses `missing`.
-struct FoundLongerExpiry {
-    found: Duration,
-    missing: Duration,
-}
-
-impl moka::Expiry<EnvId, Option<Arc<EnvRecord>>> for FoundLongerExpiry {
-    fn expire_after_create(
-        &self,
-        _key: &EnvId,
-        value: &Option<Arc<EnvRecord>>,
-        _created_at: std::time::Instant,
-    ) -> Option<Duration> {
-        Some(if value.is_some() {
-            self.found
-        } else {
-            self.missing
-        })
-    }
-}
-
 impl Caches {
     fn new(ttl: Duration, found_by_id_ttl: Duration) -> Self {
-        fn build<K, V>(ttl: Duration) -> Cache<K, V, Hasher>
-        where
-            K: std::hash::Hash + Eq + Send + Sync + 'static,
-            V: Clone + Send + Sync + 'static,
-        {
-            Cache::builder()
-                .max_capacity(CACHE_MAX_ENTRIES)
-                .time_to_live(ttl)
-                .build_with_hasher(Hasher::default())
-        }
+        let found_by_id_ttl = found_by_id_ttl.max(ttl);
         Caches {
-            by_api_key: build(ttl),
-            by_revoked_key: build(ttl),
-            by_id: Cache::builder()
-                .max_capacity(CACHE_MAX_ENTRIES)
-                .expire_after(FoundLongerExpiry {
-                    found: found_by_id_ttl.max(ttl),
-                    missing: ttl,
-                })
-                .build_with_hasher(Hasher::default()),
-            found_by_id: crate::cache::TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl.max(ttl)),
-            branch: build(ttl),
-            revoked_keys: build(ttl),
-            verified: crate::cache::TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl.max(ttl)),
+            by_api_key: TtlCache::new(CACHE_MAX_ENTRIES, ttl),
+            by_revoked_key: TtlCache::new(CACHE_MAX_ENTRIES, ttl),
+            by_id: TtlCache::new(CACHE_MAX_ENTRIES, ttl),
+            branch: TtlCache::new(CACHE_MAX_ENTRIES, ttl),
+            revoked_keys: TtlCache::new(CACHE_MAX_ENTRIES, ttl),
+            verified: TtlCache::new(CACHE_MAX_ENTRIES, found_by_id_ttl),
+            found_by_id_ttl,
+            lookup_ttl: ttl,
         }
     }
 }
 
-/// A cached lookup: single-flighted by moka (`try_get_with`); an error is not cached and is
-/// handed back to the caller (rebuilt when other waiters share it).
-async fn cached<K, V, F>(
-    cache: Option<&Cache<K, V, Hasher>>,
-    key: K,
-    fetch: F,
-) -> Result<V, StoreError>
+/// A store error shared by the waiters of one failed lookup, handed back to this caller
+/// (rebuilt when other waiters share it).
+fn unshared(shared: Arc<StoreError>) -> StoreError {
+    Arc::try_unwrap(shared).unwrap_or_else(|shared| StoreError {
+        op: shared.op,
+        source: sqlx::Error::Protocol(shared.source.to_string()),
+    })
+}
+
+/// A cached lookup ([`TtlCache::get_or_load`]: single-flighted; an error is not cached and is
+/// handed back to the caller).
+async fn cached<K, V, F>(cache: Option<&TtlCache<K, V>>, key: K, fetch: F) -> Result<V, StoreError>
 where
-    K: std::hash::Hash + Eq + Send + Sync + 'static,
+    K: std::hash::Hash + Eq + Clone + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,
     F: std::future::Future<Output = Result<V, StoreError>>,
 {
     match cache {
         None => fetch.await,
-        Some(cache) => cache.try_get_with(key, fetch).await.map_err(|shared| {
-            Arc::try_unwrap(shared).unwrap_or_else(|shared| StoreError {
-                op: shared.op,
-                source: sqlx::Error::Protocol(shared.source.to_string()),
-            })
-        }),
+        Some(cache) => cache.get_or_load(key, fetch).await.map_err(unshared),
     }
 }
 
 /// An environment lookup through `cache` ([`cached`]) whose found record is shared: cache hits
 /// hand out the same record instead of copying its strings on every request.
 async fn cached_env<K>(
-    cache: Option<&Cache<K, Option<Arc<EnvRecord>>, Hasher>>,
+    cache: Option<&TtlCache<K, Option<Arc<EnvRecord>>>>,
     key: K,
     lookup: impl std::future::Future<Output = Result<Option<EnvRecord>, StoreError>>,
 ) -> Result<Option<Arc<EnvRecord>>, StoreError>
 where
-    K: std::hash::Hash + Eq + Send + Sync + 'static,
+    K: std::hash::Hash + Eq + Clone + Send + Sync + 'static,
 {
     cached(cache, key, async { Ok(lookup.await?.map(Arc::new)) }).await
 }
@@ -538,19 +509,17 @@ impl Authenticator {
         let Some(caches) = &self.caches else {
             return Ok(self.store.env_by_id(id).await?.map(Arc::new));
         };
-        if let Some(env) = caches.found_by_id.get(id) {
-            return Ok(Some(env));
-        }
-        let mut read = false;
-        let lookup = async {
-            read = true;
-            self.store.env_by_id(id).await
+        let (found_ttl, missing_ttl) = (caches.found_by_id_ttl, caches.lookup_ttl);
+        let ttl_of = |env: &Option<Arc<EnvRecord>>| match env {
+            Some(_) => found_ttl,
+            None => missing_ttl,
         };
-        let found = cached_env(Some(&caches.by_id), id.clone(), lookup).await?;
-        if let Some(env) = found.as_ref().filter(|_| read) {
-            caches.found_by_id.insert(id.clone(), env.clone());
-        }
-        Ok(found)
+        let lookup = async { Ok(self.store.env_by_id(id).await?.map(Arc::new)) };
+        caches
+            .by_id
+            .get_or_load_for(id.clone(), ttl_of, lookup)
+            .await
+            .map_err(unshared)
     }
 
     async fn branch_env(
@@ -876,8 +845,7 @@ mod tests {
         assert!(auth.authenticate(Some(&bearer), None).await.is_ok());
         store.envs.lock()[0].api_key = "tr_prod_rotated".into();
         let caches = auth.caches.as_ref().unwrap();
-        caches.by_id.invalidate_all();
-        caches.found_by_id.clear();
+        caches.by_id.clear();
         assert!(auth.reverify_public_token(&token).await.unwrap().is_none());
         assert!(matches!(
             auth.authenticate(Some(&bearer), None).await,

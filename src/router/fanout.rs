@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::batch::{Arrival, Routed};
 use super::{Buffered, Env, Eviction, FeedFilter, GateOutcome, HydratedRows, Inner, Slot};
+use crate::cache::TtlCache;
 use crate::changes::ChangeRecord;
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
@@ -41,7 +42,16 @@ struct ReplayRows {
 /// long-poll between its response and its next poll — each hydrate and keep a private copy
 /// of the same row.
 pub(super) struct SharedReplays {
-    cache: moka::future::Cache<ReplayKey, Arc<ReplayRows>, foldhash::fast::RandomState>,
+    /// Bound: [`SHARED_REPLAY_MAX_BYTES`] of rows ([`replay_weight`]); TTL: the replay window
+    /// (at least 1 ms). Single-flighted loads ([`TtlCache::get_or_load`]).
+    cache: TtlCache<ReplayKey, Arc<ReplayRows>>,
+}
+
+/// What a shared replay weighs against [`SHARED_REPLAY_MAX_BYTES`], bytes (its rows' serialized
+/// bytes plus a fixed overhead per row and per replay).
+fn replay_weight(replay: &Arc<ReplayRows>) -> u64 {
+    let bytes: usize = replay.rows.values().map(|r| r.fragment.len() + 128).sum();
+    u64::try_from(bytes + 64).unwrap_or(u64::MAX)
 }
 
 impl SharedReplays {
@@ -49,14 +59,11 @@ impl SharedReplays {
     /// [`SHARED_REPLAY_MAX_BYTES`] of rows.
     pub(super) fn new(window: Duration) -> SharedReplays {
         SharedReplays {
-            cache: moka::future::Cache::builder()
-                .max_capacity(SHARED_REPLAY_MAX_BYTES)
-                .weigher(|_k: &ReplayKey, v: &Arc<ReplayRows>| {
-                    let bytes: usize = v.rows.values().map(|r| r.fragment.len() + 128).sum();
-                    u32::try_from(bytes + 64).unwrap_or(u32::MAX)
-                })
-                .time_to_live(window.max(Duration::from_millis(1)))
-                .build_with_hasher(foldhash::fast::RandomState::default()),
+            cache: TtlCache::weighted(
+                SHARED_REPLAY_MAX_BYTES,
+                window.max(Duration::from_millis(1)),
+                replay_weight,
+            ),
         }
     }
 }
@@ -102,11 +109,11 @@ impl Inner {
         let shared = self
             .replays
             .cache
-            .try_get_with(key.clone(), read)
+            .get_or_load(key.clone(), read)
             .await
             .map_err(|_| ())?;
         if !shared.settled {
-            self.replays.cache.invalidate(&key).await;
+            self.replays.cache.remove(&key);
         }
         Ok(shared
             .rows

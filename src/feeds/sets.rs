@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use moka::future::Cache;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -23,9 +22,6 @@ use crate::protocol::{ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, R
 use crate::router::{Registration, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 use crate::telemetry::metrics::{Metrics, ResolveResult};
-
-/// The caches' hasher (keys hashed on every poll).
-type Hasher = foldhash::fast::RandomState;
 
 /// Whether a URL-id lookup may be served from the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,23 +40,23 @@ struct SetKey {
     cols: ColumnSet,
 }
 
-/// Shared backstop reads: moka single-flights them, the [`TtlCache`] keeps their results.
-type BackstopReads = (
-    Cache<SetKey, Arc<RunSet>, Hasher>,
-    TtlCache<SetKey, Arc<RunSet>>,
-);
-
 /// The readers.
 pub struct Sets {
     store: Arc<dyn RunStore>,
     router: Router,
     cap: usize,
-    sets: Cache<SetKey, Arc<RunSet>, Hasher>,
-    /// Backstop reads shared for `caches.backstop_share_ms` (`None` when 0): moka for the
-    /// single flight of the reads, a [`TtlCache`] of their results read first (an ended poll
-    /// reads one; a moka read, with its access log and housekeeping, cost three times as much).
-    /// Both are bounded by `caches.runset_cache_max_bytes` and share the same sets.
-    backstops: Option<BackstopReads>,
+    /// Shared reads ([`Sets::read_shared`], single-flighted): bound `caches.runset_cache_max_bytes`
+    /// ([`set_weight`]); TTL `caches.run_cache_ttl_ms` for a run feed's read, else
+    /// `caches.runset_cache_ttl_ms` ([`Sets::set_ttl`]).
+    sets: TtlCache<SetKey, Arc<RunSet>>,
+    /// `caches.run_cache_ttl_ms`.
+    run_ttl: Duration,
+    /// `caches.runset_cache_ttl_ms`.
+    list_ttl: Duration,
+    /// Backstop reads of whole filters shared for `caches.backstop_share_ms` (`None` when 0),
+    /// single-flighted; bound `caches.runset_cache_max_bytes` ([`set_weight`]). Each loads
+    /// through [`Sets::read_shared`] (see [`Sets::read_backstop_whole`]).
+    backstops: Option<TtlCache<SetKey, Arc<RunSet>>>,
     /// Backstops that read only what can have changed (`None` when `caches.full_reread_ms` is 0).
     views: Option<Backstops>,
     runs: Lookups<FriendlyRunId, RunResource>,
@@ -89,30 +85,14 @@ impl Sets {
         feeds: &FeedsConfig,
         caches: &CachesConfig,
     ) -> Sets {
-        // Single runs use the run cache TTL, run sets the run-set TTL (see `PerKindTtl`).
-        let (run_ttl, list_ttl) = (caches.run_cache_ttl_ms, caches.runset_cache_ttl_ms);
-        let sets = Cache::builder()
-            .max_capacity(caches.runset_cache_max_bytes)
-            .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
-                u32::try_from(set_weight(v)).unwrap_or(u32::MAX)
-            })
-            .expire_after(PerKindTtl {
-                run: Duration::from_millis(run_ttl),
-                list: Duration::from_millis(list_ttl),
-            })
-            .build_with_hasher(Hasher::default());
+        // Single runs use the run cache TTL, run sets the run-set TTL (`Sets::set_ttl`).
+        let run_ttl = Duration::from_millis(caches.run_cache_ttl_ms);
+        let list_ttl = Duration::from_millis(caches.runset_cache_ttl_ms);
+        let sets = TtlCache::weighted(caches.runset_cache_max_bytes, list_ttl, set_weight);
         let lookup_ttl = Duration::from_millis(caches.resource_cache_ttl_ms.max(1));
         let backstops = (caches.backstop_share_ms > 0).then(|| {
             let share = Duration::from_millis(caches.backstop_share_ms);
-            let reads = Cache::builder()
-                .max_capacity(caches.runset_cache_max_bytes)
-                .weigher(|_k: &SetKey, v: &Arc<RunSet>| {
-                    u32::try_from(set_weight(v)).unwrap_or(u32::MAX)
-                })
-                .time_to_live(share)
-                .build_with_hasher(Hasher::default());
-            let results = TtlCache::weighted(caches.runset_cache_max_bytes, share, set_weight);
-            (reads, results)
+            TtlCache::weighted(caches.runset_cache_max_bytes, share, set_weight)
         });
         let views = (caches.full_reread_ms > 0).then(|| {
             Backstops::new(
@@ -131,6 +111,8 @@ impl Sets {
             router,
             cap: feeds.max_list_results,
             sets,
+            run_ttl,
+            list_ttl,
             backstops,
             views,
             runs: Lookups::new(lookup_ttl),
@@ -155,6 +137,15 @@ impl Sets {
             target: target.clone(),
             cap: self.cap,
             cols,
+        }
+    }
+
+    /// How long the shared read of `target` is kept: a run feed's for `caches.run_cache_ttl_ms`,
+    /// a run set's for `caches.runset_cache_ttl_ms`.
+    fn set_ttl(&self, target: &Target) -> Duration {
+        match target {
+            Target::Run { .. } => self.run_ttl,
+            _ => self.list_ttl,
         }
     }
 
@@ -203,7 +194,7 @@ impl Sets {
         let key = self.set_key(env_id, target, cols);
         // A settled cached read is returned before the single-flight future (and the store
         // read inside it) is even built: that future is several KiB, moved on every call.
-        if let Some(set) = self.sets.get(&key).await.filter(|set| set.settled) {
+        if let Some(set) = self.sets.get(&key).filter(|set| set.settled) {
             self.metrics
                 .resolve(target_kind(target), ResolveResult::Hit);
             return Ok(set);
@@ -222,19 +213,20 @@ impl Sets {
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
         // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
-        let cached = self.sets.contains_key(&key);
+        let cached = self.sets.get(&key).is_some();
         let ran = std::sync::atomic::AtomicBool::new(false);
         let init = async {
             ran.store(true, std::sync::atomic::Ordering::Relaxed);
             self.read_fresh_inner(env_id, target, cols).await
         };
-        let fut = self.sets.try_get_with(key.clone(), init);
+        let ttl = self.set_ttl(target);
+        let fut = self.sets.get_or_load_for(key.clone(), move |_| ttl, init);
         let result = shared_by_deadline(deadline, fut).await;
         if let Ok(set) = &result {
             // A read the gate gave up on is served (the replica lags) but not kept: the next
             // reader tries again.
             if !set.settled {
-                self.drop_cached(&key, set).await;
+                self.drop_cached(&key, set);
             }
         }
         let outcome = match (ran.load(std::sync::atomic::Ordering::Relaxed), cached) {
@@ -311,23 +303,19 @@ impl Sets {
         cols: ColumnSet,
         deadline: Instant,
     ) -> Result<Arc<RunSet>, ReadError> {
-        let Some((reads, results)) = &self.backstops else {
+        let Some(backstops) = &self.backstops else {
             return self.read_shared(env_id, target, cols, deadline).await;
         };
         let key = self.set_key(env_id, target, cols);
         // The common case, a backstop of a filter read in the last `backstop_share_ms`, never
         // builds the single-flight future (see `read_shared`).
-        if let Some(set) = results.get(&key) {
+        if let Some(set) = backstops.get(&key) {
             return Ok(set);
         }
         // Only the read that went to the store keeps its result: an entry is never older than
         // the share time.
-        let read = async {
-            let set = self.read_shared(env_id, target, cols, deadline).await?;
-            results.insert(key.clone(), set.clone());
-            Ok::<_, ReadError>(set)
-        };
-        shared_by_deadline(deadline, Box::pin(reads.try_get_with(key.clone(), read))).await
+        let read = self.read_shared(env_id, target, cols, deadline);
+        shared_by_deadline(deadline, Box::pin(backstops.get_or_load(key, read))).await
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
@@ -349,20 +337,19 @@ impl Sets {
             if set.settled && reg.replay_since(set.cursor).await {
                 return Ok(set);
             }
-            self.drop_cached(&key, &set).await;
+            self.drop_cached(&key, &set);
         }
         self.read_fresh(env_id, target, cols, deadline).await
     }
 
     /// Drops `set` from the shared cache if it is still the entry for `key`.
-    async fn drop_cached(&self, key: &SetKey, set: &Arc<RunSet>) {
+    fn drop_cached(&self, key: &SetKey, set: &Arc<RunSet>) {
         if self
             .sets
             .get(key)
-            .await
             .is_some_and(|cached| Arc::ptr_eq(&cached, set))
         {
-            self.sets.invalidate(key).await;
+            self.sets.remove(key);
         }
     }
 
@@ -456,17 +443,15 @@ impl Sets {
 /// dropped (a permit still held keeps its semaphore alive).
 struct EnvShares {
     per_env: usize,
-    shares: Cache<EnvId, Arc<Semaphore>, Hasher>,
+    /// Bound: 100 000 environments; each kept until unused for 60 s (an idle cache).
+    shares: TtlCache<EnvId, Arc<Semaphore>>,
 }
 
 impl EnvShares {
     fn new(per_env: usize) -> EnvShares {
         EnvShares {
             per_env,
-            shares: Cache::builder()
-                .max_capacity(100_000)
-                .time_to_idle(Duration::from_secs(60))
-                .build_with_hasher(Hasher::default()),
+            shares: TtlCache::idle(100_000, Duration::from_secs(60)),
         }
     }
 
@@ -475,13 +460,12 @@ impl EnvShares {
         let per_env = self.per_env;
         let share = self
             .shares
-            .get_with_by_ref(env_id, async move { Arc::new(Semaphore::new(per_env)) })
-            .await;
+            .get_or_insert_with(env_id.clone(), || Arc::new(Semaphore::new(per_env)));
         share.acquire_owned().await.ok()
     }
 }
 
-/// A cache-shared read bounded by `deadline`: moka's shared error is cloned out, a timeout is
+/// A cache-shared read bounded by `deadline`: the shared error is cloned out, a timeout is
 /// [`ReadError::Deadline`].
 async fn shared_by_deadline(
     deadline: Instant,
@@ -554,25 +538,6 @@ where
 fn set_weight(set: &Arc<RunSet>) -> u64 {
     let bytes: usize = set.rows.iter().map(|r| r.fragment.len() + 128).sum();
     u64::try_from(bytes + 64).unwrap_or(u64::MAX)
-}
-
-struct PerKindTtl {
-    run: Duration,
-    list: Duration,
-}
-
-impl moka::Expiry<SetKey, Arc<RunSet>> for PerKindTtl {
-    fn expire_after_create(
-        &self,
-        key: &SetKey,
-        _value: &Arc<RunSet>,
-        _now: std::time::Instant,
-    ) -> Option<Duration> {
-        Some(match key.target {
-            Target::Run { .. } => self.run,
-            _ => self.list,
-        })
-    }
 }
 
 #[cfg(test)]

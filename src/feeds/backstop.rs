@@ -24,12 +24,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use moka::future::Cache;
 use rand::Rng;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::read::{ReadError, RunSet, Target};
+use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::protocol::{BatchId, EnvId, RunId, RunMeta};
 use crate::router::{FeedFilter, ReplayCursor, Router};
@@ -151,9 +151,13 @@ pub struct Backstops {
     share: Duration,
     /// `caches.full_reread_ms` (> 0).
     full_reread: Duration,
-    /// One slot per filter: the lock single-flights its reads.
-    views: Cache<(EnvId, Subject), ViewSlot>,
-    tails: Cache<EnvId, Arc<Mutex<Tail>>>,
+    /// One slot per filter: the lock single-flights its reads. Bound: `caches.runset_cache_max_entries`
+    /// filters; each dropped once unused for two full periods plus the share time (an idle
+    /// cache: its feeds are gone).
+    views: TtlCache<(EnvId, Subject), ViewSlot>,
+    /// One tail per environment. Bound: [`MAX_TAILS`] environments; dropped once unused for
+    /// two full periods plus the share time (an idle cache).
+    tails: TtlCache<EnvId, Arc<Mutex<Tail>>>,
 }
 
 /// Settings of [`Backstops::new`].
@@ -179,14 +183,8 @@ impl Backstops {
             cap: settings.cap,
             share: settings.share,
             full_reread: settings.full_reread,
-            views: Cache::builder()
-                .max_capacity(settings.max_views)
-                .time_to_idle(idle)
-                .build(),
-            tails: Cache::builder()
-                .max_capacity(MAX_TAILS)
-                .time_to_idle(idle)
-                .build(),
+            views: TtlCache::idle(settings.max_views, idle),
+            tails: TtlCache::idle(MAX_TAILS, idle),
         }
     }
 
@@ -224,10 +222,9 @@ impl Backstops {
         let (subject, floor) = Subject::of(target);
         let slot = self
             .views
-            .get_with((env_id.clone(), subject.clone()), async {
+            .get_or_insert_with((env_id.clone(), subject.clone()), || {
                 Arc::new(Mutex::new(None))
-            })
-            .await;
+            });
         let mut guard = slot.lock().await;
         let now = Instant::now();
         if let Some(view) = guard
@@ -258,10 +255,7 @@ impl Backstops {
         let (subject, floor) = Subject::of(target);
         let slot = self
             .views
-            .get_with((env_id.clone(), subject), async {
-                Arc::new(Mutex::new(None))
-            })
-            .await;
+            .get_or_insert_with((env_id.clone(), subject), || Arc::new(Mutex::new(None)));
         let Ok(mut guard) = slot.try_lock() else {
             return;
         };
@@ -391,15 +385,12 @@ impl Backstops {
         from_ms: i64,
         updated_from_ms: i64,
     ) -> Result<Option<(Vec<Arc<RunMeta>>, i64)>, ReadError> {
-        let slot = self
-            .tails
-            .get_with(env_id.clone(), async {
-                Arc::new(Mutex::new(Tail {
-                    covered_from_ms: i64::MAX,
-                    ..Tail::default()
-                }))
-            })
-            .await;
+        let slot = self.tails.get_or_insert_with(env_id.clone(), || {
+            Arc::new(Mutex::new(Tail {
+                covered_from_ms: i64::MAX,
+                ..Tail::default()
+            }))
+        });
         let mut tail = slot.lock().await;
         if tail.read_at.is_none_or(|at| at.elapsed() >= self.share) {
             let started_ms = now_ms();

@@ -6,10 +6,10 @@
 //! A `quick_cache` map (S3-FIFO eviction, sharded locks, no background work) with the expiry
 //! kept beside each value: a read past it is a miss, and the expired entries nobody reads again
 //! are swept out by the first insert after each half TTL, so their memory comes back without a
-//! background task. (moka's caches, which this replaced, did the same with an access log, a
-//! timer wheel and housekeeping on every operation, which cost about a tenth of an ended live
-//! poll's instructions where a poll read one connection state and recorded one: BENCHMARKS.md
-//! "Cost per unit of work".)
+//! background task. (A cache that does the same with an access log, a timer wheel and
+//! housekeeping on every operation cost about a tenth of an ended live poll's instructions
+//! where a poll read one connection state and recorded one: BENCHMARKS.md "Cost per unit of
+//! work".)
 //!
 //! Loads are single-flighted: concurrent misses of one key run ONE load and all wait for its
 //! result. A value loaded is kept for the cache's TTL (or the TTL its caller picks for it). An

@@ -142,7 +142,7 @@ const CACHE_MAX_ENTRIES: u64 = 10_000;
 
 /// The per-lookup caches, one per lookup (found AND not-found results are cached; errors are
 /// not, and are shared by the callers that waited on the failing lookup: [`TtlCache::get_or_load`]).
-/// Each holds at most [`CACHE_MAX_ENTRIES`] entries.
+/// Bound: each holds at most [`CACHE_MAX_ENTRIES`] entries; TTLs per field.
 struct Caches {
     /// Environments by secret key: `cache_ttl`.
     by_api_key: TtlCache<String, Option<Arc<EnvRecord>>>,

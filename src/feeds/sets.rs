@@ -482,6 +482,7 @@ async fn shared_by_deadline(
 /// cached, misses are not (they may exist a moment later). A [`TtlCache`]: run feeds look
 /// their run up on every poll, and nothing here needs a loading cache's single flight.
 struct Lookups<I, T> {
+    /// Bound: 100 000 resources; TTL: `caches.resource_cache_ttl_ms` (at least 1 ms).
     cache: TtlCache<(EnvId, I), Arc<T>>,
 }
 

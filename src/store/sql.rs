@@ -26,15 +26,17 @@ pub(crate) enum RunQuery {
     ReadOne,
     /// `$1` env, `$2` text[] tags (non-empty), `$3` floor timestamp, `$4` limit.
     ///
-    /// The window is written as the row comparison `("runtimeEnvironmentId", "createdAt") >=
-    /// ($1, $3)`, which with `"runtimeEnvironmentId" = $1` means `"createdAt" >= $3`. A plain
-    /// `"createdAt" >= $3` lets the planner AND the tag's GIN bitmap with trigger.dev's BRIN on
-    /// `"createdAt"`, and a BRIN scan reads the summary of every block range of the table: on
-    /// 2.5 M runs it was 6 of a rare tag's 6.5 ms, and it grows with the table's history. The row
-    /// comparison only a btree can use, so a rare tag is its GIN posting list (0.1 ms) and a
-    /// common one still the ordered scan of `TaskRun_runtimeEnvironmentId_createdAt_idx`
-    /// (BENCHMARKS.md, "At production data volume"). Sent unprepared ([`RunQuery::custom_plan`]):
-    /// a cached generic plan cannot see how rare the tag is.
+    /// Sent unprepared ([`RunQuery::custom_plan`]): its best plan depends on how rare the tags
+    /// are and how large the environment is, which a cached generic plan cannot see. With the
+    /// parameters in view Postgres picks, on trigger.dev's indexes (docs/trigger-dev.md): a
+    /// common tag, the ordered scan of `TaskRun_runtimeEnvironmentId_createdAt_idx`; a rarer tag
+    /// of a large environment, its GIN bitmap ANDed with the BRIN on `"createdAt"`, which keeps
+    /// the heap pages read to the window; a tag of a small environment, the GIN bitmap ANDed
+    /// with that environment's `(runtimeEnvironmentId, createdAt)` range. Writing the window as
+    /// the row comparison `("runtimeEnvironmentId", "createdAt") >= ($1, $3)` keeps the BRIN out
+    /// (a rare tag 7 → 0.7 ms on 10 M runs) but lets the planner read a mid tag's whole history
+    /// and a small environment's through its `(runtimeEnvironmentId, batchId)` btree: slower
+    /// overall (BENCHMARKS.md, "At production data volume").
     TagSet,
     /// `$1` env, `$2` floor timestamp, `$3` limit (no tag filter).
     TagSetUnfiltered,
@@ -45,8 +47,9 @@ pub(crate) enum RunQuery {
 impl RunQuery {
     /// Whether the statement is sent unprepared, so that Postgres plans it for its parameters
     /// each time instead of settling on a generic plan after five executions: the tag set,
-    /// whose best plan depends on how rare its tags are (a generic plan of [`RunQuery::TagSet`]
-    /// took 0.1–2 s where the custom plans took 0.1–80 ms). A cold read, so the extra parse is
+    /// whose best plan depends on how rare its tags are and how large the environment is
+    /// (prepared, it cost Postgres 19.6–31.4 ms of CPU per cold snapshot on 2.5 M runs instead
+    /// of 10.1; BENCHMARKS.md, "At production data volume"). A cold read, so the extra parse is
     /// cheap beside it.
     pub(crate) fn custom_plan(self) -> bool {
         matches!(self, RunQuery::TagSet)
@@ -97,7 +100,7 @@ pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND id = $2 LIMIT 1"#
         ),
         RunQuery::TagSet => format!(
-            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND ("runtimeEnvironmentId", "createdAt") >= ($1, $3) ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
         RunQuery::TagSetUnfiltered => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
@@ -316,6 +319,29 @@ mod tests {
         assert_eq!(ts_ms(ms_to_ts(ms)), ms);
         assert_eq!(ts_ms(ms_to_ts(-5)), 0);
         assert_eq!(ts_ms(ms_to_ts(i64::MAX)), 253_402_300_799_999);
+    }
+
+    /// The tag set's window stays a plain bound on `"createdAt"`, planned per execution: the row
+    /// comparison `("runtimeEnvironmentId", "createdAt") >= ($1, $3)` read a mid tag's and a small
+    /// environment's whole history on 10 M runs (BENCHMARKS.md, "At production data volume").
+    #[test]
+    fn tag_set_window_is_a_plain_created_at_bound_planned_per_execution() {
+        let sql = run_query_sql(RunQuery::TagSet, ColumnSet::ALL);
+        assert!(sql.contains(r#"AND "createdAt" >= $3 ORDER BY"#), "{sql}");
+        assert!(
+            !sql.contains(r#"("runtimeEnvironmentId", "createdAt")"#),
+            "{sql}"
+        );
+        assert!(RunQuery::TagSet.custom_plan());
+        for kind in [
+            RunQuery::Hydrate,
+            RunQuery::HydrateMany,
+            RunQuery::ReadOne,
+            RunQuery::TagSetUnfiltered,
+            RunQuery::BatchSet,
+        ] {
+            assert!(!kind.custom_plan(), "{kind:?}");
+        }
     }
 
     #[test]

@@ -735,7 +735,7 @@ async fn explain(
     let select = select_all();
     let sql = match q {
         SetQuery::Tags(_) => format!(
-            r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND ("runtimeEnvironmentId", "createdAt") >= ($1, $3) ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+            r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
         SetQuery::Unfiltered => format!(
             r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
@@ -764,7 +764,8 @@ fn execution_ms(plan: &[String]) -> Option<f64> {
 }
 
 /// The plans of the set queries: a rare, a mid and a common tag, `plan:free`, a pair,
-/// unfiltered, and the busy environment's largest batch.
+/// unfiltered, another environment's most frequent `user:` tag, and the busy environment's
+/// largest batch.
 async fn explain_all(
     v: &Volume,
     a: &VolumeArgs,
@@ -775,11 +776,13 @@ async fn explain_all(
         of.sort_by_key(|f| f.matches);
         of.get(of.len() / 2).map(|f| (f.tags.clone(), f.matches))
     };
-    let mut cases: Vec<(String, SetQuery)> = Vec::new();
+    let busy = &v.envs[0];
+    let mut cases: Vec<(String, &DemoEnv, SetQuery)> = Vec::new();
     for band in ["rare", "mid"] {
         if let Some((tags, n)) = median(band) {
             cases.push((
                 format!("{band} tag {} ({} runs)", tags.join(","), n.unwrap_or(0)),
+                busy,
                 SetQuery::Tags(tags),
             ));
         }
@@ -792,6 +795,7 @@ async fn explain_all(
         if is_top_user || f.tags[0] == "plan:free" {
             cases.push((
                 format!("common tag {} ({} runs)", f.tags[0], f.matches.unwrap_or(0)),
+                busy,
                 SetQuery::Tags(f.tags.clone()),
             ));
         }
@@ -799,10 +803,24 @@ async fn explain_all(
     if let Some(f) = filters.iter().find(|f| f.band == "pair") {
         cases.push((
             format!("pair {}", f.tags.join(",")),
+            busy,
             SetQuery::Tags(f.tags.clone()),
         ));
     }
-    cases.push(("unfiltered".into(), SetQuery::Unfiltered));
+    cases.push(("unfiltered".into(), busy, SetQuery::Unfiltered));
+    // The fairness probe's first feed: another (smaller) environment's most frequent `user:` tag.
+    let other = v.envs.get(1).unwrap_or(busy);
+    if let Some((tag, n)) = tag_counts(v, other)
+        .await?
+        .into_iter()
+        .find(|(t, _)| t.starts_with("user:"))
+    {
+        cases.push((
+            format!("another environment's tag {tag} ({n} runs)"),
+            other,
+            SetQuery::Tags(vec![tag]),
+        ));
+    }
     let batch: Option<(String, i32)> = sqlx::query_as(
         r#"SELECT id, "runCount" FROM "BatchTaskRun" WHERE "runtimeEnvironmentId" = $1 ORDER BY "runCount" DESC LIMIT 1"#,
     )
@@ -811,12 +829,12 @@ async fn explain_all(
     .await
     .context("find the largest batch")?;
     if let Some((id, n)) = batch {
-        cases.push((format!("batch of {n} runs"), SetQuery::Batch(id)));
+        cases.push((format!("batch of {n} runs"), busy, SetQuery::Batch(id)));
     }
     let mut rows = Vec::new();
     let mut plans = serde_json::Map::new();
-    for (name, q) in &cases {
-        let plan = explain(v, &v.envs[0], q, a.set_limit).await?;
+    for (name, env, q) in &cases {
+        let plan = explain(v, env, q, a.set_limit).await?;
         println!("\n-- EXPLAIN (ANALYZE, BUFFERS): {name}");
         for line in &plan {
             println!("{line}");

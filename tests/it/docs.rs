@@ -98,10 +98,15 @@ fn parse_md(text: &str) -> Md {
         fenced: BTreeSet::new(),
     };
     let mut fenced = false;
+    // An inline code span still open at the end of a line: where it started and its text so far.
+    // CommonMark lets a span run across line breaks (not across a blank line); it is read as one
+    // span, its line breaks as spaces.
+    let mut open: Option<(usize, String)> = None;
     for (i, line) in text.lines().enumerate() {
         let n = i + 1;
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
+            open = None;
             continue;
         }
         if fenced {
@@ -109,9 +114,30 @@ fn parse_md(text: &str) -> Md {
             md.fenced.insert(n);
             continue;
         }
-        // Inline code spans.
+        if line.trim().is_empty() {
+            open = None;
+        }
         let mut prose = String::new();
         let mut rest = line;
+        if let Some((start_line, mut span)) = open.take() {
+            match rest.find('`') {
+                Some(end) => {
+                    span.push(' ');
+                    span.push_str(rest[..end].trim_start());
+                    md.code.push((start_line, span));
+                    prose.push_str(" CODE ");
+                    rest = &rest[end + 1..];
+                }
+                None => {
+                    span.push(' ');
+                    span.push_str(rest.trim());
+                    open = Some((start_line, span));
+                    md.prose.push((n, " CODE ".to_string()));
+                    continue;
+                }
+            }
+        }
+        // Inline code spans.
         while let Some(start) = rest.find('`') {
             prose.push_str(&rest[..start]);
             let after = &rest[start + 1..];
@@ -122,7 +148,9 @@ fn parse_md(text: &str) -> Md {
                     rest = &after[end + 1..];
                 }
                 None => {
-                    rest = after;
+                    open = Some((n, after.trim_end().to_string()));
+                    prose.push_str(" CODE ");
+                    rest = "";
                 }
             }
         }
@@ -796,6 +824,112 @@ fn the_readme_is_an_entrance() {
             "the README's index lacks {page}"
         );
     }
+}
+
+/// The figures a line quotes: runs of digits (with `.` decimals and thin or plain spaces between
+/// digit groups, as in `10 000`) that stand alone, not glued to a letter (`p99`) and not a lone
+/// digit below 10.
+fn figures(line: &str) -> Vec<String> {
+    let chars: Vec<char> = line.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let glued = i > 0 && (chars[i - 1].is_alphanumeric() || chars[i - 1] == '.');
+        if !chars[i].is_ascii_digit() || glued {
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < chars.len() {
+            let c = chars[j];
+            let digit_at = |k: usize| chars.get(k).is_some_and(|d| d.is_ascii_digit());
+            // `.` before a digit is a decimal point; a space before exactly three digits
+            // separates thousands (`10 000`).
+            let joins = match c {
+                '.' => digit_at(j + 1),
+                ' ' | '\u{202f}' => (1..=3).all(|k| digit_at(j + k)) && !digit_at(j + 4),
+                _ => false,
+            };
+            if c.is_ascii_digit() || joins {
+                j += 1;
+            } else {
+                break;
+            }
+        }
+        let figure: String = chars[i..j].iter().collect();
+        let glued_after = chars
+            .get(j)
+            .is_some_and(|c| c.is_alphabetic() && !c.is_uppercase());
+        if (figure.len() > 1 || figure.parse::<u32>().is_ok_and(|v| v >= 10)) && !glued_after {
+            out.push(figure);
+        }
+        i = j.max(i + 1);
+    }
+    out
+}
+
+/// Whether `figure` stands in `text` as a figure of its own (not inside a longer number).
+fn quotes(text: &str, figure: &str) -> bool {
+    text.match_indices(figure).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + figure.len()..].chars().next();
+        let digitish = |c: Option<char>| c.is_some_and(|c| c.is_ascii_digit());
+        let decimal_after = text[at + figure.len()..].starts_with('.')
+            && digitish(text[at + figure.len() + 1..].chars().next());
+        !digitish(before) && !digitish(after) && !decimal_after
+    })
+}
+
+/// README's table of measured figures quotes only what BENCHMARKS.md or CORRECTNESS.md state: a
+/// figure changed there and not here (or the reverse) fails.
+#[test]
+fn every_figure_the_readme_quotes_is_on_a_figures_page() {
+    let readme = read("README.md");
+    let pages = format!("{}\n{}", read("BENCHMARKS.md"), read("CORRECTNESS.md"));
+    let mut problems = Vec::new();
+    let mut in_table = false;
+    let mut rows = 0;
+    for (i, line) in readme.lines().enumerate() {
+        if line.starts_with("| | runfeed (measured)") {
+            in_table = true;
+            continue;
+        }
+        if !in_table || line.starts_with("|---") {
+            continue;
+        }
+        if !line.starts_with('|') {
+            break;
+        }
+        rows += 1;
+        // The measured column: the row's second cell.
+        let cell = line.split('|').nth(2).unwrap_or("").replace("**", "");
+        for figure in figures(&cell) {
+            if !quotes(&pages, &figure) {
+                problems.push(format!(
+                    "README.md:{}: {figure} is in neither BENCHMARKS.md nor CORRECTNESS.md",
+                    i + 1
+                ));
+            }
+        }
+    }
+    assert!(
+        rows >= 4,
+        "README.md's table of measured figures was not found"
+    );
+    assert_none(problems);
+}
+
+#[test]
+fn figures_reads_numbers_not_names() {
+    assert_eq!(
+        figures(
+            "p99 7.0 ms, p99.9 28.5 ms, 0 backstops, 10 000 feeds, 0.267 cores, 8.21 KiB, 3 of 4"
+        ),
+        ["7.0", "28.5", "10 000", "0.267", "8.21"]
+    );
+    assert!(quotes("a p50 of 84 ms", "84"));
+    assert!(!quotes("184 ms", "84"));
+    assert!(!quotes("84.5 ms", "84"));
 }
 
 #[test]

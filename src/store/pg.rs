@@ -112,8 +112,44 @@ fn pool_for(
 
 const SQL_ENV_BY_REVOKED_KEY: &str = r#"SELECT e.id, e.type::text AS env_type, e."organizationId", e."projectId", e."apiKey", e."parentEnvironmentId", p."apiKey" AS parent_api_key, e."branchName", (e."archivedAt" IS NOT NULL) AS archived, (pr."deletedAt" IS NOT NULL) AS project_deleted FROM "RevokedApiKey" r JOIN "RuntimeEnvironment" e ON e.id = r."runtimeEnvironmentId" JOIN "Project" pr ON pr.id = e."projectId" LEFT JOIN "RuntimeEnvironment" p ON p.id = e."parentEnvironmentId" WHERE r."apiKey" = $1 AND r."expiresAt" > (now() AT TIME ZONE 'UTC') LIMIT 1"#;
 const SQL_REVOKED_KEYS: &str = r#"SELECT "apiKey" FROM "RevokedApiKey" WHERE "runtimeEnvironmentId" = $1 AND "expiresAt" > (now() AT TIME ZONE 'UTC')"#;
-const SQL_FIND_RUN: &str = r#"SELECT r.id, r."friendlyId", r."taskIdentifier", r."runTags", b."friendlyId" AS batch_friendly_id FROM "TaskRun" r LEFT JOIN "BatchTaskRun" b ON b.id = r."batchId" WHERE r."friendlyId" = $1 AND r."runtimeEnvironmentId" = $2 LIMIT 1"#;
-const SQL_FIND_BATCH: &str = r#"SELECT id, "friendlyId" FROM "BatchTaskRun" WHERE "friendlyId" = $1 AND "runtimeEnvironmentId" = $2 LIMIT 1"#;
+/// A resource looked up by its URL id: `$1` friendly id, `$2` environment.
+struct Lookup<T> {
+    /// The statement.
+    sql: &'static str,
+    /// The operation named in a [`StoreError`].
+    op: &'static str,
+    /// The row's decoding.
+    decode: fn(&PgRow) -> Result<T, sqlx::Error>,
+}
+
+/// A run by `friendlyId`, with its tags and its batch's friendly id.
+const FIND_RUN: Lookup<RunResource> = Lookup {
+    sql: r#"SELECT r.id, r."friendlyId", r."taskIdentifier", r."runTags", b."friendlyId" AS batch_friendly_id FROM "TaskRun" r LEFT JOIN "BatchTaskRun" b ON b.id = r."batchId" WHERE r."friendlyId" = $1 AND r."runtimeEnvironmentId" = $2 LIMIT 1"#,
+    op: "find_run",
+    decode: |row| {
+        Ok(RunResource {
+            id: row.try_get("id")?,
+            friendly_id: row.try_get("friendlyId")?,
+            task_identifier: row.try_get("taskIdentifier")?,
+            tags: row
+                .try_get::<Option<Vec<String>>, _>("runTags")?
+                .unwrap_or_default(),
+            batch_friendly_id: row.try_get("batch_friendly_id")?,
+        })
+    },
+};
+
+/// A batch by `friendlyId`.
+const FIND_BATCH: Lookup<BatchResource> = Lookup {
+    sql: r#"SELECT id, "friendlyId" FROM "BatchTaskRun" WHERE "friendlyId" = $1 AND "runtimeEnvironmentId" = $2 LIMIT 1"#,
+    op: "find_batch",
+    decode: |row| {
+        Ok(BatchResource {
+            id: row.try_get("id")?,
+            friendly_id: row.try_get("friendlyId")?,
+        })
+    },
+};
 
 /// An [`EnvRecord`] select over `"RuntimeEnvironment" e` (its project `pr`, its parent `p`)
 /// followed by `$tail` (a `WHERE … LIMIT 1` clause). A macro so the statements stay `&'static str`.
@@ -328,55 +364,52 @@ impl PgStore {
             .map_err(store_err("read_run"))
     }
 
-    async fn find_run_on(
+    /// One row of `lookup` by `(friendly id, environment)` on `pool`.
+    async fn find_on<T>(
         &self,
         pool: &PgPool,
+        lookup: &Lookup<T>,
         env_id: &EnvId,
-        friendly_id: &FriendlyRunId,
-    ) -> Result<Option<RunResource>, StoreError> {
+        friendly_id: &str,
+    ) -> Result<Option<T>, StoreError> {
         self.count();
-        let row = sqlx::query(SQL_FIND_RUN)
+        let row = sqlx::query(lookup.sql)
             .bind(friendly_id)
             .bind(env_id)
             .fetch_optional(pool)
             .await
-            .map_err(store_err("find_run"))?;
-        let Some(row) = row else { return Ok(None) };
-        let decode = |row: &PgRow| -> Result<RunResource, sqlx::Error> {
-            Ok(RunResource {
-                id: row.try_get("id")?,
-                friendly_id: row.try_get("friendlyId")?,
-                task_identifier: row.try_get("taskIdentifier")?,
-                tags: row
-                    .try_get::<Option<Vec<String>>, _>("runTags")?
-                    .unwrap_or_default(),
-                batch_friendly_id: row.try_get("batch_friendly_id")?,
-            })
-        };
-        decode(&row).map(Some).map_err(store_err("find_run"))
+            .map_err(store_err(lookup.op))?;
+        row.as_ref()
+            .map(lookup.decode)
+            .transpose()
+            .map_err(store_err(lookup.op))
     }
 
-    async fn find_batch_on(
+    /// [`Self::find_on`] on the replica, then on the primary on a miss.
+    async fn find<T>(
         &self,
-        pool: &PgPool,
+        lookup: &Lookup<T>,
         env_id: &EnvId,
-        friendly_id: &FriendlyBatchId,
-    ) -> Result<Option<BatchResource>, StoreError> {
-        self.count();
-        let row = sqlx::query(SQL_FIND_BATCH)
-            .bind(friendly_id)
-            .bind(env_id)
-            .fetch_optional(pool)
+        friendly_id: &str,
+    ) -> Result<Option<T>, StoreError> {
+        self.replica_then_primary(|pool| self.find_on(pool, lookup, env_id, friendly_id))
             .await
-            .map_err(store_err("find_batch"))?;
-        let Some(row) = row else { return Ok(None) };
-        let decode = |row: &PgRow| -> Result<BatchResource, sqlx::Error> {
-            Ok(BatchResource {
-                id: row.try_get("id")?,
-                friendly_id: row.try_get("friendlyId")?,
-            })
-        };
-        decode(&row).map(Some).map_err(store_err("find_batch"))
+    }
+
+    /// `read` on the replica ([`Self::on_replica`]), then, when reads go to a distinct replica,
+    /// on the primary on a miss: a row committed moments ago may not have replayed yet.
+    async fn replica_then_primary<'a, T, F, Fut>(&'a self, read: F) -> Result<Option<T>, StoreError>
+    where
+        F: Fn(&'a PgPool) -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, StoreError>> + 'a,
+    {
+        if let Some(found) = self.on_replica(&read).await? {
+            return Ok(Some(found));
+        }
+        if self.reads_distinct_replica() {
+            return read(&self.primary).await;
+        }
+        Ok(None)
     }
 
     /// Records into `metrics` from now on (set once; later calls are ignored).
@@ -555,16 +588,8 @@ impl RunStore for PgStore {
         run_id: &RunId,
         cols: ColumnSet,
     ) -> Result<Option<RunRow>, StoreError> {
-        if let Some(row) = self
-            .on_replica(|pool| self.read_one_on(pool, env_id, run_id, cols))
-            .await?
-        {
-            return Ok(Some(row));
-        }
-        if self.reads_distinct_replica() {
-            return self.read_one_on(&self.primary, env_id, run_id, cols).await;
-        }
-        Ok(None)
+        self.replica_then_primary(|pool| self.read_one_on(pool, env_id, run_id, cols))
+            .await
     }
 
     async fn resolve_tag_set(
@@ -647,16 +672,7 @@ impl RunStore for PgStore {
         env_id: &EnvId,
         friendly_id: &FriendlyRunId,
     ) -> Result<Option<RunResource>, StoreError> {
-        if let Some(run) = self
-            .on_replica(|pool| self.find_run_on(pool, env_id, friendly_id))
-            .await?
-        {
-            return Ok(Some(run));
-        }
-        if self.reads_distinct_replica() {
-            return self.find_run_on(&self.primary, env_id, friendly_id).await;
-        }
-        Ok(None)
+        self.find(&FIND_RUN, env_id, friendly_id.as_str()).await
     }
 
     async fn find_batch(
@@ -664,16 +680,7 @@ impl RunStore for PgStore {
         env_id: &EnvId,
         friendly_id: &FriendlyBatchId,
     ) -> Result<Option<BatchResource>, StoreError> {
-        if let Some(batch) = self
-            .on_replica(|pool| self.find_batch_on(pool, env_id, friendly_id))
-            .await?
-        {
-            return Ok(Some(batch));
-        }
-        if self.reads_distinct_replica() {
-            return self.find_batch_on(&self.primary, env_id, friendly_id).await;
-        }
-        Ok(None)
+        self.find(&FIND_BATCH, env_id, friendly_id.as_str()).await
     }
 }
 

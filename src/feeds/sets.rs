@@ -537,8 +537,7 @@ where
 /// What a shared run set weighs against `caches.runset_cache_max_bytes`, bytes (an estimate:
 /// its rows' serialized bytes plus a fixed overhead per row and per set).
 fn set_weight(set: &Arc<RunSet>) -> u64 {
-    let bytes: usize = set.rows.iter().map(|r| r.fragment.len() + 128).sum();
-    u64::try_from(bytes + 64).unwrap_or(u64::MAX)
+    crate::protocol::held_bytes(&set.rows)
 }
 
 #[cfg(test)]

@@ -124,6 +124,10 @@ enum End {
 
 #[derive(Default)]
 struct Queue {
+    /// At most [`QueueBound`]'s `max_events` frames and `max_bytes` bytes (a single larger frame
+    /// still enters an empty queue: [`Pipe::try_push`]). A producer that finds
+    /// it full waits for room, and once the client takes nothing for `stall` the stream ends
+    /// ([`End::Stalled`]); nothing is dropped from a running stream.
     frames: VecDeque<Bytes>,
     bytes: usize,
     end: Option<End>,

@@ -26,4 +26,4 @@ pub mod sse;
 
 pub use columns::{Column, ColumnSet};
 pub use ids::{BatchId, EnvId, FriendlyBatchId, FriendlyRunId, Handle, OrgId, RunId};
-pub use row::{is_final_status, RunMeta, RunRow, SerializedRow};
+pub use row::{held_bytes, is_final_status, RunMeta, RunRow, SerializedRow};

@@ -111,3 +111,10 @@ pub struct SerializedRow {
     /// `DEQUEUED → EXECUTING` rewrite (docs/trigger-dev.md §3, `rewriteBodyForLegacyApiVersion`).
     pub dequeued: bool,
 }
+
+/// What serialized rows held in a cache weigh against its byte bound: each row's fragment plus
+/// 128 bytes (its metadata and map entry), plus 64 for the holder.
+pub fn held_bytes<'a>(rows: impl IntoIterator<Item = &'a SerializedRow>) -> u64 {
+    let bytes: usize = rows.into_iter().map(|r| r.fragment.len() + 128).sum();
+    u64::try_from(bytes + 64).unwrap_or(u64::MAX)
+}

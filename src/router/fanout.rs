@@ -50,8 +50,7 @@ pub(super) struct SharedReplays {
 /// What a shared replay weighs against [`SHARED_REPLAY_MAX_BYTES`], bytes (its rows' serialized
 /// bytes plus a fixed overhead per row and per replay).
 fn replay_weight(replay: &Arc<ReplayRows>) -> u64 {
-    let bytes: usize = replay.rows.values().map(|r| r.fragment.len() + 128).sum();
-    u64::try_from(bytes + 64).unwrap_or(u64::MAX)
+    crate::protocol::held_bytes(replay.rows.values())
 }
 
 impl SharedReplays {

@@ -179,6 +179,15 @@ pub struct FeedsConfig {
     /// stampede on 10 M runs went from p99 2.4 s to 0.55 s (BENCHMARKS.md, "At production data
     /// volume"); raise it with the replica's cores.
     pub resolve_admission_per_env: usize,
+    /// Cold tag resolves of one environment within a minute that build its window, an in-memory
+    /// index (id, `createdAt`, tags) of its runs of the last `maximum_created_at_filter_age_ms`,
+    /// from which later tag snapshots of the environment take their run ids instead of a set
+    /// query whose cost grows with the table's history (docs/operations.md, "Windows"); 0 = never
+    /// (runfeed; 64). Needs `caches.full_reread_ms` > 0 (a window is rebuilt that often).
+    pub window_after_resolves: u32,
+    /// Runs all windows of this instance hold at most, about 150 bytes each; a build that would
+    /// pass it is not made (runfeed; 2 000 000).
+    pub window_max_runs: u64,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,
     /// Per-organization live-poll limits (org id → limit), replacing the default for that
@@ -241,6 +250,8 @@ impl Default for FeedsConfig {
             runset_created_at_bucket_ms: 60_000,
             resolve_admission_limit: 16,
             resolve_admission_per_env: 2,
+            window_after_resolves: 64,
+            window_max_runs: 2_000_000,
             default_concurrency_limit: 100_000,
             concurrency_lease_slots: 32,
             concurrency_limit_overrides: std::collections::BTreeMap::new(),

@@ -166,6 +166,12 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         }
     });
     let f = feeds.clone();
+    metrics.observe(&observed::FEEDS_WINDOW_RUNS, move |o| {
+        if let Some(f) = f.upgrade() {
+            o.observe(f.window_runs() as u64, &[]);
+        }
+    });
+    let f = feeds.clone();
     metrics.observe(&observed::FEEDS_CURSOR_STORE_OPS, move |o| {
         let Some(stats) = f.upgrade().and_then(|f| f.cursor_store_stats()) else {
             return;

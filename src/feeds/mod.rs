@@ -20,6 +20,7 @@ pub mod diff;
 pub mod read;
 pub mod sets;
 pub mod stream;
+pub mod window;
 
 mod catch_up;
 mod handles;
@@ -200,6 +201,11 @@ impl Feeds {
         self.conns.len() as u64
     }
 
+    /// Runs held by busy environments' windows now (`feeds.window_max_runs` at most).
+    pub fn window_runs(&self) -> usize {
+        self.sets.window_runs()
+    }
+
     /// The shared cursor store's counters (`None` when cursors are per-instance only).
     pub fn cursor_store_stats(&self) -> Option<Arc<CursorStats>> {
         self.cursors.as_ref().map(|c| c.stats().clone())
@@ -222,6 +228,7 @@ impl Feeds {
     /// answers `up-to-date` at once, and live polls arriving from then on are not held (clients
     /// re-poll elsewhere).
     pub fn with_shutdown(mut self, shutdown: CancellationToken) -> Feeds {
+        self.sets.set_shutdown(&shutdown);
         self.shutdown = shutdown;
         self
     }

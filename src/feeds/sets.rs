@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use super::backstop::{BackstopSettings, Backstops, Current};
 use super::diff::Known;
 use super::read::{ReadError, RunSet, Target};
+use super::window::{WindowSettings, Windows};
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
@@ -59,6 +60,9 @@ pub struct Sets {
     backstops: Option<TtlCache<SetKey, Arc<RunSet>>>,
     /// Backstops that read only what can have changed (`None` when `caches.full_reread_ms` is 0).
     views: Option<Backstops>,
+    /// Busy environments' windows, where tag snapshots take their run ids (`None` when
+    /// `feeds.window_after_resolves` or `caches.full_reread_ms` is 0).
+    windows: Option<Windows>,
     runs: Lookups<FriendlyRunId, RunResource>,
     batches: Lookups<FriendlyBatchId, BatchResource>,
     admission: Option<Arc<Semaphore>>,
@@ -106,6 +110,21 @@ impl Sets {
                 },
             )
         });
+        let windows = (feeds.window_after_resolves > 0 && caches.full_reread_ms > 0).then(|| {
+            let span = feeds
+                .maximum_created_at_filter_age_ms
+                .saturating_add(feeds.runset_created_at_bucket_ms);
+            Windows::new(
+                store.clone(),
+                router.clone(),
+                WindowSettings {
+                    after_resolves: feeds.window_after_resolves,
+                    span_ms: i64::try_from(span).unwrap_or(i64::MAX / 4),
+                    max_runs: usize::try_from(feeds.window_max_runs).unwrap_or(usize::MAX),
+                    rebuild: Duration::from_millis(caches.full_reread_ms),
+                },
+            )
+        });
         Sets {
             store,
             router,
@@ -115,6 +134,7 @@ impl Sets {
             list_ttl,
             backstops,
             views,
+            windows,
             runs: Lookups::new(lookup_ttl),
             batches: Lookups::new(lookup_ttl),
             admission: (feeds.resolve_admission_limit > 0)
@@ -128,6 +148,18 @@ impl Sets {
     /// Records into `metrics` from now on.
     pub fn set_metrics(&mut self, metrics: Arc<Metrics>) {
         self.metrics = metrics;
+    }
+
+    /// Background work (the windows' refreshes) ends when `shutdown` is cancelled.
+    pub fn set_shutdown(&self, shutdown: &tokio_util::sync::CancellationToken) {
+        if let Some(windows) = &self.windows {
+            windows.set_shutdown(shutdown.clone());
+        }
+    }
+
+    /// Runs held by the environments' windows now.
+    pub fn window_runs(&self) -> usize {
+        self.windows.as_ref().map_or(0, Windows::held_runs)
     }
 
     /// The cache key of a read of `target` with `cols`.
@@ -391,10 +423,20 @@ impl Sets {
         if _permit.is_some() {
             self.metrics.admission_waited(admission_started.elapsed());
         }
+        let query_started = Instant::now();
+        if let Target::Tag { tags, floor_ms } = target {
+            if let Some(set) = self.read_window(env_id, tags, *floor_ms, cols).await? {
+                self.metrics
+                    .run_set_query(target_kind(target), true, query_started.elapsed());
+                if let Some(views) = &self.views {
+                    views.seed(env_id, target, &set).await;
+                }
+                return Ok(set);
+            }
+        }
         let read_ms = now_ms();
         let cursor = self.router.touch(env_id);
         let settled = self.router.settle_replica(env_id).await;
-        let query_started = Instant::now();
         let rows = match target {
             Target::Run { run_id } => self
                 .store
@@ -434,6 +476,51 @@ impl Sets {
             views.seed(env_id, target, &set).await;
         }
         Ok(set)
+    }
+}
+
+impl Sets {
+    /// A tag set read through `env_id`'s window: the run ids from memory, their rows by
+    /// primary key. `None`: the environment has no window reaching back to `floor_ms` (the
+    /// caller runs the set query), or a run the window named no longer matches and the list
+    /// may be short (the same).
+    async fn read_window(
+        &self,
+        env_id: &EnvId,
+        tags: &Arc<[String]>,
+        floor_ms: i64,
+        cols: ColumnSet,
+    ) -> Result<Option<Arc<RunSet>>, ReadError> {
+        let Some(found) = self
+            .windows
+            .as_ref()
+            .and_then(|w| w.find(env_id, tags, floor_ms, self.cap))
+        else {
+            return Ok(None);
+        };
+        let asked = found.ids.len();
+        let mut rows = self
+            .store
+            .hydrate(env_id, &found.ids, cols)
+            .await
+            .map_err(|e| ReadError::Store(Arc::new(e)))?;
+        // A run whose tags changed after the window's refresh: its record, after the cursor,
+        // is replayed; but a list at the cap would then be short of a run the store has.
+        let filter = crate::router::FeedFilter::Tag {
+            tags: tags.clone(),
+            floor_ms,
+        };
+        rows.retain(|row| filter.accepts(&RunMeta::of(row)));
+        if rows.len() < asked && asked >= self.cap {
+            return Ok(None);
+        }
+        rows.sort_unstable_by(|a, b| (b.created_at_ms, &b.id).cmp(&(a.created_at_ms, &a.id)));
+        Ok(Some(Arc::new(RunSet {
+            cursor: found.cursor,
+            rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
+            settled: true,
+            read_ms: found.read_ms,
+        })))
     }
 }
 

@@ -424,6 +424,46 @@ impl Router {
         self.inner.gate.as_ref().map(|gate| gate.max_delay())
     }
 
+    /// The runs named by `env_id`'s change records routed after `cursor` (one id per run), for
+    /// a reader that keeps its own copy of runs current (`feeds::window`). `None`: the stream
+    /// cannot vouch for that gap (another subscription epoch, records evicted from the replay
+    /// buffer, replay turned off); the caller must read afresh.
+    pub fn changed_since(&self, env_id: &EnvId, cursor: &ReplayCursor) -> Option<Vec<RunId>> {
+        if self.inner.cfg.replay_window_ms == 0 {
+            return None;
+        }
+        let env = self.inner.env(env_id)?;
+        let state = env.state.lock();
+        let from = state.replay_from(cursor, self.inner.instance, self.inner.hop_margin_ms())?;
+        let ids = match from {
+            ReplayFrom::Seq(seq) => state
+                .buffer
+                .since(seq)
+                .map(|b| b.record.run_id.clone())
+                .collect(),
+            ReplayFrom::Wall(ms) => state
+                .buffer
+                .since_wall(ms)
+                .map(|b| b.record.run_id.clone())
+                .collect(),
+        };
+        Some(ids)
+    }
+
+    /// Whether the records of `env_id` routed after `cursor` can still be replayed (the same
+    /// rule as [`Registration::replay_since`], without replaying anything).
+    pub fn vouches_for(&self, env_id: &EnvId, cursor: &ReplayCursor) -> bool {
+        if self.inner.cfg.replay_window_ms == 0 {
+            return true;
+        }
+        self.inner.env(env_id).is_some_and(|env| {
+            env.state
+                .lock()
+                .replay_from(cursor, self.inner.instance, self.inner.hop_margin_ms())
+                .is_some()
+        })
+    }
+
     /// Router counters.
     pub fn stats(&self) -> &RouterStats {
         &self.inner.stats

@@ -913,6 +913,7 @@ pub struct Observed {
 /// | `runfeed.feeds.cursor_store_ops`, `op`, `result` | `runfeed_feeds_cursor_store_ops_total` | `redis::CursorStats` (only with shared cursors) |
 /// | `runfeed.feeds.concurrency_rejections` | `runfeed_feeds_concurrency_rejections_total` | `feeds::admit::LimiterStats` (429s) |
 /// | `runfeed.feeds.working_set_size` {entry} | `runfeed_feeds_working_set_size` | `Feeds::working_set_size` |
+/// | `runfeed.feeds.window_runs` {run} | `runfeed_feeds_window_runs` | `Feeds::window_runs` |
 /// | `runfeed.runset.admission_in_use` {permit} | `runfeed_runset_admission_in_use` | `Feeds::admission_in_use` |
 /// | `runfeed.feeds.stalled_streams` | `runfeed_feeds_stalled_streams_total` | `http::sse::stalled_streams` (process-wide) |
 /// | `runfeed.http.refused_connections` | `runfeed_http_refused_connections_total` | `http::serve::refused_connections` (process-wide) |
@@ -971,6 +972,15 @@ pub mod observed {
         unit: "{entry}",
         labels: &[],
         description: "Per-connection feed states kept (working sets and replay cursors), including expired but unswept",
+    };
+
+    /// `runfeed.feeds.window_runs` (gauge).
+    pub const FEEDS_WINDOW_RUNS: Observed = Observed {
+        name: "runfeed.feeds.window_runs",
+        kind: ObservedKind::Gauge,
+        unit: "{run}",
+        labels: &[],
+        description: "Runs held by busy environments' windows (feeds.window_after_resolves), from which tag snapshots take their run ids; bounded by feeds.window_max_runs",
     };
 
     /// `runfeed.feeds.cursor_store_ops` (counter).
@@ -1219,12 +1229,13 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 32] = [
+    pub const ALL: [&Observed; 33] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
         &REPLICA_GATE_WAITS,
         &FEEDS_WORKING_SET_SIZE,
+        &FEEDS_WINDOW_RUNS,
         &FEEDS_CURSOR_STORE_OPS,
         &FEEDS_CONCURRENCY_REJECTIONS,
         &RUNSET_ADMISSION_IN_USE,

@@ -2490,6 +2490,180 @@ async fn a_run_that_leaves_the_window_is_not_delivered_by_the_backstop() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Busy environments' windows (feeds.window_after_resolves, docs/operations.md "Windows")
+// ---------------------------------------------------------------------------------------------
+
+/// A server whose environments build their window after two cold tag resolves in a minute and
+/// rebuild it every `full_reread_ms`.
+async fn window_server(full_reread_ms: u64) -> (TestServer, DemoEnv) {
+    TestServer::start_with_env(300, move |c| {
+        c.feeds.window_after_resolves = 2;
+        c.caches.full_reread_ms = full_reread_ms;
+        c.caches.runset_cache_ttl_ms = 1;
+    })
+    .await
+}
+
+/// Runs held by the server's windows (`runfeed_feeds_window_runs`).
+async fn window_runs(srv: &TestServer) -> u64 {
+    let text = srv.scrape_text().await;
+    text.lines()
+        .find_map(|line| line.strip_prefix("runfeed_feeds_window_runs"))
+        .and_then(|rest| rest.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Cold snapshots of `tags` until one carries `run_id`, for at most `within` (`false`: none
+/// did).
+async fn cold_snapshot_carries(
+    srv: &TestServer,
+    headers: &[(String, String)],
+    tags: &str,
+    run_id: &str,
+    within: Duration,
+) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        let r = srv.fetch(&tag_url(tags).snapshot(), headers).await;
+        r.assert_status(200);
+        if r.row(run_id).is_some() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Once an environment has its window, its cold tag snapshots take their runs from it: every
+/// tag (`@>`), newest first, runs older than the maximum age left out, as the store's query
+/// would. A publish that adds a tag to a finished run reaches them through the change record;
+/// a tag added in the store with no publish does not (the window is not the store), until the
+/// window's rebuild (the next test).
+#[tokio::test]
+async fn a_busy_environments_tag_snapshots_come_from_its_window() {
+    let (srv, env) = window_server(600_000).await;
+    let both = srv.tagged_run(&env, &["w", "x"]).await;
+    let w_only = srv.tagged_run(&env, &["w"]).await;
+    let x_only = srv.tagged_run(&env, &["x"]).await;
+    let done = srv
+        .run(
+            &env,
+            RunSpec {
+                status: "COMPLETED_SUCCESSFULLY".into(),
+                // Older than the tail each refresh reads again (30 s).
+                created_at_ms: Some(runfeed::clock::now_ms() - 300_000),
+                ..tagged(&["x"])
+            },
+        )
+        .await;
+    let old = srv
+        .run(
+            &env,
+            RunSpec {
+                created_at_ms: Some(runfeed::clock::now_ms() - 2 * 86_400_000),
+                ..tagged(&["w"])
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    // Two cold resolves: the environment's window is built (the older run left out).
+    for tags in ["w", "x"] {
+        srv.fetch(&tag_url(tags).snapshot(), &h)
+            .await
+            .assert_status(200);
+    }
+    let t = Instant::now();
+    while window_runs(&srv).await != 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the window was never built"
+        );
+    }
+    // Newest first (the order of the store's query), compared as sets: runs made in one
+    // millisecond tie on `createdAt`.
+    let ids = |r: &Resp| {
+        let mut ids = ids_of(r);
+        ids.sort();
+        ids
+    };
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    let w = srv.fetch(&tag_url("w").snapshot(), &h).await;
+    assert_eq!(ids(&w), sorted(vec![w_only.id.clone(), both.id.clone()]));
+    let wx = srv.fetch(&tag_url("w,x").snapshot(), &h).await;
+    assert_eq!(ids(&wx), vec![both.id.clone()]);
+    let x = srv.fetch(&tag_url("x").snapshot(), &h).await;
+    assert_eq!(
+        ids(&x),
+        sorted(vec![done.id.clone(), x_only.id.clone(), both.id.clone()])
+    );
+    assert!(ids(&srv.fetch(&tag_url("nobody").snapshot(), &h).await).is_empty());
+    assert!(w.row(&old.id).is_none());
+
+    // Tagged in the store, never published: the window does not see it.
+    let retag = RunUpdate {
+        tags: Some(vec!["x".into(), "w".into()]),
+        ..RunUpdate::default()
+    };
+    let ms = srv.update(&done.id, retag).await;
+    assert!(
+        !cold_snapshot_carries(&srv, &h, "w", &done.id, Duration::from_secs(2)).await,
+        "a cold snapshot read the store, not the window"
+    );
+    // Published: the window applies the record.
+    srv.publish(&TestServer::record(&env, &done.id, &["x", "w"], None, ms))
+        .await;
+    assert!(
+        cold_snapshot_carries(&srv, &h, "w", &done.id, Duration::from_secs(10)).await,
+        "the published tag never reached a cold snapshot"
+    );
+}
+
+/// A tag added to a finished run with no publish reaches cold snapshots served by a window
+/// once the window is rebuilt (`caches.full_reread_ms`, here 1.5 s ± 25 %), as it reaches a
+/// held feed at its full re-read.
+#[tokio::test]
+async fn a_lost_publish_reaches_window_snapshots_after_the_windows_rebuild() {
+    let (srv, env) = window_server(1_500).await;
+    srv.tagged_run(&env, &["late"]).await;
+    let done = srv
+        .run(
+            &env,
+            RunSpec {
+                status: "COMPLETED_SUCCESSFULLY".into(),
+                // Older than the tail each refresh reads again (30 s).
+                created_at_ms: Some(runfeed::clock::now_ms() - 300_000),
+                ..tagged(&["other"])
+            },
+        )
+        .await;
+    let h = modern(&env.api_key);
+    for tags in ["late", "other"] {
+        srv.fetch(&tag_url(tags).snapshot(), &h)
+            .await
+            .assert_status(200);
+    }
+    let t = Instant::now();
+    while window_runs(&srv).await != 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the window was never built"
+        );
+    }
+    let retag = RunUpdate {
+        tags: Some(vec!["other".into(), "late".into()]),
+        ..RunUpdate::default()
+    };
+    srv.update(&done.id, retag).await; // never published
+    assert!(
+        cold_snapshot_carries(&srv, &h, "late", &done.id, Duration::from_secs(10)).await,
+        "the retagged run never reached a cold snapshot"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // Run lookups cached by their immutable part (idle cost, BENCHMARKS.md)
 // ---------------------------------------------------------------------------------------------
 

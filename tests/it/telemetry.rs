@@ -30,6 +30,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_feeds_state_lookups_total",
     "runfeed_feeds_concurrency_rejections_total",
     "runfeed_feeds_working_set_size",
+    "runfeed_feeds_window_runs",
     "runfeed_feeds_stalled_streams_total",
     // run sets
     "runfeed_runset_resolves_total",
@@ -594,6 +595,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     assert_eq!(s9.get("runfeed_runset_admission_in_use", &[]), 0.0);
     for series in [
         "runfeed_runset_admission_waits_total",
+        "runfeed_feeds_window_runs",
         "runfeed_runset_resolves_total{result=coalesced}",
         "runfeed_router_stale_hydrates_total{outcome=gave_up}",
         "runfeed_router_stale_hydrates_total{outcome=recovered}",

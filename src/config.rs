@@ -180,10 +180,11 @@ pub struct FeedsConfig {
     /// volume"); raise it with the replica's cores.
     pub resolve_admission_per_env: usize,
     /// Cold tag resolves of one environment within a minute that build its window, an in-memory
-    /// index (id, `createdAt`, tags) of its runs of the last `maximum_created_at_filter_age_ms`,
-    /// from which later tag snapshots of the environment take their run ids instead of a set
-    /// query whose cost grows with the table's history (docs/operations.md, "Windows"); 0 = never
-    /// (runfeed; 64). Needs `caches.full_reread_ms` > 0 (a window is rebuilt that often).
+    /// index (id, `createdAt`, tags) of its runs since the oldest floor they asked for (at most
+    /// `maximum_created_at_filter_age_ms` back), from which later tag snapshots of the
+    /// environment take their run ids instead of a set query whose cost grows with the table's
+    /// history (docs/operations.md, "Windows"); 0 = never (runfeed; 64). Needs
+    /// `caches.full_reread_ms` > 0 (a window is rebuilt that often).
     pub window_after_resolves: u32,
     /// Runs all windows of this instance hold at most, about 150 bytes each; a build that would
     /// pass it is not made (runfeed; 2 000 000).

@@ -9,9 +9,11 @@
 //! index to the replica, keeps its own: once an environment takes
 //! `feeds.window_after_resolves` cold tag resolves within a minute, one bounded range read of
 //! the `(runtimeEnvironmentId, createdAt)` index loads the heads (id, `createdAt`, tags) of its
-//! runs of the last `feeds.maximum_created_at_filter_age_ms` (plus the floor's bucket), the
-//! oldest any tag feed can ask for. A tag snapshot then finds its run ids in memory, newest
-//! first, and hydrates only those ([`super::sets::Sets`]).
+//! runs created since the oldest `createdAt` floor those resolves asked for (at most
+//! `feeds.maximum_created_at_filter_age_ms` plus the floor's bucket back). A tag snapshot whose
+//! floor the window reaches then finds its run ids in memory, newest first, and hydrates only
+//! those ([`super::sets::Sets`]); an older floor reads the store, and counts towards the
+//! next rebuild reaching back to it.
 //!
 //! **Kept current** by a task that refreshes the window every [`REFRESH`] while it is in use:
 //! the heads of the runs named by the change records routed since its last refresh (by primary
@@ -105,8 +107,8 @@ struct Inner {
 struct Slot {
     /// The window, once built.
     window: Mutex<Option<Arc<Mutex<Window>>>>,
-    /// Cold tag resolves counted since the instant (a minute at most).
-    demand: Mutex<(Instant, u32)>,
+    /// The cold tag resolves counted within the current minute.
+    demand: Mutex<Demand>,
     /// A build is under way (one per environment at a time).
     building: AtomicBool,
     /// When a tag snapshot last used the window.
@@ -159,11 +161,12 @@ impl Windows {
         let slot = inner
             .slots
             .get_or_insert_with(env_id.clone(), || Arc::new(Slot::new()));
+        let demand = slot.count_demand(floor_ms);
         let window = slot.window.lock().clone();
         let Some(window) = window else {
             let due = Instant::now() >= *slot.retry_at.lock();
-            if slot.count_demand() >= inner.settings.after_resolves && due {
-                inner.start_build(env_id, &slot);
+            if demand >= inner.settings.after_resolves && due {
+                inner.start_build(env_id, &slot, slot.oldest_floor_ms());
             }
             return None;
         };
@@ -186,34 +189,58 @@ impl Slot {
     fn new() -> Slot {
         Slot {
             window: Mutex::new(None),
-            demand: Mutex::new((Instant::now(), 0)),
+            demand: Mutex::new(Demand::new()),
             building: AtomicBool::new(false),
             used: Mutex::new(Instant::now()),
             retry_at: Mutex::new(Instant::now()),
         }
     }
 
-    /// Counts one cold resolve; the count within the current minute.
-    fn count_demand(&self) -> u32 {
+    /// Counts one cold resolve at `floor_ms`; the count within the current minute.
+    fn count_demand(&self, floor_ms: i64) -> u32 {
         let mut demand = self.demand.lock();
-        if demand.0.elapsed() >= Duration::from_secs(60) {
-            *demand = (Instant::now(), 0);
+        if demand.since.elapsed() >= Duration::from_secs(60) {
+            *demand = Demand::new();
         }
-        demand.1 = demand.1.saturating_add(1);
-        demand.1
+        demand.resolves = demand.resolves.saturating_add(1);
+        demand.oldest_floor_ms = demand.oldest_floor_ms.min(floor_ms);
+        demand.resolves
+    }
+
+    /// The oldest floor among the resolves counted within the current minute (epoch ms).
+    fn oldest_floor_ms(&self) -> i64 {
+        self.demand.lock().oldest_floor_ms
+    }
+}
+
+/// Cold tag resolves of an environment since an instant (a minute at most).
+struct Demand {
+    since: Instant,
+    resolves: u32,
+    /// The oldest `createdAt` floor they asked for (epoch ms): a window reaches back that far.
+    oldest_floor_ms: i64,
+}
+
+impl Demand {
+    fn new() -> Demand {
+        Demand {
+            since: Instant::now(),
+            resolves: 0,
+            oldest_floor_ms: i64::MAX,
+        }
     }
 }
 
 impl Inner {
-    /// Starts building `env_id`'s window unless a build is under way; the build's task then
-    /// keeps it current until it is idle.
-    fn start_build(self: &Arc<Self>, env_id: &EnvId, slot: &Arc<Slot>) {
+    /// Starts building `env_id`'s window back to `floor_ms` (at most the span) unless a build
+    /// is under way; the build's task then keeps it current until it is idle.
+    fn start_build(self: &Arc<Self>, env_id: &EnvId, slot: &Arc<Slot>, floor_ms: i64) {
         if slot.building.swap(true, Ordering::AcqRel) {
             return;
         }
         let (inner, env_id, slot) = (self.clone(), env_id.clone(), slot.clone());
         tokio::spawn(async move {
-            let built = inner.build(&env_id).await;
+            let built = inner.build(&env_id, floor_ms).await;
             match built {
                 Ok(Built::Window(window)) => {
                     let window = Arc::new(Mutex::new(window));
@@ -249,7 +276,7 @@ impl Inner {
     /// The range read can take seconds on a large environment, longer than the router buffers
     /// change records for: while it runs, the runs the records name are collected every
     /// [`REFRESH`], then read again with the first refresh.
-    async fn build(&self, env_id: &EnvId) -> Result<Built, ReadError> {
+    async fn build(&self, env_id: &EnvId, floor_ms: i64) -> Result<Built, ReadError> {
         let mut last = self.router.touch(env_id);
         if !self.router.vouches_for(env_id, &last) {
             return Ok(Built::NotNow("the change stream is not confirmed yet"));
@@ -257,8 +284,8 @@ impl Inner {
         if !self.router.settle_replica(env_id).await {
             return Ok(Built::NotNow("the replica is behind"));
         }
-        let started_ms = now_ms();
-        let covered_from_ms = started_ms - self.settings.span_ms - COMMIT_MARGIN_MS;
+        let (started, started_ms) = (Instant::now(), now_ms());
+        let covered_from_ms = floor_ms.max(started_ms - self.settings.span_ms);
         let room = self
             .settings
             .max_runs
@@ -289,10 +316,17 @@ impl Inner {
         if heads.len() > room {
             return Ok(Built::TooLarge);
         }
-        let mut window = Window::new(covered_from_ms, Held::new(self.held.clone()));
-        for head in heads {
-            window.upsert(head);
-        }
+        let read_for = started.elapsed();
+        // Loading a million runs takes a few hundred ms of CPU: off the async workers.
+        let held = Held::new(self.held.clone());
+        let load = tokio::task::spawn_blocking(move || {
+            let mut window = Window::new(covered_from_ms, held);
+            window.load(heads);
+            window
+        });
+        let Ok(mut window) = load.await else {
+            return Ok(Built::NotNow("loading the window panicked"));
+        };
         window.cursor = last;
         window.read_start_ms = started_ms;
         let window = Mutex::new(window);
@@ -301,7 +335,13 @@ impl Inner {
             return Ok(Built::NotNow(why));
         }
         let window = window.into_inner();
-        tracing::info!(%env_id, runs = window.runs.len(), "environment's window built");
+        tracing::info!(
+            %env_id,
+            runs = window.runs.len(),
+            read_ms = read_for.as_millis() as u64,
+            built_ms = started.elapsed().as_millis() as u64,
+            "environment's window built"
+        );
         Ok(Built::Window(window))
     }
 
@@ -328,7 +368,12 @@ impl Inner {
                 // The new build replaces this window when it is ready; until then this one
                 // keeps serving, brought current below. Refused, it is tried again a period
                 // later.
-                self.start_build(env_id, slot);
+                // It reaches back to the oldest floor asked for within the last minute.
+                let floor = match slot.oldest_floor_ms() {
+                    i64::MAX => window.lock().covered_from_ms,
+                    floor => floor,
+                };
+                self.start_build(env_id, slot, floor);
                 rebuild_at += self.settings.rebuild;
             }
             match self.refresh(env_id, &window, Vec::new()).await {
@@ -345,15 +390,19 @@ impl Inner {
                 .as_ref()
                 .is_some_and(|w| Arc::ptr_eq(w, &window));
             if replaced {
-                return;
+                break "replaced by a rebuild";
             }
         };
         // Dropped: tag snapshots read the store until a new build.
         tracing::info!(%env_id, why, "environment's window dropped");
-        let mut current = slot.window.lock();
-        if current.as_ref().is_some_and(|w| Arc::ptr_eq(w, &window)) {
-            *current = None;
+        {
+            let mut current = slot.window.lock();
+            if current.as_ref().is_some_and(|w| Arc::ptr_eq(w, &window)) {
+                *current = None;
+            }
         }
+        // Freeing a million runs takes a while too: off the async workers.
+        tokio::task::spawn_blocking(move || drop(window));
     }
 
     /// Brings `window` current: the runs named by the records routed since its last refresh
@@ -513,14 +562,50 @@ impl Window {
         id
     }
 
+    /// Loads `heads` into an empty window: each posting sorted once, not kept sorted run by run
+    /// (a read returns a million runs newest first).
+    fn load(&mut self, heads: Vec<RunMeta>) {
+        self.runs.reserve(heads.len());
+        for head in heads {
+            if head.created_at_ms < self.covered_from_ms || self.runs.contains_key(&head.id) {
+                continue;
+            }
+            let tags = self.tag_ids_of(&head.tags);
+            for tag in &tags {
+                self.postings
+                    .entry(*tag)
+                    .or_default()
+                    .push((head.created_at_ms, head.id.clone()));
+            }
+            self.runs.insert(
+                head.id,
+                Entry {
+                    created_at_ms: head.created_at_ms,
+                    tags,
+                },
+            );
+        }
+        for posting in self.postings.values_mut() {
+            posting.sort_unstable();
+            posting.shrink_to_fit();
+        }
+        self.held.set(self.runs.len());
+    }
+
+    /// The ids of `tags`, sorted, without repeats.
+    fn tag_ids_of(&mut self, tags: &[String]) -> Box<[u32]> {
+        let mut ids: Vec<u32> = tags.iter().map(|t| self.tag_id(t)).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_boxed_slice()
+    }
+
     /// Adds `head`, or updates its tags; a run created before the window is left out.
     fn upsert(&mut self, head: RunMeta) {
         if head.created_at_ms < self.covered_from_ms {
             return;
         }
-        let mut tags: Vec<u32> = head.tags.iter().map(|t| self.tag_id(t)).collect();
-        tags.sort_unstable();
-        tags.dedup();
+        let tags = self.tag_ids_of(&head.tags);
         if let Some(entry) = self.runs.get(&head.id) {
             if *entry.tags == *tags && entry.created_at_ms == head.created_at_ms {
                 return;
@@ -537,7 +622,7 @@ impl Window {
             head.id,
             Entry {
                 created_at_ms: head.created_at_ms,
-                tags: tags.into_boxed_slice(),
+                tags,
             },
         );
         self.held.set(self.runs.len());
@@ -607,13 +692,23 @@ mod tests {
         }
     }
 
-    fn window(heads: Vec<RunMeta>) -> (Window, Arc<AtomicUsize>) {
+    /// A window of `heads`, loaded as a build loads it (`load`) or run by run as refreshes
+    /// add them (`upsert`).
+    fn window_by(heads: Vec<RunMeta>, bulk: bool) -> (Window, Arc<AtomicUsize>) {
         let total = Arc::new(AtomicUsize::new(0));
         let mut w = Window::new(100, Held::new(total.clone()));
-        for h in heads {
-            w.upsert(h);
+        if bulk {
+            w.load(heads);
+        } else {
+            for h in heads {
+                w.upsert(h);
+            }
         }
         (w, total)
+    }
+
+    fn window(heads: Vec<RunMeta>) -> (Window, Arc<AtomicUsize>) {
+        window_by(heads, true)
     }
 
     fn ids(found: Vec<RunId>) -> Vec<String> {
@@ -625,17 +720,26 @@ mod tests {
     }
 
     /// As the store's tag query: every tag (`@>`), at or above the floor, newest first (ties
-    /// by id, descending), capped.
+    /// by id, descending), capped; whether the runs were loaded at once or one by one.
     #[test]
     fn a_window_finds_runs_with_every_tag_above_the_floor_newest_first() {
-        let (w, _) = window(vec![
-            head("a", 200, &["x", "y"]),
-            head("b", 300, &["x"]),
-            head("c", 300, &["y", "x"]),
-            head("d", 400, &["y"]),
-            head("e", 150, &["x", "y"]),
-            head("old", 50, &["x", "y"]),
-        ]);
+        for bulk in [true, false] {
+            finds_runs_with_every_tag(bulk);
+        }
+    }
+
+    fn finds_runs_with_every_tag(bulk: bool) {
+        let (w, _) = window_by(
+            vec![
+                head("a", 200, &["x", "y"]),
+                head("b", 300, &["x"]),
+                head("c", 300, &["y", "x"]),
+                head("d", 400, &["y"]),
+                head("e", 150, &["x", "y"]),
+                head("old", 50, &["x", "y"]),
+            ],
+            bulk,
+        );
         assert_eq!(ids(w.find(&tags(&["x", "y"]), 0, 10)), ["c", "a", "e"]);
         assert_eq!(ids(w.find(&tags(&["x"]), 200, 10)), ["c", "b", "a"]);
         assert_eq!(ids(w.find(&tags(&["x"]), 0, 2)), ["c", "b"]);

@@ -20,7 +20,7 @@ use sqlx::Row;
 use super::gen::{GenMeta, ENV_SLUG_PREFIX};
 use super::*;
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub(crate) struct VolumeArgs {
     #[command(flatten)]
     common: Common,
@@ -66,6 +66,15 @@ pub(crate) struct VolumeArgs {
     /// The `LIMIT` of the explained set queries.
     #[arg(long, default_value_t = 1000)]
     set_limit: i64,
+    /// After the cold stampede, a second one of this many other filters (drawn with the next
+    /// seed, the first stampede's left out), once the busy environment's window
+    /// (`feeds.window_after_resolves`) has had `--warm-after-ms` to be built: what a cold
+    /// snapshot costs while the environment is busy. 0: none.
+    #[arg(long, default_value_t = 0)]
+    warm_k: usize,
+    /// Wait before the second stampede (ms).
+    #[arg(long, default_value_t = 10_000)]
+    warm_after_ms: u64,
 }
 
 /// Bands of tags by the share of the window's runs they match.
@@ -370,6 +379,52 @@ impl Volume {
         }
         c
     }
+}
+
+/// A second stampede of `feeds` (cold snapshots of filters not read before), its figures
+/// labelled `warm: …`.
+async fn warm_stampede(v: &Volume, busy: &Arc<DemoEnv>, feeds: &[Feed]) -> Vec<(String, Value)> {
+    let b = &v.b;
+    let c0 = v.counters().await;
+    let cpu = PgCpu::start(v).await;
+    let started = Instant::now();
+    let tasks: Vec<_> = feeds
+        .iter()
+        .map(|feed| {
+            let (b, env, feed) = (b.clone(), busy.clone(), feed.clone());
+            tokio::spawn(async move {
+                let token = Bench::token(&env, &feed);
+                let r = b.snapshot_lean(&token, &feed).await;
+                (r.ok().map(|(r, _)| r.status), Instant::now())
+            })
+        })
+        .collect();
+    let (mut lat, mut failed) = (Vec::new(), 0usize);
+    for t in tasks {
+        match t.await {
+            Ok((Some(200), at)) => lat.push(ms(at.duration_since(started))),
+            _ => failed += 1,
+        }
+    }
+    let pg_cpu = cpu.finish().await;
+    let c1 = v.counters().await;
+    lat.sort_by(f64::total_cmp);
+    let mut rows = vec![
+        ("warm: snapshots".to_string(), json!(feeds.len())),
+        (
+            "warm: time to the last snapshot (ms)".into(),
+            json!(lat.last().copied().unwrap_or(0.0)),
+        ),
+        ("warm: snapshot p50 (ms)".into(), json!(pct(&lat, 50.0))),
+        ("warm: snapshot p99 (ms)".into(), json!(pct(&lat, 99.0))),
+        ("warm: snapshots not 200".into(), json!(failed)),
+        (
+            "warm: postgres CPU per snapshot, runfeed backends (ms)".into(),
+            opt(pg_cpu.0.map(|s| s * 1000.0 / feeds.len().max(1) as f64)),
+        ),
+    ];
+    rows.extend(phase_rows("warm", &c0, &c1, pg_cpu, false));
+    rows
 }
 
 /// The figures of a phase between `c0` and `c1`: totals (`per_s` false, a stampede) or rates
@@ -1079,6 +1134,38 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
         ),
     ]);
     rows.extend(phase_rows("cold", &c0, &c1, pg_cpu, false));
+    if a.warm_k > 0 {
+        tokio::time::sleep(Duration::from_millis(a.warm_after_ms)).await;
+        let first: std::collections::HashSet<&Vec<String>> =
+            filters.iter().map(|f| &f.tags).collect();
+        let second = VolumeArgs {
+            seed: a.seed + 1,
+            k: a.warm_k + a.k,
+            ..a.clone()
+        };
+        let warm: Vec<Feed> = pick_filters(&second, &counts)
+            .into_iter()
+            .filter(|f| !first.contains(&f.tags))
+            .take(a.warm_k)
+            .map(|f| Feed::Tags {
+                tags: f.tags,
+                created_at: Some(window.clone()),
+            })
+            .collect();
+        rows.extend(warm_stampede(&v, &busy, &warm).await);
+    }
+    // What the busy environment's window (feeds.window_after_resolves) holds, and the process.
+    rows.push((
+        "cold: runs held by windows after".into(),
+        opt(b.metric("runfeed_feeds_window_runs").await),
+    ));
+    rows.push((
+        "cold: runfeed RSS after (MiB)".into(),
+        opt(b
+            .metric("runfeed_process_resident_memory_bytes")
+            .await
+            .map(|v| v / 1_048_576.0)),
+    ));
     rows.push(("probe: rounds".into(), json!(rounds)));
     let [other, run, batch] = &mut probed;
     rows.extend(other.rows("other environment's tag"));

@@ -410,8 +410,8 @@ impl Sets {
         // A tag resolve first takes a permit of its environment's share: one environment's tag
         // stampede cannot hold the whole gate (run and batch reads, by primary key and by the
         // batch index, take only the gate).
-        let _share = match (&self.env_shares, target) {
-            (Some(shares), Target::Tag { .. }) => Some(shares.acquire(env_id).await),
+        let mut share = match (&self.env_shares, target) {
+            (Some(shares), Target::Tag { .. }) => shares.acquire(env_id).await,
             _ => None,
         };
         // Every cold resolve takes a permit, a run feed's too: after a reconnect storm the
@@ -425,7 +425,10 @@ impl Sets {
         }
         let query_started = Instant::now();
         if let Target::Tag { tags, floor_ms } = target {
-            if let Some(set) = self.read_window(env_id, tags, *floor_ms, cols).await? {
+            if let Some(set) = self
+                .read_window(env_id, tags, *floor_ms, cols, &mut share)
+                .await?
+            {
                 self.metrics
                     .run_set_query(target_kind(target), true, query_started.elapsed());
                 if let Some(views) = &self.views {
@@ -483,18 +486,20 @@ impl Sets {
     /// A tag set read through `env_id`'s window: the run ids from memory, their rows by
     /// primary key. `None`: the environment has no window reaching back to `floor_ms` (the
     /// caller runs the set query), or a run the window named no longer matches and the list
-    /// may be short (the same).
+    /// may be short (the same). A window build this call starts takes its `share` of the
+    /// environment's admission ([`Windows::find`]).
     async fn read_window(
         &self,
         env_id: &EnvId,
         tags: &Arc<[String]>,
         floor_ms: i64,
         cols: ColumnSet,
+        share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<Option<Arc<RunSet>>, ReadError> {
         let Some(found) = self
             .windows
             .as_ref()
-            .and_then(|w| w.find(env_id, tags, floor_ms, self.cap))
+            .and_then(|w| w.find(env_id, tags, floor_ms, self.cap, share))
         else {
             return Ok(None);
         };

@@ -36,6 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand::Rng;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -147,12 +148,17 @@ impl Windows {
     /// `floor_ms`, newest first, at most `limit`, from the environment's window. Counts a cold
     /// resolve towards building the window. `None`: the environment has no window (yet), or
     /// its window does not reach back to `floor_ms`; the caller reads the store.
+    ///
+    /// A build started here takes the caller's `share` of the environment's admission
+    /// (`feeds.resolve_admission_per_env`) until its read is done: the environment's claim on
+    /// the replica stays within its share while the window is read.
     pub fn find(
         &self,
         env_id: &EnvId,
         tags: &[String],
         floor_ms: i64,
         limit: usize,
+        share: &mut Option<OwnedSemaphorePermit>,
     ) -> Option<Found> {
         let inner = &self.inner;
         if inner.settings.after_resolves == 0 || tags.is_empty() {
@@ -166,7 +172,7 @@ impl Windows {
         let Some(window) = window else {
             let due = Instant::now() >= *slot.retry_at.lock();
             if demand >= inner.settings.after_resolves && due {
-                inner.start_build(env_id, &slot, slot.oldest_floor_ms());
+                inner.start_build(env_id, &slot, slot.oldest_floor_ms(), share.take());
             }
             return None;
         };
@@ -234,13 +240,20 @@ impl Demand {
 impl Inner {
     /// Starts building `env_id`'s window back to `floor_ms` (at most the span) unless a build
     /// is under way; the build's task then keeps it current until it is idle.
-    fn start_build(self: &Arc<Self>, env_id: &EnvId, slot: &Arc<Slot>, floor_ms: i64) {
+    fn start_build(
+        self: &Arc<Self>,
+        env_id: &EnvId,
+        slot: &Arc<Slot>,
+        floor_ms: i64,
+        share: Option<OwnedSemaphorePermit>,
+    ) {
         if slot.building.swap(true, Ordering::AcqRel) {
             return;
         }
         let (inner, env_id, slot) = (self.clone(), env_id.clone(), slot.clone());
         tokio::spawn(async move {
             let built = inner.build(&env_id, floor_ms).await;
+            drop(share);
             match built {
                 Ok(Built::Window(window)) => {
                     let window = Arc::new(Mutex::new(window));
@@ -290,42 +303,47 @@ impl Inner {
             .settings
             .max_runs
             .saturating_sub(self.held.load(Ordering::Relaxed));
-        let scope = HeadScope::CreatedSince {
-            from_ms: covered_from_ms,
-            limit: room.saturating_add(1),
-        };
-        let read = self.read_heads(env_id, scope);
-        tokio::pin!(read);
+        // Streamed into the window as the rows arrive: a million heads are never a list.
+        let mut window = Window::new(covered_from_ms, Held::new(self.held.clone()));
         let mut changed: HashSet<RunId> = HashSet::new();
-        let heads = loop {
-            tokio::select! {
-                heads = &mut read => break heads?,
-                () = tokio::time::sleep(REFRESH) => {
-                    let now = self.router.touch(env_id);
-                    let Some(ids) = self.router.changed_since(env_id, &last) else {
-                        return Ok(Built::NotNow("the change stream had a gap during the read"));
-                    };
-                    changed.extend(ids);
-                    last = now;
+        let read = {
+            let mut visit = |head: RunMeta| window.add(head);
+            let read = self.store.visit_heads_since(
+                env_id,
+                covered_from_ms,
+                room.saturating_add(1),
+                &mut visit,
+            );
+            tokio::pin!(read);
+            loop {
+                tokio::select! {
+                    read = &mut read => break read,
+                    () = tokio::time::sleep(REFRESH) => {
+                        let now = self.router.touch(env_id);
+                        let Some(ids) = self.router.changed_since(env_id, &last) else {
+                            return Ok(Built::NotNow("the change stream had a gap during the read"));
+                        };
+                        changed.extend(ids);
+                        last = now;
+                    }
                 }
             }
         };
-        let Some(heads) = heads else {
+        if !read.map_err(|e| ReadError::Store(Arc::new(e)))? {
             return Ok(Built::NotNow("the store reads no heads"));
-        };
-        if heads.len() > room {
+        }
+        if window.runs.len() > room {
+            tokio::task::spawn_blocking(move || drop(window));
             return Ok(Built::TooLarge);
         }
         let read_for = started.elapsed();
-        // Loading a million runs takes a few hundred ms of CPU: off the async workers.
-        let held = Held::new(self.held.clone());
-        let load = tokio::task::spawn_blocking(move || {
-            let mut window = Window::new(covered_from_ms, held);
-            window.load(heads);
+        // Sorting a million postings takes a while: off the async workers.
+        let sort = tokio::task::spawn_blocking(move || {
+            window.sort_postings();
             window
         });
-        let Ok(mut window) = load.await else {
-            return Ok(Built::NotNow("loading the window panicked"));
+        let Ok(mut window) = sort.await else {
+            return Ok(Built::NotNow("sorting the window panicked"));
         };
         window.cursor = last;
         window.read_start_ms = started_ms;
@@ -373,7 +391,7 @@ impl Inner {
                     i64::MAX => window.lock().covered_from_ms,
                     floor => floor,
                 };
-                self.start_build(env_id, slot, floor);
+                self.start_build(env_id, slot, floor, None);
                 rebuild_at += self.settings.rebuild;
             }
             match self.refresh(env_id, &window, Vec::new()).await {
@@ -562,29 +580,31 @@ impl Window {
         id
     }
 
-    /// Loads `heads` into an empty window: each posting sorted once, not kept sorted run by run
-    /// (a read returns a million runs newest first).
-    fn load(&mut self, heads: Vec<RunMeta>) {
-        self.runs.reserve(heads.len());
-        for head in heads {
-            if head.created_at_ms < self.covered_from_ms || self.runs.contains_key(&head.id) {
-                continue;
-            }
-            let tags = self.tag_ids_of(&head.tags);
-            for tag in &tags {
-                self.postings
-                    .entry(*tag)
-                    .or_default()
-                    .push((head.created_at_ms, head.id.clone()));
-            }
-            self.runs.insert(
-                head.id,
-                Entry {
-                    created_at_ms: head.created_at_ms,
-                    tags,
-                },
-            );
+    /// Adds `head` to a window being loaded (a build): its postings are sorted once, by
+    /// [`Window::sort_postings`], not kept sorted run by run (a read returns a million runs
+    /// newest first).
+    fn add(&mut self, head: RunMeta) {
+        if head.created_at_ms < self.covered_from_ms || self.runs.contains_key(&head.id) {
+            return;
         }
+        let tags = self.tag_ids_of(&head.tags);
+        for tag in &tags {
+            self.postings
+                .entry(*tag)
+                .or_default()
+                .push((head.created_at_ms, head.id.clone()));
+        }
+        self.runs.insert(
+            head.id,
+            Entry {
+                created_at_ms: head.created_at_ms,
+                tags,
+            },
+        );
+    }
+
+    /// Ends a load: every posting sorted, the runs counted.
+    fn sort_postings(&mut self) {
         for posting in self.postings.values_mut() {
             posting.sort_unstable();
             posting.shrink_to_fit();
@@ -692,13 +712,14 @@ mod tests {
         }
     }
 
-    /// A window of `heads`, loaded as a build loads it (`load`) or run by run as refreshes
+    /// A window of `heads`, loaded as a build loads it (`add`, then `sort_postings`) or run by run as refreshes
     /// add them (`upsert`).
     fn window_by(heads: Vec<RunMeta>, bulk: bool) -> (Window, Arc<AtomicUsize>) {
         let total = Arc::new(AtomicUsize::new(0));
         let mut w = Window::new(100, Held::new(total.clone()));
         if bulk {
-            w.load(heads);
+            heads.into_iter().for_each(|h| w.add(h));
+            w.sort_postings();
         } else {
             for h in heads {
                 w.upsert(h);

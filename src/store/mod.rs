@@ -164,25 +164,6 @@ pub trait RunStore: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// Hands `visit` the heads of `env_id`'s runs created at or after `from_ms`, newest first, at
-    /// most `limit`, as the replica returns them, without keeping a list of them (a window's
-    /// build reads a million). `Ok(false)`: this store cannot read heads (the default, through
-    /// [`RunStore::run_heads`], does keep the list).
-    async fn visit_heads_since(
-        &self,
-        env_id: &EnvId,
-        from_ms: i64,
-        limit: usize,
-        visit: &mut (dyn FnMut(RunMeta) + Send),
-    ) -> Result<bool, StoreError> {
-        let scope = HeadScope::CreatedSince { from_ms, limit };
-        let Some(heads) = self.run_heads(env_id, scope).await? else {
-            return Ok(false);
-        };
-        heads.into_iter().for_each(visit);
-        Ok(true)
-    }
-
     /// The run named by a friendly id in `env_id`: replica, then primary on a miss.
     async fn find_run(
         &self,

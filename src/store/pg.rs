@@ -667,30 +667,6 @@ impl RunStore for PgStore {
             .map_err(store_err("run_heads"))
     }
 
-    async fn visit_heads_since(
-        &self,
-        env_id: &EnvId,
-        from_ms: i64,
-        n: usize,
-        visit: &mut (dyn FnMut(RunMeta) + Send),
-    ) -> Result<bool, StoreError> {
-        use futures::TryStreamExt;
-        const OP: &str = "visit_heads_since";
-        self.count();
-        // Streamed: not retried on the primary after a recovery conflict (what was visited
-        // stays visited); the caller tries again later.
-        let mut conn = self.acquire_on(self.read_pool(), OP).await?;
-        let mut rows = sqlx::query(HEADS_CREATED_SINCE)
-            .bind(env_id)
-            .bind(ms_to_ts(from_ms))
-            .bind(limit(n))
-            .fetch(&mut *conn);
-        while let Some(row) = rows.try_next().await.map_err(store_err(OP))? {
-            visit(decode_head(&row).map_err(store_err(OP))?);
-        }
-        Ok(true)
-    }
-
     async fn find_run(
         &self,
         env_id: &EnvId,

@@ -307,12 +307,20 @@ impl Inner {
             from_ms: covered_from_ms,
             limit: room.saturating_add(1),
         };
-        let read = self.read_heads(env_id, scope);
-        tokio::pin!(read);
+        // A million rows take seconds of CPU to receive and decode: on a blocking thread, so
+        // the async workers keep answering polls meanwhile.
+        let (store, env) = (self.store.clone(), env_id.clone());
+        let runtime = tokio::runtime::Handle::current();
+        let mut read = tokio::task::spawn_blocking(move || {
+            runtime.block_on(async move { store.run_heads(&env, scope).await })
+        });
         let mut changed: HashSet<RunId> = HashSet::new();
         let heads = loop {
             tokio::select! {
-                heads = &mut read => break heads?,
+                heads = &mut read => match heads {
+                    Ok(heads) => break heads.map_err(|e| ReadError::Store(Arc::new(e)))?,
+                    Err(_) => return Ok(Built::NotNow("the read panicked")),
+                },
                 () = tokio::time::sleep(REFRESH) => {
                     let now = self.router.touch(env_id);
                     let Some(ids) = self.router.changed_since(env_id, &last) else {

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::backstop::{BackstopSettings, Backstops, Current};
 use super::diff::Known;
 use super::read::{ReadError, RunSet, Target};
-use super::window::{WindowSettings, Windows};
+use super::window::{MayBuild, WindowSettings, Windows};
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
@@ -487,7 +487,8 @@ impl Sets {
     /// primary key. `None`: the environment has no window reaching back to `floor_ms` (the
     /// caller runs the set query), or a run the window named no longer matches and the list
     /// may be short (the same). A window build this call starts takes its `share` of the
-    /// environment's admission ([`Windows::find`]).
+    /// environment's admission, and none starts while the environment's resolves queue
+    /// ([`MayBuild`]).
     async fn read_window(
         &self,
         env_id: &EnvId,
@@ -496,10 +497,20 @@ impl Sets {
         cols: ColumnSet,
         share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<Option<Arc<RunSet>>, ReadError> {
+        // Another of the environment's tag resolves waits for a permit: a stampede.
+        let queued = self
+            .env_shares
+            .as_ref()
+            .is_some_and(|shares| share.is_some() && shares.queued(env_id));
+        let build = if queued {
+            MayBuild::NotNow
+        } else {
+            MayBuild::Yes(share)
+        };
         let Some(found) = self
             .windows
             .as_ref()
-            .and_then(|w| w.find(env_id, tags, floor_ms, self.cap, share))
+            .and_then(|w| w.find(env_id, tags, floor_ms, self.cap, build))
         else {
             return Ok(None);
         };
@@ -545,6 +556,14 @@ impl EnvShares {
             per_env,
             shares: TtlCache::idle(100_000, Duration::from_secs(60)),
         }
+    }
+
+    /// Whether `env_id`'s tag resolves hold every permit of its share, so that the next one
+    /// waits (called by a holder of one).
+    fn queued(&self, env_id: &EnvId) -> bool {
+        self.shares
+            .get(env_id)
+            .is_some_and(|share| share.available_permits() == 0)
     }
 
     /// A permit of `env_id`'s share (waits while the environment holds all of its share).
@@ -656,5 +675,20 @@ mod tests {
         );
         drop(held);
         assert!(shares.acquire(&a).now_or_never().flatten().is_some());
+    }
+
+    /// An environment whose tag resolves hold its whole share is in a stampede (no window build
+    /// starts then); one permit free, it is not.
+    #[tokio::test]
+    async fn an_environment_holding_its_whole_share_counts_as_queued() {
+        let shares = EnvShares::new(2);
+        let a = EnvId::new("env_a");
+        let first = shares.acquire(&a).await;
+        assert!(!shares.queued(&a));
+        let second = shares.acquire(&a).await;
+        assert!(shares.queued(&a));
+        drop(second);
+        assert!(!shares.queued(&a));
+        drop(first);
     }
 }

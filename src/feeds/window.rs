@@ -74,6 +74,19 @@ pub struct WindowSettings {
     pub rebuild: Duration,
 }
 
+/// Whether a cold resolve may start its environment's window build.
+pub enum MayBuild<'a> {
+    /// The environment's tag resolves hold every permit of its share of the admission gate (a
+    /// stampede under way): not now. A build is a read of every run of the window (seconds of
+    /// a replica core for a million runs); during a stampede it would slow every other feed's
+    /// snapshot, and could help only the stampede's last few. It starts once the queue drains.
+    NotNow,
+    /// The queue is empty: a build started takes this permit of the environment's share
+    /// (`feeds.resolve_admission_per_env`) until its read is done, so the environment's claim
+    /// on the replica stays within its share.
+    Yes(&'a mut Option<OwnedSemaphorePermit>),
+}
+
 /// What a window answered for a tag filter.
 #[derive(Debug)]
 pub struct Found {
@@ -149,16 +162,14 @@ impl Windows {
     /// resolve towards building the window. `None`: the environment has no window (yet), or
     /// its window does not reach back to `floor_ms`; the caller reads the store.
     ///
-    /// A build started here takes the caller's `share` of the environment's admission
-    /// (`feeds.resolve_admission_per_env`) until its read is done: the environment's claim on
-    /// the replica stays within its share while the window is read.
+    /// A build starts only when `build` allows it ([`MayBuild`]).
     pub fn find(
         &self,
         env_id: &EnvId,
         tags: &[String],
         floor_ms: i64,
         limit: usize,
-        share: &mut Option<OwnedSemaphorePermit>,
+        build: MayBuild<'_>,
     ) -> Option<Found> {
         let inner = &self.inner;
         if inner.settings.after_resolves == 0 || tags.is_empty() {
@@ -171,7 +182,9 @@ impl Windows {
         let window = slot.window.lock().clone();
         let Some(window) = window else {
             let due = Instant::now() >= *slot.retry_at.lock();
-            if demand >= inner.settings.after_resolves && due {
+            if let (true, MayBuild::Yes(share)) =
+                (demand >= inner.settings.after_resolves && due, build)
+            {
                 inner.start_build(env_id, &slot, slot.oldest_floor_ms(), share.take());
             }
             return None;

@@ -186,8 +186,8 @@ pub struct FeedsConfig {
     /// history (docs/operations.md, "Windows"); 0 = never (runfeed; 64). Needs
     /// `caches.full_reread_ms` > 0 (a window is rebuilt that often).
     pub window_after_resolves: u32,
-    /// Runs all windows of this instance hold at most, about 150 bytes each; a build that would
-    /// pass it is not made (runfeed; 2 000 000).
+    /// Runs all windows of this instance hold at most, about 250 bytes of resident memory each
+    /// (BENCHMARKS.md); a build that would pass it is not made (runfeed; 2 000 000).
     pub window_max_runs: u64,
     /// Live polls per environment (`DEFAULT_CONCURRENCY_LIMIT`, 100 000).
     pub default_concurrency_limit: u64,

@@ -464,6 +464,9 @@ impl Sets {
         .map_err(|e| ReadError::Store(Arc::new(e)))?;
         self.metrics
             .run_set_query(target_kind(target), true, query_started.elapsed());
+        if let (Some(windows), Target::Tag { .. }) = (&self.windows, target) {
+            windows.resolved(env_id, self.may_build(env_id, &mut share));
+        }
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
             tracing::warn!(%env_id, cap = self.cap, "run set truncated at the list cap");
         }
@@ -483,6 +486,24 @@ impl Sets {
 }
 
 impl Sets {
+    /// Whether a resolve holding `share` may start `env_id`'s window build now: not while the
+    /// environment's tag resolves hold its whole share (a stampede).
+    fn may_build<'a>(
+        &self,
+        env_id: &EnvId,
+        share: &'a mut Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> MayBuild<'a> {
+        let queued = self
+            .env_shares
+            .as_ref()
+            .is_some_and(|shares| share.is_some() && shares.queued(env_id));
+        if queued {
+            MayBuild::NotNow
+        } else {
+            MayBuild::Yes(share)
+        }
+    }
+
     /// A tag set read through `env_id`'s window: the run ids from memory, their rows by
     /// primary key. `None`: the environment has no window reaching back to `floor_ms` (the
     /// caller runs the set query), or a run the window named no longer matches and the list
@@ -497,16 +518,7 @@ impl Sets {
         cols: ColumnSet,
         share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<Option<Arc<RunSet>>, ReadError> {
-        // Another of the environment's tag resolves waits for a permit: a stampede.
-        let queued = self
-            .env_shares
-            .as_ref()
-            .is_some_and(|shares| share.is_some() && shares.queued(env_id));
-        let build = if queued {
-            MayBuild::NotNow
-        } else {
-            MayBuild::Yes(share)
-        };
+        let build = self.may_build(env_id, share);
         let Some(found) = self
             .windows
             .as_ref()

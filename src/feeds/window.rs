@@ -204,6 +204,29 @@ impl Windows {
     }
 }
 
+impl Windows {
+    /// After a cold tag resolve of `env_id` read the store: starts the environment's build when
+    /// it has the demand for one and `build` allows it now. A stampede's resolves hold the
+    /// environment's whole share until its last ones, so its window is built as it drains.
+    pub fn resolved(&self, env_id: &EnvId, build: MayBuild<'_>) {
+        let inner = &self.inner;
+        let MayBuild::Yes(share) = build else {
+            return;
+        };
+        if inner.settings.after_resolves == 0 {
+            return;
+        }
+        let Some(slot) = inner.slots.get(env_id) else {
+            return;
+        };
+        let demanded = slot.demand.lock().resolves >= inner.settings.after_resolves;
+        let due = Instant::now() >= *slot.retry_at.lock();
+        if demanded && due && slot.window.lock().is_none() {
+            inner.start_build(env_id, &slot, slot.oldest_floor_ms(), share.take());
+        }
+    }
+}
+
 impl Slot {
     fn new() -> Slot {
         Slot {
@@ -560,8 +583,9 @@ struct Entry {
     tags: Box<[u32]>,
 }
 
-/// An environment's runs created at or after `covered_from_ms`, by tag. About 150 bytes per
-/// run (its id shared by the map and its postings).
+/// An environment's runs created at or after `covered_from_ms`, by tag (each id shared by the
+/// map and its postings). About 250 bytes of resident memory per run, measured with the build's
+/// read (BENCHMARKS.md).
 #[derive(Debug)]
 struct Window {
     runs: HashMap<RunId, Entry>,

@@ -1156,11 +1156,11 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     }
     // What the busy environment's window (feeds.window_after_resolves) holds, and the process.
     rows.push((
-        "cold: runs held by windows after".into(),
+        "windows: runs held after the stampedes".into(),
         opt(b.metric("runfeed_feeds_window_runs").await),
     ));
     rows.push((
-        "cold: runfeed RSS after (MiB)".into(),
+        "windows: runfeed RSS after the stampedes (MiB)".into(),
         opt(b
             .metric("runfeed_process_resident_memory_bytes")
             .await

@@ -2514,6 +2514,23 @@ async fn window_runs(srv: &TestServer) -> u64 {
         .unwrap_or(0)
 }
 
+/// Two cold tag resolves (`window_server` builds the environment's window after two), then
+/// waits until the window holds `runs` runs.
+async fn build_window(srv: &TestServer, h: &[(String, String)], tags: [&str; 2], runs: u64) {
+    for tags in tags {
+        srv.fetch(&tag_url(tags).snapshot(), h)
+            .await
+            .assert_status(200);
+    }
+    let t = Instant::now();
+    while window_runs(srv).await != runs {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the window was never built"
+        );
+    }
+}
+
 /// Cold snapshots of `tags` until one carries `run_id`, for at most `within` (`false`: none
 /// did).
 async fn cold_snapshot_carries(
@@ -2566,19 +2583,8 @@ async fn a_busy_environments_tag_snapshots_come_from_its_window() {
         )
         .await;
     let h = modern(&env.api_key);
-    // Two cold resolves: the environment's window is built (the older run left out).
-    for tags in ["w", "x"] {
-        srv.fetch(&tag_url(tags).snapshot(), &h)
-            .await
-            .assert_status(200);
-    }
-    let t = Instant::now();
-    while window_runs(&srv).await != 4 {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the window was never built"
-        );
-    }
+    // The older run left out.
+    build_window(&srv, &h, ["w", "x"], 4).await;
     // Newest first (the order of the store's query), compared as sets: runs made in one
     // millisecond tie on `createdAt`.
     let ids = |r: &Resp| {
@@ -2640,18 +2646,7 @@ async fn a_lost_publish_reaches_window_snapshots_after_the_windows_rebuild() {
         )
         .await;
     let h = modern(&env.api_key);
-    for tags in ["late", "other"] {
-        srv.fetch(&tag_url(tags).snapshot(), &h)
-            .await
-            .assert_status(200);
-    }
-    let t = Instant::now();
-    while window_runs(&srv).await != 2 {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the window was never built"
-        );
-    }
+    build_window(&srv, &h, ["late", "other"], 2).await;
     let retag = RunUpdate {
         tags: Some(vec!["other".into(), "late".into()]),
         ..RunUpdate::default()

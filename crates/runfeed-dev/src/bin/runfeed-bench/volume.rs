@@ -381,6 +381,26 @@ impl Volume {
     }
 }
 
+/// A cold snapshot of each of `feeds` in `busy`, all started at once: each task ends with the
+/// response (and its body's length) and when it came.
+fn spawn_snapshots(
+    b: &Arc<Bench>,
+    busy: &Arc<DemoEnv>,
+    feeds: &[Feed],
+) -> Vec<tokio::task::JoinHandle<(Option<(Resp, usize)>, Instant)>> {
+    feeds
+        .iter()
+        .map(|feed| {
+            let (b, env, feed) = (b.clone(), busy.clone(), feed.clone());
+            tokio::spawn(async move {
+                let token = Bench::token(&env, &feed);
+                let r = b.snapshot_lean(&token, &feed).await;
+                (r.ok(), Instant::now())
+            })
+        })
+        .collect()
+}
+
 /// A second stampede of `feeds` (cold snapshots of filters not read before), its figures
 /// labelled `warm: …`.
 async fn warm_stampede(v: &Volume, busy: &Arc<DemoEnv>, feeds: &[Feed]) -> Vec<(String, Value)> {
@@ -388,21 +408,10 @@ async fn warm_stampede(v: &Volume, busy: &Arc<DemoEnv>, feeds: &[Feed]) -> Vec<(
     let c0 = v.counters().await;
     let cpu = PgCpu::start(v).await;
     let started = Instant::now();
-    let tasks: Vec<_> = feeds
-        .iter()
-        .map(|feed| {
-            let (b, env, feed) = (b.clone(), busy.clone(), feed.clone());
-            tokio::spawn(async move {
-                let token = Bench::token(&env, &feed);
-                let r = b.snapshot_lean(&token, &feed).await;
-                (r.ok().map(|(r, _)| r.status), Instant::now())
-            })
-        })
-        .collect();
     let (mut lat, mut failed) = (Vec::new(), 0usize);
-    for t in tasks {
+    for t in spawn_snapshots(b, busy, feeds) {
         match t.await {
-            Ok((Some(200), at)) => lat.push(ms(at.duration_since(started))),
+            Ok((Some((r, _)), at)) if r.status == 200 => lat.push(ms(at.duration_since(started))),
             _ => failed += 1,
         }
     }
@@ -1071,17 +1080,7 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
         Duration::from_millis(a.probe_interval_ms),
         done.clone(),
     ));
-    let tasks: Vec<_> = feeds
-        .iter()
-        .map(|feed| {
-            let (b, env, feed) = (b.clone(), busy.clone(), feed.clone());
-            tokio::spawn(async move {
-                let token = Bench::token(&env, &feed);
-                let r = b.snapshot_lean(&token, &feed).await;
-                (r.ok(), Instant::now())
-            })
-        })
-        .collect();
+    let tasks = spawn_snapshots(&b, &busy, &feeds);
     let mut lat = Vec::new();
     let mut snaps: Vec<Option<Resp>> = Vec::new();
     let (mut non_200, mut n_503, mut transport, mut bytes) = (0usize, 0usize, 0usize, 0usize);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use runfeed_dev::fixtures::{DemoEnv, RunSpec, RunUpdate};
+use runfeed_dev::fixtures::{CreatedRun, DemoEnv, RunSpec, RunUpdate};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -2504,6 +2504,17 @@ async fn window_server(full_reread_ms: u64) -> (TestServer, DemoEnv) {
     .await
 }
 
+/// A finished run tagged `tag`, created 5 minutes ago: older than the tail each window refresh
+/// reads again (30 s), so only a change record (or a rebuild) tells the window about it.
+async fn finished_older_run(srv: &TestServer, env: &DemoEnv, tag: &str) -> CreatedRun {
+    let spec = RunSpec {
+        status: "COMPLETED_SUCCESSFULLY".into(),
+        created_at_ms: Some(runfeed::clock::now_ms() - 300_000),
+        ..tagged(&[tag])
+    };
+    srv.run(env, spec).await
+}
+
 /// Runs held by the server's windows (`runfeed_feeds_window_runs`).
 async fn window_runs(srv: &TestServer) -> u64 {
     let text = srv.scrape_text().await;
@@ -2562,17 +2573,7 @@ async fn a_busy_environments_tag_snapshots_come_from_its_window() {
     let both = srv.tagged_run(&env, &["w", "x"]).await;
     let w_only = srv.tagged_run(&env, &["w"]).await;
     let x_only = srv.tagged_run(&env, &["x"]).await;
-    let done = srv
-        .run(
-            &env,
-            RunSpec {
-                status: "COMPLETED_SUCCESSFULLY".into(),
-                // Older than the tail each refresh reads again (30 s).
-                created_at_ms: Some(runfeed::clock::now_ms() - 300_000),
-                ..tagged(&["x"])
-            },
-        )
-        .await;
+    let done = finished_older_run(&srv, &env, "x").await;
     let old = srv
         .run(
             &env,
@@ -2634,17 +2635,7 @@ async fn a_busy_environments_tag_snapshots_come_from_its_window() {
 async fn a_lost_publish_reaches_window_snapshots_after_the_windows_rebuild() {
     let (srv, env) = window_server(1_500).await;
     srv.tagged_run(&env, &["late"]).await;
-    let done = srv
-        .run(
-            &env,
-            RunSpec {
-                status: "COMPLETED_SUCCESSFULLY".into(),
-                // Older than the tail each refresh reads again (30 s).
-                created_at_ms: Some(runfeed::clock::now_ms() - 300_000),
-                ..tagged(&["other"])
-            },
-        )
-        .await;
+    let done = finished_older_run(&srv, &env, "other").await;
     let h = modern(&env.api_key);
     build_window(&srv, &h, ["late", "other"], 2).await;
     let retag = RunUpdate {

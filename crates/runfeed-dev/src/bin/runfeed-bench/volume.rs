@@ -381,13 +381,11 @@ impl Volume {
     }
 }
 
-/// A cold snapshot of each of `feeds` in `busy`, all started at once: each task ends with the
-/// response (and its body's length) and when it came.
-fn spawn_snapshots(
-    b: &Arc<Bench>,
-    busy: &Arc<DemoEnv>,
-    feeds: &[Feed],
-) -> Vec<tokio::task::JoinHandle<(Option<(Resp, usize)>, Instant)>> {
+/// One snapshot task of a stampede: the response (and its body's length), and when it came.
+type SnapshotTask = tokio::task::JoinHandle<(Option<(Resp, usize)>, Instant)>;
+
+/// A cold snapshot of each of `feeds` in `busy`, all started at once.
+fn spawn_snapshots(b: &Arc<Bench>, busy: &Arc<DemoEnv>, feeds: &[Feed]) -> Vec<SnapshotTask> {
     feeds
         .iter()
         .map(|feed| {

@@ -308,7 +308,7 @@ impl Backstops {
             .store
             .run_heads(env_id, HeadScope::Ids(&probe))
             .await
-            .map_err(|e| ReadError::Store(Arc::new(e)))?
+            .map_err(ReadError::from)?
         else {
             return Ok(None);
         };
@@ -407,7 +407,7 @@ impl Backstops {
                 .store
                 .run_heads(env_id, scope)
                 .await
-                .map_err(|e| ReadError::Store(Arc::new(e)))?
+                .map_err(ReadError::from)?
             else {
                 return Ok(None);
             };
@@ -433,7 +433,7 @@ impl Backstops {
                     .store
                     .run_heads(env_id, HeadScope::Ids(&reprobe))
                     .await
-                    .map_err(|e| ReadError::Store(Arc::new(e)))?
+                    .map_err(ReadError::from)?
                     .unwrap_or_default();
                 for id in &reprobe {
                     tail.heads.remove(id);

@@ -48,3 +48,9 @@ pub enum ReadError {
     #[error("deadline exceeded")]
     Deadline,
 }
+
+impl From<StoreError> for ReadError {
+    fn from(e: StoreError) -> ReadError {
+        ReadError::Store(Arc::new(e))
+    }
+}

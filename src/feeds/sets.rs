@@ -19,8 +19,8 @@ use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
-use crate::protocol::{ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta};
-use crate::router::{Registration, Router};
+use crate::protocol::{ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow};
+use crate::router::{Registration, ReplayCursor, Router};
 use crate::store::{BatchResource, RunResource, RunStore, StoreError};
 use crate::telemetry::metrics::{Metrics, ResolveResult};
 
@@ -311,7 +311,7 @@ impl Sets {
             let rows = tokio::time::timeout_at(deadline, hydrate)
                 .await
                 .map_err(|_| ReadError::Deadline)?
-                .map_err(|e| ReadError::Store(Arc::new(e)))?;
+                .map_err(ReadError::from)?;
             let filter = super::filter_of(target);
             rows.iter()
                 .filter(|row| filter.accepts(&RunMeta::of(row)))
@@ -424,49 +424,27 @@ impl Sets {
             self.metrics.admission_waited(admission_started.elapsed());
         }
         let query_started = Instant::now();
-        if let Target::Tag { tags, floor_ms } = target {
-            if let Some(set) = self
-                .read_window(env_id, tags, *floor_ms, cols, &mut share)
-                .await?
-            {
-                self.metrics
-                    .run_set_query(target_kind(target), true, query_started.elapsed());
-                if let Some(views) = &self.views {
-                    views.seed(env_id, target, &set).await;
-                }
-                return Ok(set);
-            }
-        }
-        let read_ms = now_ms();
-        let cursor = self.router.touch(env_id);
-        let settled = self.router.settle_replica(env_id).await;
-        let rows = match target {
-            Target::Run { run_id } => self
-                .store
-                .read_run(env_id, run_id, cols)
-                .await
-                .map(|r| r.into_iter().collect::<Vec<_>>()),
+        let read = match target {
             Target::Tag { tags, floor_ms } => {
-                self.store
-                    .resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols)
+                self.read_window(env_id, tags, *floor_ms, cols, &mut share)
                     .await
             }
-            Target::Batch { batch_id } => {
-                self.store
-                    .resolve_batch_set(env_id, batch_id, self.cap, cols)
-                    .await
-            }
-        }
-        .inspect_err(|_| {
-            self.metrics
-                .run_set_query(target_kind(target), false, query_started.elapsed())
-        })
-        .map_err(|e| ReadError::Store(Arc::new(e)))?;
+            _ => Ok(None),
+        };
+        let read = match read {
+            Ok(Some(read)) => Ok(read),
+            Ok(None) => self.read_store(env_id, target, cols, &mut share).await,
+            Err(e) => Err(e),
+        };
+        let ok = read.is_ok();
         self.metrics
-            .run_set_query(target_kind(target), true, query_started.elapsed());
-        if let (Some(windows), Target::Tag { .. }) = (&self.windows, target) {
-            windows.resolved(env_id, self.may_build(env_id, &mut share));
-        }
+            .run_set_query(target_kind(target), ok, query_started.elapsed());
+        let StoreRead {
+            rows,
+            cursor,
+            settled,
+            read_ms,
+        } = read.map_err(ReadError::from)?;
         if rows.len() >= self.cap && !matches!(target, Target::Run { .. }) {
             tracing::warn!(%env_id, cap = self.cap, "run set truncated at the list cap");
         }
@@ -485,7 +463,59 @@ impl Sets {
     }
 }
 
+/// Rows read for a feed, with the router cursor taken before the read.
+struct StoreRead {
+    rows: Vec<RunRow>,
+    cursor: ReplayCursor,
+    /// See [`RunSet::settled`].
+    settled: bool,
+    /// Wall time the read started, epoch ms.
+    read_ms: i64,
+}
+
 impl Sets {
+    /// What `target` carries, read from the store now. A tag read done, the environment's
+    /// window build may start ([`Windows::resolved`]).
+    async fn read_store(
+        &self,
+        env_id: &EnvId,
+        target: &Target,
+        cols: ColumnSet,
+        share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<StoreRead, StoreError> {
+        let read_ms = now_ms();
+        let cursor = self.router.touch(env_id);
+        let settled = self.router.settle_replica(env_id).await;
+        let rows = match target {
+            Target::Run { run_id } => self
+                .store
+                .read_run(env_id, run_id, cols)
+                .await
+                .map(|r| r.into_iter().collect::<Vec<_>>())?,
+            Target::Tag { tags, floor_ms } => {
+                let rows = self
+                    .store
+                    .resolve_tag_set(env_id, tags, *floor_ms, self.cap, cols)
+                    .await?;
+                if let Some(windows) = &self.windows {
+                    windows.resolved(env_id, self.may_build(env_id, share));
+                }
+                rows
+            }
+            Target::Batch { batch_id } => {
+                self.store
+                    .resolve_batch_set(env_id, batch_id, self.cap, cols)
+                    .await?
+            }
+        };
+        Ok(StoreRead {
+            rows,
+            cursor,
+            settled,
+            read_ms,
+        })
+    }
+
     /// Whether a resolve holding `share` may start `env_id`'s window build now: not while the
     /// environment's tag resolves hold its whole share (a stampede).
     fn may_build<'a>(
@@ -517,7 +547,7 @@ impl Sets {
         floor_ms: i64,
         cols: ColumnSet,
         share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Result<Option<Arc<RunSet>>, ReadError> {
+    ) -> Result<Option<StoreRead>, StoreError> {
         let build = self.may_build(env_id, share);
         let Some(found) = self
             .windows
@@ -527,11 +557,7 @@ impl Sets {
             return Ok(None);
         };
         let asked = found.ids.len();
-        let mut rows = self
-            .store
-            .hydrate(env_id, &found.ids, cols)
-            .await
-            .map_err(|e| ReadError::Store(Arc::new(e)))?;
+        let mut rows = self.store.hydrate(env_id, &found.ids, cols).await?;
         // A run whose tags changed after the window's refresh: its record, after the cursor,
         // is replayed; but a list at the cap would then be short of a run the store has.
         let filter = crate::router::FeedFilter::Tag {
@@ -543,12 +569,13 @@ impl Sets {
             return Ok(None);
         }
         rows.sort_unstable_by(|a, b| (b.created_at_ms, &b.id).cmp(&(a.created_at_ms, &a.id)));
-        Ok(Some(Arc::new(RunSet {
+        Ok(Some(StoreRead {
+            rows,
             cursor: found.cursor,
-            rows: rows.iter().map(|row| serialize_row(row, cols)).collect(),
+            // The window's last refresh passed the read-your-writes gate.
             settled: true,
             read_ms: found.read_ms,
-        })))
+        }))
     }
 }
 

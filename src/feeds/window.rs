@@ -178,15 +178,10 @@ impl Windows {
         let slot = inner
             .slots
             .get_or_insert_with(env_id.clone(), || Arc::new(Slot::new()));
-        let demand = slot.count_demand(floor_ms);
+        slot.count_demand(floor_ms);
         let window = slot.window.lock().clone();
         let Some(window) = window else {
-            let due = Instant::now() >= *slot.retry_at.lock();
-            if let (true, MayBuild::Yes(share)) =
-                (demand >= inner.settings.after_resolves && due, build)
-            {
-                inner.start_build(env_id, &slot, slot.oldest_floor_ms(), share.take());
-            }
+            inner.build_if_wanted(env_id, &slot, build);
             return None;
         };
         *slot.used.lock() = Instant::now();
@@ -209,20 +204,8 @@ impl Windows {
     /// it has the demand for one and `build` allows it now. A stampede's resolves hold the
     /// environment's whole share until its last ones, so its window is built as it drains.
     pub fn resolved(&self, env_id: &EnvId, build: MayBuild<'_>) {
-        let inner = &self.inner;
-        let MayBuild::Yes(share) = build else {
-            return;
-        };
-        if inner.settings.after_resolves == 0 {
-            return;
-        }
-        let Some(slot) = inner.slots.get(env_id) else {
-            return;
-        };
-        let demanded = slot.demand.lock().resolves >= inner.settings.after_resolves;
-        let due = Instant::now() >= *slot.retry_at.lock();
-        if demanded && due && slot.window.lock().is_none() {
-            inner.start_build(env_id, &slot, slot.oldest_floor_ms(), share.take());
+        if let Some(slot) = self.inner.slots.get(env_id) {
+            self.inner.build_if_wanted(env_id, &slot, build);
         }
     }
 }
@@ -238,15 +221,14 @@ impl Slot {
         }
     }
 
-    /// Counts one cold resolve at `floor_ms`; the count within the current minute.
-    fn count_demand(&self, floor_ms: i64) -> u32 {
+    /// Counts one cold resolve at `floor_ms`.
+    fn count_demand(&self, floor_ms: i64) {
         let mut demand = self.demand.lock();
         if demand.since.elapsed() >= Duration::from_secs(60) {
             *demand = Demand::new();
         }
         demand.resolves = demand.resolves.saturating_add(1);
         demand.oldest_floor_ms = demand.oldest_floor_ms.min(floor_ms);
-        demand.resolves
     }
 
     /// The oldest floor among the resolves counted within the current minute (epoch ms).
@@ -274,6 +256,20 @@ impl Demand {
 }
 
 impl Inner {
+    /// Starts building `env_id`'s window when it has none, the demand for one (its count
+    /// within the minute at `feeds.window_after_resolves`), no refused build to wait out, and
+    /// `build` allows it now.
+    fn build_if_wanted(self: &Arc<Self>, env_id: &EnvId, slot: &Arc<Slot>, build: MayBuild<'_>) {
+        let MayBuild::Yes(share) = build else {
+            return;
+        };
+        let demanded = slot.demand.lock().resolves >= self.settings.after_resolves;
+        let due = Instant::now() >= *slot.retry_at.lock();
+        if self.settings.after_resolves > 0 && demanded && due && slot.window.lock().is_none() {
+            self.start_build(env_id, slot, slot.oldest_floor_ms(), share.take());
+        }
+    }
+
     /// Starts building `env_id`'s window back to `floor_ms` (at most the span) unless a build
     /// is under way; the build's task then keeps it current until it is idle.
     fn start_build(
@@ -354,7 +350,7 @@ impl Inner {
         let heads = loop {
             tokio::select! {
                 heads = &mut read => match heads {
-                    Ok(heads) => break heads.map_err(|e| ReadError::Store(Arc::new(e)))?,
+                    Ok(heads) => break heads.map_err(ReadError::from)?,
                     Err(_) => return Ok(Built::NotNow("the read panicked")),
                 },
                 () = tokio::time::sleep(REFRESH) => {
@@ -528,7 +524,7 @@ impl Inner {
         self.store
             .run_heads(env_id, scope)
             .await
-            .map_err(|e| ReadError::Store(Arc::new(e)))
+            .map_err(ReadError::from)
     }
 }
 

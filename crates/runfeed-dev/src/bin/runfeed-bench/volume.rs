@@ -317,6 +317,9 @@ struct Counters {
     stmt_ms: Option<f64>,
     pg_queries: Option<f64>,
     backstops: Option<f64>,
+    /// Live polls the change stream could not vouch for (`path="cold-resolve"`): each re-reads
+    /// its filter.
+    cold_polls: Option<f64>,
     requests: Option<f64>,
     server_cpu: Option<f64>,
     log_lines: Option<f64>,
@@ -368,6 +371,11 @@ impl Volume {
         let text = self.b.scrape().await;
         c.pg_queries = metric_sum(&text, "runfeed_pg_queries_total");
         c.backstops = metric_sum(&text, "runfeed_feeds_backstops_total");
+        c.cold_polls = labelled(
+            &text,
+            "runfeed_feeds_live_polls_total",
+            "path=\"cold-resolve\"",
+        );
         c.requests = metric_sum(&text, "runfeed_http_requests_total");
         c.server_cpu = self.b.server_cpu();
         if let Some(log) = &self.server_log {
@@ -521,6 +529,12 @@ fn phase_rows(
             opt(d(c0.backstops, c1.backstops)),
         ),
         (
+            l(&format!(
+                "live polls on the cold path{rate} (no replay coverage)"
+            )),
+            opt(d(c0.cold_polls, c1.cold_polls)),
+        ),
+        (
             l(&format!("server requests{rate}")),
             opt(d(c0.requests, c1.requests)),
         ),
@@ -536,17 +550,69 @@ fn phase_rows(
     ]
 }
 
+/// Waits until runfeed has read no set (`runfeed_runset_query_duration_milliseconds`) for a
+/// second, at most `limit`; whether it did.
+async fn settle_reads(b: &Bench, limit: Duration) -> bool {
+    let count = || b.metric("runfeed_runset_query_duration_milliseconds_count");
+    let deadline = Instant::now() + limit;
+    let mut last = count().await;
+    let mut quiet_since = Instant::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = count().await;
+        if now != last {
+            last = now;
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= Duration::from_secs(1) {
+            return true;
+        }
+    }
+    false
+}
+
+/// The sum of `name`'s series whose labels include `label` (`key="value"`).
+fn labelled(text: &str, name: &str, label: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        if labels.split(',').any(|l| l == label) {
+            if let Ok(v) = value.trim().parse::<f64>() {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+    }
+    found
+}
+
 /// Latencies (ms) of one kind of probe, and its failures.
 #[derive(Default)]
 struct Probed {
     ms: Vec<f64>,
+    /// (round, ms) of each answered probe, to tell which rounds were slow.
+    by_round: Vec<(usize, f64)>,
     failed: usize,
 }
 
 impl Probed {
     fn rows(&mut self, what: &str) -> Vec<(String, Value)> {
         self.ms.sort_by(f64::total_cmp);
+        self.by_round.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let slowest: Vec<String> = self
+            .by_round
+            .iter()
+            .take(3)
+            .map(|(round, ms)| format!("#{round} {ms:.0}"))
+            .collect();
         vec![
+            (
+                format!("probe: {what} slowest rounds (round, ms)"),
+                json!(slowest.join(", ")),
+            ),
             (
                 format!("probe: {what} snapshot p50 (ms)"),
                 json!(pct(&self.ms, 50.0)),
@@ -571,12 +637,43 @@ struct ProbeFeeds {
     batches: Vec<Feed>,
 }
 
-/// Times one cold snapshot of `feed` (any status); `None` on a transport error.
-async fn timed_snapshot(b: &Bench, env: &DemoEnv, feed: &Feed) -> (Option<u16>, f64) {
+/// Times one cold snapshot of `feed` through `client` (any status); `None` on a transport error.
+async fn timed_snapshot(
+    b: &Bench,
+    client: &reqwest::Client,
+    env: &DemoEnv,
+    feed: &Feed,
+) -> (Option<u16>, f64) {
     let token = Bench::token(env, feed);
+    let (path, params) = feed.snapshot_request();
     let t = Instant::now();
-    let r = b.snapshot_lean(&token, feed).await;
+    let r = b.get_lean(client, &token, &path, &params).await;
     (r.ok().map(|(r, _)| r.status), ms(t.elapsed()))
+}
+
+/// [`probe`] on a thread and runtime of its own, with its own connections: a probe's request
+/// then never waits behind the stampede's thousand tasks in this process's runtime, so what it
+/// measures is the server's latency, not the load generator's queue.
+fn probe_apart(
+    b: Arc<Bench>,
+    busy: Arc<DemoEnv>,
+    feeds: ProbeFeeds,
+    n: usize,
+    interval: Duration,
+    done: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(usize, [Probed; 3])> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+        match rt {
+            Ok(rt) => rt.block_on(probe(b, busy, feeds, n, interval, done)),
+            Err(err) => {
+                eprintln!("probe runtime: {err}");
+                (0, Default::default())
+            }
+        }
+    })
 }
 
 /// Probe rounds, one every `interval` until `done` or `n` rounds: each round snapshots one of
@@ -589,6 +686,13 @@ async fn probe(
     interval: Duration,
     done: Arc<AtomicBool>,
 ) -> (usize, [Probed; 3]) {
+    let client = match reqwest::Client::builder().no_proxy().build() {
+        Ok(client) => client,
+        Err(err) => {
+            eprintln!("probe client: {err}");
+            return (0, Default::default());
+        }
+    };
     let mut rounds = Vec::new();
     while rounds.len() < n && !done.load(Ordering::Relaxed) {
         let i = rounds.len();
@@ -597,13 +701,13 @@ async fn probe(
             feeds.runs.get(i).map(|f| (busy.clone(), f.clone())),
             feeds.batches.get(i).map(|f| (busy.clone(), f.clone())),
         ];
-        let b = b.clone();
+        let (b, client) = (b.clone(), client.clone());
         rounds.push(tokio::spawn(async move {
             let timed = round.map(|probe| {
-                let b = b.clone();
+                let (b, client) = (b.clone(), client.clone());
                 async move {
                     match probe {
-                        Some((env, feed)) => Some(timed_snapshot(&b, &env, &feed).await),
+                        Some((env, feed)) => Some(timed_snapshot(&b, &client, &env, &feed).await),
                         None => None,
                     }
                 }
@@ -616,17 +720,56 @@ async fn probe(
     }
     let mut out: [Probed; 3] = Default::default();
     let n = rounds.len();
-    for round in rounds {
+    for (i, round) in rounds.into_iter().enumerate() {
         let Ok(got) = round.await else { continue };
         for (slot, got) in out.iter_mut().zip(got) {
             match got {
-                Some((Some(200), t)) => slot.ms.push(t),
+                Some((Some(200), t)) => {
+                    slot.ms.push(t);
+                    slot.by_round.push((i, t));
+                }
                 Some(_) => slot.failed += 1,
                 None => {}
             }
         }
     }
     (n, out)
+}
+
+/// The other environment's probe snapshots again, one at a time while nothing else runs: the
+/// baseline of the stampede's probe. Each filter's `createdAt` is one minute longer, so runfeed
+/// reads it cold (a filter it has not cached) over the same rows, give or take a minute's.
+async fn probe_alone(b: &Bench, feeds: &[(Arc<DemoEnv>, Feed)]) -> Vec<(String, Value)> {
+    let mut alone = Probed::default();
+    for (i, (env, feed)) in feeds.iter().enumerate() {
+        let feed = match feed {
+            Feed::Tags {
+                tags,
+                created_at: Some(window),
+            } => Feed::Tags {
+                tags: tags.clone(),
+                created_at: Some(one_minute_longer(window)),
+            },
+            other => other.clone(),
+        };
+        match timed_snapshot(b, &b.probe, env, &feed).await {
+            (Some(200), t) => {
+                alone.ms.push(t);
+                alone.by_round.push((i, t));
+            }
+            _ => alone.failed += 1,
+        }
+    }
+    alone.rows("alone, other environment's tag")
+}
+
+/// A `createdAt` window (`<n>m`, as `--window` gives it) one minute longer; other forms as
+/// they are.
+fn one_minute_longer(window: &str) -> String {
+    match window.strip_suffix('m').and_then(|n| n.parse::<u64>().ok()) {
+        Some(n) => format!("{}m", n + 1),
+        None => window.to_string(),
+    }
 }
 
 /// What the followers of the idle and churn phases count.
@@ -1050,6 +1193,8 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let probes = probe_feeds(&v, a.probes).await?;
+    // Taken again after the idle phase, alone: what each snapshot costs without the stampede.
+    let alone: Vec<(Arc<DemoEnv>, Feed)> = probes.other.clone();
     let targets = if a.churn_per_sec > 0.0 {
         churn_targets(&v).await?
     } else {
@@ -1070,14 +1215,14 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     let done = Arc::new(AtomicBool::new(false));
     let sampler = AdmissionPeak::start(&b, Duration::from_millis(20));
     let started = Instant::now();
-    let prober = tokio::spawn(probe(
+    let prober = probe_apart(
         b.clone(),
         busy.clone(),
         probes,
         a.probes,
         Duration::from_millis(a.probe_interval_ms),
         done.clone(),
-    ));
+    );
     let tasks = spawn_snapshots(&b, &busy, &feeds);
     let mut lat = Vec::new();
     let mut snaps: Vec<Option<Resp>> = Vec::new();
@@ -1106,7 +1251,11 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     let peak = sampler.stop().await;
     let pg_cpu = cpu.finish().await;
     let c1 = v.counters().await;
-    let (rounds, mut probed) = prober.await.unwrap_or_default();
+    let (rounds, mut probed) = tokio::task::spawn_blocking(move || prober.join())
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
     lat.sort_by(f64::total_cmp);
     let answered = lat.len();
     rows.extend([
@@ -1182,8 +1331,16 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     let all_held = b
         .wait_held(held_before + feeds.len(), Duration::from_secs(120))
         .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A follower counts as held once registered; one whose first live poll came after the
+    // replay window (`router.replay_window_ms`: the warm stampede keeps the first stampede's
+    // followers waiting) re-reads its filter after that. The idle phase starts once those
+    // re-reads are done: no set read for a second.
+    let settled = settle_reads(&b, Duration::from_secs(120)).await;
     rows.push(("idle: every feed held".into(), json!(all_held)));
+    rows.push((
+        "idle: set reads settled before the phase".into(),
+        json!(settled),
+    ));
     let mut phases = vec![("idle", 0.0)];
     if a.churn_per_sec > 0.0 {
         phases.push(("churn", a.churn_per_sec));
@@ -1193,6 +1350,10 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
             s.polls.load(Ordering::Relaxed),
             s.errors.load(Ordering::Relaxed),
             s.changes.load(Ordering::Relaxed),
+        );
+        eprintln!(
+            "[volume] {phase} phase from {}",
+            chrono::Utc::now().to_rfc3339()
         );
         let c0 = v.counters().await;
         let cpu = PgCpu::start(&v).await;
@@ -1235,6 +1396,7 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     for f in &followers {
         f.abort();
     }
+    rows.extend(probe_alone(&b, &alone[..rounds.min(alone.len())]).await);
     let plans = if a.explain {
         let (explained, plans) = explain_all(&v, &a, &filters).await?;
         rows.extend(explained);

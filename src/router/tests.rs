@@ -428,7 +428,7 @@ impl Harness {
     }
 
     /// Waits until [`ENV`]'s current subscription is confirmed (the source reports `Subscribed`
-    /// through the router's event pump; until then cursors carry no usable position).
+    /// through the router's batch dispatcher; until then cursors carry no usable position).
     async fn confirmed(&self) {
         wait_until("subscription confirmed", || env_active(&self.router, ENV)).await;
     }
@@ -1770,14 +1770,14 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
 /// GAP-01 (ours): a confirmation of an EARLIER subscription must not activate a re-created
 /// env whose own subscribe is not confirmed yet.
 ///
-/// Sequence (Redis source, pump lagging behind a burst): SUBSCRIBE #1 confirmed → `Subscribed`
-/// queued; the env is torn down (UNSUBSCRIBE) and re-created (SUBSCRIBE #2 in flight); the pump
-/// then sees the stale confirmation. It carries generation 1, the new env waits for 2.
+/// Sequence (Redis source, dispatcher lagging behind a burst): SUBSCRIBE #1 confirmed → `Subscribed`
+/// queued; the env is torn down (UNSUBSCRIBE) and re-created (SUBSCRIBE #2 in flight); the
+/// dispatcher then sees the stale confirmation. It carries generation 1, the new env waits for 2.
 #[tokio::test]
 async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     let (router, source, store, tx) = manual(linger(0));
     store.put(row("r1", &[], None));
-    // No await point below lets the pump run until the fence: the confirmation of subscription
+    // No await point below lets the dispatcher run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
     let a = router.register(feed(run_feed("zz"), None)).await;
     tx.try_send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
@@ -1791,7 +1791,7 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
             format!("sub:{ENV}")
         ]
     );
-    // Fence: the pump has processed the stale confirmation once it routes this record.
+    // Fence: the dispatcher has processed the stale confirmation once it routes this record.
     tx.try_send(record_event(full("r1", &[]))).unwrap();
     assert_eq!(ids(&wake(&b).await.rows), vec!["r1"]);
     assert_eq!(b.cursor().epoch, 0, "subscribe #2 was never confirmed");

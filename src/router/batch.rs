@@ -170,9 +170,12 @@ pub(super) async fn dispatch(inner: Weak<Inner>, inputs: Inputs, limits: BatchLi
     let mut queued_records = 0usize;
     let mut running: JoinSet<()> = JoinSet::new();
     loop {
+        // The ceiling can start a batch only while a slot is free: with every slot taken, the
+        // next start waits for a batch to end (a ceiling already past would wake this loop at
+        // once, again and again, for as long as the store hangs).
         let ceiling_at = queue
             .front()
-            .filter(|_| !running.is_empty())
+            .filter(|_| !running.is_empty() && running.len() < MAX_IN_FLIGHT)
             .map(|(queued, _)| *queued + limits.ceiling);
         // What this turn took from the source (already counted as received).
         let mut taken: Vec<Arrival> = Vec::new();

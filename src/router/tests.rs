@@ -778,6 +778,57 @@ async fn records_beyond_the_queue_bound_are_dropped_as_a_gap_that_rechecks_the_f
     .await;
 }
 
+/// With every hydrate slot taken ([`batch::MAX_IN_FLIGHT`] batches stuck on a hung store) and
+/// records queued past the ceiling, the dispatcher waits for a batch to end: it must not spin
+/// on a ceiling that already passed (one core burnt for as long as the store hangs). On
+/// tokio's paused clock a spinning task keeps the runtime busy, so the clock never moves and
+/// the sleep below never ends; the test's own thread sees that.
+#[test]
+fn a_dispatcher_with_every_hydrate_stuck_waits_instead_of_spinning() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let h = Harness::new(RouterConfig {
+                coalesce_ceiling_ms: 25,
+                ..cfg()
+            });
+            let f = h.reg(tag_feed(&["t"]), None).await;
+            let mut releases = Vec::new();
+            for i in 0..batch::MAX_IN_FLIGHT {
+                let (gate_in, release) = h.store.gate_next();
+                h.store.put(row(&format!("r{i}"), &["t"], None));
+                h.push(full(&format!("r{i}"), &["t"]));
+                entered(gate_in).await; // each batch starts past the ceiling and sticks
+                releases.push(release);
+            }
+            h.store.put(row("queued", &["t"], None));
+            h.push(full("queued", &["t"]));
+            // Past the queued record's ceiling, with no slot free.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = done_tx.send(());
+            for release in releases {
+                let _ = release.send(());
+            }
+            let mut seen = Vec::new();
+            while !seen.contains(&"queued".to_string()) {
+                seen.extend(ids(&wake(&f).await.rows));
+            }
+        });
+    });
+    assert!(
+        done_rx.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the clock never moved: the dispatcher spins while every hydrate is stuck"
+    );
+    worker
+        .join()
+        .expect("the queued record is delivered once the batches end");
+}
+
 /// No record waits for a window while the router is idle: on tokio's paused clock, time only
 /// moves when something sleeps, and the delivery of a lone record leaves the clock where it
 /// was (trigger.dev's fixed `ENV_WAKE_COALESCE_WINDOW_MS` delays every second record of an

@@ -7,7 +7,7 @@
 #   bash scripts/faults.sh stalled|memory|storm            [runfeed-faults flags…]
 #   bash scripts/faults.sh redis    --fault restart|pause|freeze [flags…]
 #   bash scripts/faults.sh redis-failover [--mode kill|takeover]  [flags…]
-#   bash scripts/faults.sh postgres --fault restart|exhaust      [flags…]
+#   bash scripts/faults.sh postgres --fault restart|exhaust|freeze [flags…]
 #   bash scripts/faults.sh replica  --fault restart|promote      [flags…]
 #
 # Env: FAULTS_SERVER_ENV="K=V …" extra environment for the server (e.g. _RJEM_MALLOC_CONF=…),

@@ -27,8 +27,9 @@ pub enum SourceEvent {
     Reconnected,
 }
 
-/// Most [`SourceEvent`]s waiting for their consumer. The router's pump hands each on without
-/// waiting for anything, so this only absorbs scheduling hiccups. When it is full the Redis
+/// Most [`SourceEvent`]s waiting for their consumer. The router's batch dispatcher takes them
+/// without waiting for anything (its hydrates run on tasks of their own), so this only absorbs
+/// scheduling hiccups and a turn spent routing a batch. When it is full the Redis
 /// reader waits; fred's message buffer behind it then overflows, which the reader reports as a
 /// gap ([`SourceEvent::Reconnected`]): the feeds re-read. The in-memory source refuses a
 /// record instead.

@@ -148,27 +148,35 @@ impl Inner {
         }
     }
 
-    /// Records of `env_id` arrived: queue them for the hydrate stage
-    /// ([`batch`](super::batch)), which routes them when their batch starts — at once when no
-    /// hydrate is in flight. `attempt` > 0: a re-hydrate of records the stale tripwire withheld
-    /// (or an echo pass after giving up).
-    pub(super) fn arrive(
-        self: &Arc<Self>,
+    /// Records of `env_id` arrived: counts them as received and makes them an arrival for the
+    /// hydrate queue ([`batch`](super::batch)), which routes them when their batch starts — at
+    /// once when no hydrate is in flight. `None` when the environment is not routed. A non-zero
+    /// `attempt` is a re-hydrate of records the stale tripwire withheld (or an echo pass after
+    /// giving up).
+    pub(super) fn arrival(
+        &self,
         env_id: &EnvId,
         records: Vec<ChangeRecord>,
         attempt: u32,
         arrived: tokio::time::Instant,
-    ) {
-        let Some(env) = self.env(env_id) else { return };
+    ) -> Option<Arrival> {
+        let env = self.env(env_id)?;
         env.received.fetch_add(1, Ordering::SeqCst);
-        if let Some(batcher) = self.batcher.get() {
-            let arrival = Arrival {
-                env_id: env_id.clone(),
-                records,
-                attempt,
-                arrived,
-            };
-            if let Err(arrival) = batcher.push(arrival) {
+        Some(Arrival {
+            env_id: env_id.clone(),
+            records,
+            attempt,
+            arrived,
+        })
+    }
+
+    /// A re-hydrate of records of `env_id` the stale tripwire withheld, arriving now: handed to
+    /// the batch dispatcher (`batch::REHYDRATES` at most wait); one that finds no room is a gap
+    /// in its environment ([`Inner::overflow`]).
+    pub(super) fn rehydrate(&self, env_id: &EnvId, records: Vec<ChangeRecord>, attempt: u32) {
+        let arrived = tokio::time::Instant::now();
+        if let Some(arrival) = self.arrival(env_id, records, attempt, arrived) {
+            if let Err(arrival) = self.rehydrates.push(arrival) {
                 self.overflow(arrival);
             }
         }

@@ -16,14 +16,20 @@
 //!   parked in its inbox instead of dropped;
 //! - partial records are classified for batch feeds too (item 10).
 //!
-//! **Queues on the change path**, each bounded, and what overflow means:
-//! 1. the source's events ([`crate::changes::EVENT_QUEUE`]), drained by the router's pump,
-//!    which waits for nothing: when full, the Redis reader waits, fred's buffer behind it
-//!    overflows, and the reader reports a gap (every environment's feeds re-read);
-//! 2. the hand-off to the batch dispatcher (`batch::HANDOFF` arrivals), and
-//! 3. the records waiting for a hydrate batch (`router.max_queued_records`): an arrival that
-//!    finds either full is dropped, a gap in its environment (a new epoch, every feed held
-//!    there re-reads from the store; `runfeed_router_queue_overflows_total`).
+//! **Queues on the change path**, each bounded, and what overflow means. One task, the batch
+//! dispatcher ([`batch`]), reads the source and feeds the hydrates; nothing sits between them:
+//! 1. the source's events ([`crate::changes::EVENT_QUEUE`], 8 192 events), taken by the
+//!    dispatcher, which waits for nothing (hydrates run on tasks of their own): when full, the
+//!    Redis reader waits, fred's buffer behind it overflows, and the reader reports a gap
+//!    (every environment's feeds re-read);
+//! 2. the stale tripwire's re-hydrates (`batch::REHYDRATES`, 1 024 arrivals), the only other
+//!    way into the dispatcher: a re-hydrate that finds it full is a gap in its environment;
+//! 3. the records waiting for a hydrate batch (`router.max_queued_records`, 100 000 by
+//!    default): an arrival that finds it full is dropped, a gap in its environment (a new
+//!    epoch, every feed held there re-reads from the store).
+//!
+//! Every gap of 2. and 3. counts in `runfeed_router_queue_overflows_total` and still counts as
+//! routed ([`Router::routed`] waiters go on).
 
 mod batch;
 mod buffer;
@@ -51,7 +57,7 @@ use crate::config::RouterConfig;
 use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::store::RunStore;
 use crate::telemetry::metrics::Metrics;
-use batch::{Arrival, BatchLimits, Batcher};
+use batch::{Arrival, BatchLimits, Rehydrates};
 
 /// Rows of one hydrate, by environment and run.
 type HydratedRows = HashMap<(EnvId, RunId), SerializedRow>;
@@ -254,8 +260,8 @@ struct Inner {
     source: Arc<dyn ChangeSource>,
     store: Arc<dyn RunStore>,
     gate: Option<Arc<Gate>>,
-    /// The hydrate stage's queue (set once, right after construction).
-    batcher: std::sync::OnceLock<Batcher>,
+    /// The stale tripwire's way into the batch dispatcher (bounded: `batch::REHYDRATES`).
+    rehydrates: Rehydrates,
     metrics: Arc<Metrics>,
     envs: Mutex<FastMap<EnvId, Arc<Env>>>,
     next_epoch: AtomicU64,
@@ -274,14 +280,15 @@ pub struct Router {
 }
 
 impl Router {
-    /// Starts a router (see [`RouterParts`]). Spawns its pump and its hydrate dispatcher on the
-    /// current tokio runtime; both end when the last clone of the router is dropped.
+    /// Starts a router (see [`RouterParts`]). Spawns its batch dispatcher on the current tokio
+    /// runtime, which takes the source's events itself ([`batch`]); it ends when the last clone
+    /// of the router is dropped.
     pub fn start(parts: RouterParts) -> Router {
         let RouterParts {
             cfg,
             source,
             store,
-            mut events,
+            events,
             gate,
             metrics,
         } = parts;
@@ -290,11 +297,12 @@ impl Router {
             max_runs: cfg.hydrate_batch_max_runs,
             max_queued: cfg.max_queued_records,
         };
+        let (rehydrates, rehydrates_rx) = Rehydrates::channel();
         let inner = Arc::new(Inner {
             source,
             store,
             gate,
-            batcher: std::sync::OnceLock::new(),
+            rehydrates,
             metrics,
             envs: Mutex::new(FastMap::default()),
             next_epoch: AtomicU64::new(1),
@@ -304,33 +312,11 @@ impl Router {
             stats: RouterStats::default(),
             cfg,
         });
-        let _ = inner
-            .batcher
-            .set(Batcher::start(Arc::downgrade(&inner), limits));
-        let weak = Arc::downgrade(&inner);
-        tokio::spawn(async move {
-            while let Some(event) = events.recv().await {
-                let Some(inner) = weak.upgrade() else { break };
-                match event {
-                    SourceEvent::Record { env_id, record } => {
-                        inner.arrive(&env_id, vec![record], 0, tokio::time::Instant::now());
-                    }
-                    SourceEvent::Subscribed { env_id, generation } => {
-                        if let Some(env) = inner.env(&env_id) {
-                            let mut state = env.state.lock();
-                            // A late confirmation of an earlier incarnation's subscription
-                            // must not vouch for this one.
-                            if state.generation == generation && !state.active {
-                                state.active = true;
-                                state.active_since_wall_ms = crate::clock::now_ms();
-                                state.complete_since = Some(Instant::now());
-                            }
-                        }
-                    }
-                    SourceEvent::Reconnected => inner.on_gap(),
-                }
-            }
-        });
+        let inputs = batch::Inputs {
+            events,
+            rehydrates: rehydrates_rx,
+        };
+        tokio::spawn(batch::dispatch(Arc::downgrade(&inner), inputs, limits));
         Router { inner }
     }
 
@@ -544,6 +530,34 @@ impl Inner {
         env
     }
 
+    /// One event of the change source, as the batch dispatcher takes it: a record becomes an
+    /// arrival for the hydrate queue (counted as received; `None` when its environment is not
+    /// routed), a confirmation activates its subscription, a reconnect is a gap everywhere.
+    fn receive(&self, event: SourceEvent) -> Option<Arrival> {
+        match event {
+            SourceEvent::Record { env_id, record } => {
+                self.arrival(&env_id, vec![record], 0, tokio::time::Instant::now())
+            }
+            SourceEvent::Subscribed { env_id, generation } => {
+                if let Some(env) = self.env(&env_id) {
+                    let mut state = env.state.lock();
+                    // A late confirmation of an earlier incarnation's subscription must not
+                    // vouch for this one.
+                    if state.generation == generation && !state.active {
+                        state.active = true;
+                        state.active_since_wall_ms = crate::clock::now_ms();
+                        state.complete_since = Some(Instant::now());
+                    }
+                }
+                None
+            }
+            SourceEvent::Reconnected => {
+                self.on_gap();
+                None
+            }
+        }
+    }
+
     /// The change stream lost records of every environment (the subscriber reconnected).
     fn on_gap(&self) {
         let envs: Vec<Arc<Env>> = self.envs.lock().values().cloned().collect();
@@ -568,7 +582,8 @@ impl Inner {
         }
     }
 
-    /// An arrival the hydrate queue had no room for (`router.max_queued_records`): a gap in its
+    /// An arrival the hydrate queue had no room for (`router.max_queued_records`), or a
+    /// re-hydrate the dispatcher's channel had none for (`batch::REHYDRATES`): a gap in its
     /// environment. It still counts as routed, so requests waiting for it go on.
     fn overflow(&self, arrival: Arrival) {
         let Some(env) = self.env(&arrival.env_id) else {

@@ -428,7 +428,7 @@ impl Harness {
     }
 
     /// Waits until [`ENV`]'s current subscription is confirmed (the source reports `Subscribed`
-    /// through the router's event pump; until then cursors carry no usable position).
+    /// through the router's batch dispatcher; until then cursors carry no usable position).
     async fn confirmed(&self) {
         wait_until("subscription confirmed", || env_active(&self.router, ENV)).await;
     }
@@ -776,6 +776,57 @@ async fn records_beyond_the_queue_bound_are_dropped_as_a_gap_that_rechecks_the_f
             .is_some_and(|e| e.routed.load(Ordering::SeqCst) == 11)
     })
     .await;
+}
+
+/// With every hydrate slot taken ([`batch::MAX_IN_FLIGHT`] batches stuck on a hung store) and
+/// records queued past the ceiling, the dispatcher waits for a batch to end: it must not spin
+/// on a ceiling that already passed (one core burnt for as long as the store hangs). On
+/// tokio's paused clock a spinning task keeps the runtime busy, so the clock never moves and
+/// the sleep below never ends; the test's own thread sees that.
+#[test]
+fn a_dispatcher_with_every_hydrate_stuck_waits_instead_of_spinning() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let h = Harness::new(RouterConfig {
+                coalesce_ceiling_ms: 25,
+                ..cfg()
+            });
+            let f = h.reg(tag_feed(&["t"]), None).await;
+            let mut releases = Vec::new();
+            for i in 0..batch::MAX_IN_FLIGHT {
+                let (gate_in, release) = h.store.gate_next();
+                h.store.put(row(&format!("r{i}"), &["t"], None));
+                h.push(full(&format!("r{i}"), &["t"]));
+                entered(gate_in).await; // each batch starts past the ceiling and sticks
+                releases.push(release);
+            }
+            h.store.put(row("queued", &["t"], None));
+            h.push(full("queued", &["t"]));
+            // Past the queued record's ceiling, with no slot free.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = done_tx.send(());
+            for release in releases {
+                let _ = release.send(());
+            }
+            let mut seen = Vec::new();
+            while !seen.contains(&"queued".to_string()) {
+                seen.extend(ids(&wake(&f).await.rows));
+            }
+        });
+    });
+    assert!(
+        done_rx.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the clock never moved: the dispatcher spins while every hydrate is stuck"
+    );
+    worker
+        .join()
+        .expect("the queued record is delivered once the batches end");
 }
 
 /// No record waits for a window while the router is idle: on tokio's paused clock, time only
@@ -1770,14 +1821,14 @@ async fn gap_01_coverage_starts_at_subscription_confirmation() {
 /// GAP-01 (ours): a confirmation of an EARLIER subscription must not activate a re-created
 /// env whose own subscribe is not confirmed yet.
 ///
-/// Sequence (Redis source, pump lagging behind a burst): SUBSCRIBE #1 confirmed → `Subscribed`
-/// queued; the env is torn down (UNSUBSCRIBE) and re-created (SUBSCRIBE #2 in flight); the pump
-/// then sees the stale confirmation. It carries generation 1, the new env waits for 2.
+/// Sequence (Redis source, dispatcher lagging behind a burst): SUBSCRIBE #1 confirmed → `Subscribed`
+/// queued; the env is torn down (UNSUBSCRIBE) and re-created (SUBSCRIBE #2 in flight); the
+/// dispatcher then sees the stale confirmation. It carries generation 1, the new env waits for 2.
 #[tokio::test]
 async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
     let (router, source, store, tx) = manual(linger(0));
     store.put(row("r1", &[], None));
-    // No await point below lets the pump run until the fence: the confirmation of subscription
+    // No await point below lets the dispatcher run until the fence: the confirmation of subscription
     // #1 is queued while the env is torn down and re-created.
     let a = router.register(feed(run_feed("zz"), None)).await;
     tx.try_send(subscribed_event(ENV, 1)).unwrap(); // confirms subscribe #1
@@ -1791,7 +1842,7 @@ async fn gap_01_stale_confirmation_does_not_activate_recreated_env() {
             format!("sub:{ENV}")
         ]
     );
-    // Fence: the pump has processed the stale confirmation once it routes this record.
+    // Fence: the dispatcher has processed the stale confirmation once it routes this record.
     tx.try_send(record_event(full("r1", &[]))).unwrap();
     assert_eq!(ids(&wake(&b).await.rows), vec!["r1"]);
     assert_eq!(b.cursor().epoch, 0, "subscribe #2 was never confirmed");

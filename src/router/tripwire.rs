@@ -96,8 +96,7 @@ impl Inner {
             let env_id = env_id.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                let arrived = tokio::time::Instant::now();
-                inner.arrive(&env_id, retry, attempt + 1, arrived);
+                inner.rehydrate(&env_id, retry, attempt + 1);
             });
         }
         if withhold {

@@ -23,7 +23,7 @@ enum Fault {
     Redis(faults::redis::RedisArgs),
     /// A Redis Cluster master failed over to its replica under load.
     RedisFailover(faults::cluster::FailoverArgs),
-    /// A Postgres restart or exhausted max_connections under load.
+    /// A Postgres restart, exhausted max_connections or a frozen database under load.
     Postgres(faults::postgres::PostgresArgs),
     /// The read replica restarted or promoted under load.
     Replica(faults::replica::ReplicaArgs),

@@ -413,6 +413,14 @@ impl Load {
         Ok(n)
     }
 
+    /// Publishes `record` as trigger.dev does (bounded by 2 s); whether Redis took it. Failures
+    /// are not counted here (the caller decides what a failed publish means).
+    pub async fn publish(&self, record: &ChangeRecord) -> bool {
+        let published =
+            tokio::time::timeout(Duration::from_secs(2), self.publisher.publish(record)).await;
+        matches!(published, Ok(Ok(_)))
+    }
+
     /// One snapshot of run `i % runs` (a probe; its 5xx are counted); its status.
     pub async fn snapshot_probe(&self, i: usize) -> Option<u16> {
         let run = i % self.runs.len();

@@ -11,8 +11,10 @@
 //!   figures);
 //! - [`storm`]: every client reconnects within one second (5xx, Postgres queries, time until
 //!   every client is back on a live poll);
-//! - [`postgres`]: the database stopped and started again, or its `max_connections` taken by
-//!   another client (JSON 503s with `Retry-After`, the slowest one, updates lost);
+//! - [`postgres`]: the database stopped and started again, its `max_connections` taken by
+//!   another client, or frozen with SIGSTOP while records of new runs arrive (JSON 503s with
+//!   `Retry-After`, the slowest one, updates lost; for the freeze the server's RSS and the
+//!   router's queue overflows);
 //! - [`replica`]: the read replica restarted or promoted (the same figures, and `/readyz`
 //!   naming `postgres_replica`);
 //! - [`memory`]: bursts of aborted live polls (RSS before, at the peak, 30 s after).

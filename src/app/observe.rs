@@ -21,6 +21,17 @@ fn kv(key: &'static str, value: &'static str) -> KeyValue {
     KeyValue::new(key, value)
 }
 
+/// `(value, label value)` pairs as observations of the label `key`.
+fn by_label<const N: usize>(
+    key: &'static str,
+    series: [(u64, &'static str); N],
+) -> Vec<(u64, Vec<KeyValue>)> {
+    series
+        .into_iter()
+        .map(|(value, label)| (value, vec![kv(key, label)]))
+        .collect()
+}
+
 /// Reads router counters as `(value, labels)` observations.
 type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
 
@@ -86,10 +97,10 @@ pub fn register(metrics: &Metrics, sources: Sources) {
     stat(&observed::ROUTER_HYDRATES, |r| {
         let s = r.stats();
         let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
-        vec![
-            (all.saturating_sub(errors), vec![kv("result", "ok")]),
-            (errors, vec![kv("result", "error")]),
-        ]
+        by_label(
+            "result",
+            [(all.saturating_sub(errors), "ok"), (errors, "error")],
+        )
     });
     stat(&observed::ROUTER_HYDRATED_RUNS, |r| {
         vec![(r.stats().hydrated_rows.load(Relaxed), vec![])]
@@ -102,36 +113,33 @@ pub fn register(metrics: &Metrics, sources: Sources) {
     });
     stat(&observed::ROUTER_REPLAYS, |r| {
         let s = r.stats();
-        vec![
-            (
-                s.replays_delivered.load(Relaxed),
-                vec![kv("result", "delivered")],
-            ),
-            (s.replays_empty.load(Relaxed), vec![kv("result", "empty")]),
-        ]
+        by_label(
+            "result",
+            [
+                (s.replays_delivered.load(Relaxed), "delivered"),
+                (s.replays_empty.load(Relaxed), "empty"),
+            ],
+        )
     });
     stat(&observed::ROUTER_REPLAY_EVICTIONS, |r| {
         let s = r.stats();
-        vec![
-            (
-                s.evictions_window.load(Relaxed),
-                vec![kv("reason", "window")],
-            ),
-            (s.evictions_cap.load(Relaxed), vec![kv("reason", "cap")]),
-        ]
+        by_label(
+            "reason",
+            [
+                (s.evictions_window.load(Relaxed), "window"),
+                (s.evictions_cap.load(Relaxed), "cap"),
+            ],
+        )
     });
     stat(&observed::ROUTER_STALE_HYDRATES, |r| {
         let s = r.stats();
-        vec![
-            (
-                s.stale_recovered.load(Relaxed),
-                vec![kv("outcome", "recovered")],
-            ),
-            (
-                s.stale_gave_up.load(Relaxed),
-                vec![kv("outcome", "gave_up")],
-            ),
-        ]
+        by_label(
+            "outcome",
+            [
+                (s.stale_recovered.load(Relaxed), "recovered"),
+                (s.stale_gave_up.load(Relaxed), "gave_up"),
+            ],
+        )
     });
     stat(&observed::NOTIFIER_BATCHES_DELIVERED, |r| {
         vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]

@@ -238,8 +238,12 @@ mod tests {
     fn sign(alg: Algorithm, claims: &Value, key: &str) -> String {
         let mut header = Header::new(alg);
         header.typ = None;
+        sign_with(&header, claims, key)
+    }
+
+    fn sign_with(header: &Header, claims: &Value, key: &str) -> String {
         jsonwebtoken::encode(
-            &header,
+            header,
             claims,
             &EncodingKey::from_secret(key.as_bytes()).unwrap(),
         )
@@ -397,21 +401,9 @@ mod tests {
         let mut header = Header::new(Algorithm::HS256);
         header.typ = Some("run+jwt".into());
         let claims = json!({"sub": "run_1", "iat": now});
-        let run = jsonwebtoken::encode(
-            &header,
-            &claims,
-            &EncodingKey::from_secret(KEY.as_bytes()).unwrap(),
-        )
-        .unwrap();
-        assert!(is_run_token(&run));
+        assert!(is_run_token(&sign_with(&header, &claims, KEY)));
         header.typ = Some("RUN+JWT".into());
-        let upper = jsonwebtoken::encode(
-            &header,
-            &claims,
-            &EncodingKey::from_secret(KEY.as_bytes()).unwrap(),
-        )
-        .unwrap();
-        assert!(is_run_token(&upper));
+        assert!(is_run_token(&sign_with(&header, &claims, KEY)));
         assert!(!is_run_token(&sign(Algorithm::HS256, &base(now), KEY)));
         assert!(!is_run_token("tr_dev_abcdefghijklmnopqrstuvwx"));
         assert!(!is_run_token("a.b.c"));

@@ -528,17 +528,16 @@ mod tests {
             lease_slots: 32,
         };
         let limiter = Limiter::new(None, cfg);
-        let a = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
-        let b = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
+        let (e, org) = (EnvId::new("e"), OrgId::new("org"));
+        let a = limiter.acquire(&e, &org).await;
+        let b = limiter.acquire(&e, &org).await;
         assert!(a.is_some() && b.is_some());
-        let third = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
+        let third = limiter.acquire(&e, &org).await;
         assert!(third.is_none(), "third live poll over a limit of 2");
-        let other_env = limiter
-            .acquire(&EnvId::new("other"), &OrgId::new("org"))
-            .await;
+        let other_env = limiter.acquire(&EnvId::new("other"), &org).await;
         assert!(other_env.is_some(), "counted per environment");
         drop(a);
-        let freed = limiter.acquire(&EnvId::new("e"), &OrgId::new("org")).await;
+        let freed = limiter.acquire(&e, &org).await;
         assert!(freed.is_some(), "a released slot is free at once");
         let zero = limiter
             .acquire(&EnvId::new("e2"), &OrgId::new("small"))

@@ -18,20 +18,15 @@ impl Feeds {
         let resume = Box::pin(self.lookup(poll)).await;
         let known = self.known(poll, &resume);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
-        let set = self
-            .sets
-            .read_shared(&req.env_id, poll.target, req.cols, deadline)
-            .await?;
+        let read = req.read(poll.target, deadline);
+        let set = self.sets.read_shared(read).await?;
         // The cached read may predate records the client has not seen: replay them too.
         let reg = self.router.register(poll.feed(Some(set.cursor))).await;
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         let mut trusted = set.settled;
         if !reg.covered() {
-            let fresh = self
-                .sets
-                .read_covered(&req.env_id, poll.target, req.cols, deadline, &reg)
-                .await?;
+            let fresh = self.sets.read_covered(read, &reg).await?;
             trusted &= fresh.settled;
             pending.extend(fresh.rows.iter().cloned());
         }

@@ -88,22 +88,11 @@ impl Feeds {
         // (`caches.backstop_share_ms`): an older shared read cannot regress a known row. The
         // others (another instance answered the client's last response) read fresh: an older
         // cached row would be sent as an update the client might already be past.
-        let target = poll.target;
+        let read = req.read(poll.target, backstop_deadline);
         let backstop = if known.versions_known() {
-            Box::pin(self.sets.read_backstop(
-                &req.env_id,
-                target,
-                req.cols,
-                backstop_deadline,
-                &known,
-            ))
-            .await
+            Box::pin(self.sets.read_backstop(read, &known)).await
         } else {
-            Box::pin(
-                self.sets
-                    .read_fresh(&req.env_id, target, req.cols, backstop_deadline),
-            )
-            .await
+            Box::pin(self.sets.read_fresh(read)).await
         };
         match backstop {
             Ok(set) => {
@@ -133,7 +122,7 @@ impl Feeds {
         pending: &mut Pending,
     ) -> bool {
         let req = poll.req;
-        let (env_id, target, cols) = (&req.env_id, poll.target, req.cols);
+        let wanted = req.read(poll.target, deadline);
         // Bounded by the poll's deadline (a replay may wait on the read-your-writes gate).
         let read = async {
             let mut covered = known.versions_known();
@@ -142,11 +131,9 @@ impl Feeds {
             let settle_by = Instant::now() + self.router.replica_max_delay().unwrap_or_default();
             loop {
                 let set = if covered {
-                    self.sets
-                        .read_covered(env_id, target, cols, deadline, reg)
-                        .await?
+                    self.sets.read_covered(wanted, reg).await?
                 } else {
-                    self.sets.read_fresh(env_id, target, cols, deadline).await?
+                    self.sets.read_fresh(wanted).await?
                 };
                 let retry = self.router.replica_retry_delay();
                 match retry {

@@ -50,7 +50,7 @@ use crate::telemetry::metrics::{DeliveryPath, Metrics};
 
 pub use diff::{Known, Pending, Version, WorkingSet};
 pub use handles::issued_offset;
-pub use read::{ReadError, RunSet, Target};
+pub use read::{ReadError, RunSet, SetRead, Target};
 pub use sets::{Freshness, Sets};
 use state::{ConnKey, ConnStates};
 pub use state::{ConnState, HOP_BACK_AFTER_MS, SHARED_REWRITE_AFTER};
@@ -76,6 +76,18 @@ pub struct FeedRequest {
     /// The reply feeds an SSE stream: the offsets it mints have an LSN form
     /// (`Offset::lsn`), because the SSE client builds its next offset from the LSN.
     pub sse: bool,
+}
+
+impl FeedRequest {
+    /// A read of `target` for this request, with its columns, given up at `deadline`.
+    fn read<'a>(&'a self, target: &'a Target, deadline: Instant) -> SetRead<'a> {
+        SetRead {
+            env_id: &self.env_id,
+            target,
+            cols: self.cols,
+            deadline,
+        }
+    }
 }
 
 /// A successful (2xx) feed answer.

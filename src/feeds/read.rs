@@ -1,10 +1,12 @@
-//! What a store read is for and what it returns: a feed's [`Target`], the [`RunSet`] read for
-//! it and the [`ReadError`] that ends it. Shared by the readers ([`super::sets`]) and the
-//! backstops ([`super::backstop`]).
+//! What a store read is for and what it returns: a feed's [`Target`], one read of it
+//! ([`SetRead`]), the [`RunSet`] read for it and the [`ReadError`] that ends it. Shared by the
+//! readers ([`super::sets`]) and the backstops ([`super::backstop`]).
 
 use std::sync::Arc;
 
-use crate::protocol::{BatchId, RunId, SerializedRow};
+use tokio::time::Instant;
+
+use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
 use crate::router::ReplayCursor;
 use crate::store::StoreError;
 
@@ -24,6 +26,19 @@ impl Target {
             _ => None,
         }
     }
+}
+
+/// One read of what a feed carries: whose, of what, with which columns and by when.
+#[derive(Clone, Copy, Debug)]
+pub struct SetRead<'a> {
+    /// The environment the feed belongs to.
+    pub env_id: &'a EnvId,
+    /// What the feed is about.
+    pub target: &'a Target,
+    /// The columns its rows are serialized with.
+    pub cols: ColumnSet,
+    /// When the read gives up with [`ReadError::Deadline`].
+    pub deadline: Instant,
 }
 
 /// A store read result: the rows (serialized for one column set) and the router cursor taken

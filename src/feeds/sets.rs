@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::backstop::{BackstopSettings, Backstops, Current};
 use super::diff::Known;
-use super::read::{ReadError, RunSet, Target};
+use super::read::{ReadError, RunSet, SetRead, Target};
 use super::window::{MayBuild, WindowSettings, Windows};
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
@@ -162,13 +162,13 @@ impl Sets {
         self.windows.as_ref().map_or(0, Windows::held_runs)
     }
 
-    /// The cache key of a read of `target` with `cols`.
-    fn set_key(&self, env_id: &EnvId, target: &Target, cols: ColumnSet) -> SetKey {
+    /// The cache key of `read` (its deadline aside).
+    fn set_key(&self, read: SetRead<'_>) -> SetKey {
         SetKey {
-            env_id: env_id.clone(),
-            target: target.clone(),
+            env_id: read.env_id.clone(),
+            target: read.target.clone(),
             cap: self.cap,
-            cols,
+            cols: read.cols,
         }
     }
 
@@ -198,10 +198,7 @@ impl Sets {
         freshness: Freshness,
     ) -> Result<Option<Arc<RunResource>>, StoreError> {
         let read = || self.store.find_run(env_id, id);
-        match freshness {
-            Freshness::Cached => self.runs.cached(env_id, id, read).await,
-            Freshness::Fresh => self.runs.fresh(env_id, id, read).await,
-        }
+        self.runs.find(env_id, id, freshness, read).await
     }
 
     /// The batch named by a friendly id (cached like [`Sets::find_run`]).
@@ -211,27 +208,21 @@ impl Sets {
         id: &FriendlyBatchId,
     ) -> Result<Option<Arc<BatchResource>>, StoreError> {
         let read = || self.store.find_batch(env_id, id);
-        self.batches.cached(env_id, id, read).await
+        self.batches.find(env_id, id, Freshness::Cached, read).await
     }
 
     /// What the feed carries, through the single-flight cache (identical concurrent reads share
     /// one query; a miss takes an admission permit).
-    pub async fn read_shared(
-        &self,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
-    ) -> Result<Arc<RunSet>, ReadError> {
-        let key = self.set_key(env_id, target, cols);
+    pub async fn read_shared(&self, read: SetRead<'_>) -> Result<Arc<RunSet>, ReadError> {
+        let key = self.set_key(read);
         // A settled cached read is returned before the single-flight future (and the store
         // read inside it) is even built: that future is several KiB, moved on every call.
         if let Some(set) = self.sets.get(&key).filter(|set| set.settled) {
             self.metrics
-                .resolve(target_kind(target), ResolveResult::Hit);
+                .resolve(target_kind(read.target), ResolveResult::Hit);
             return Ok(set);
         }
-        Box::pin(self.read_shared_slow(key, env_id, target, cols, deadline)).await
+        Box::pin(self.read_shared_slow(key, read)).await
     }
 
     /// [`Sets::read_shared`] past its cache hit: joins or runs the single-flight read (boxed
@@ -239,21 +230,19 @@ impl Sets {
     async fn read_shared_slow(
         &self,
         key: SetKey,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
+        read: SetRead<'_>,
     ) -> Result<Arc<RunSet>, ReadError> {
         // Metrics: hit (cached), miss (this call ran the query) or coalesced (joined one).
         let cached = self.sets.get(&key).is_some();
         let ran = std::sync::atomic::AtomicBool::new(false);
         let init = async {
             ran.store(true, std::sync::atomic::Ordering::Relaxed);
-            self.read_fresh_inner(env_id, target, cols).await
+            self.read_fresh_inner(read.env_id, read.target, read.cols)
+                .await
         };
-        let ttl = self.set_ttl(target);
+        let ttl = self.set_ttl(read.target);
         let fut = self.sets.get_or_load_for(key.clone(), move |_| ttl, init);
-        let result = shared_by_deadline(deadline, fut).await;
+        let result = shared_by_deadline(read.deadline, fut).await;
         if let Ok(set) = &result {
             // A read the gate gave up on is served (the replica lags) but not kept: the next
             // reader tries again.
@@ -266,7 +255,7 @@ impl Sets {
             (false, true) => ResolveResult::Hit,
             (false, false) => ResolveResult::Coalesced,
         };
-        self.metrics.resolve(target_kind(target), outcome);
+        self.metrics.resolve(target_kind(read.target), outcome);
         result
     }
 
@@ -279,18 +268,19 @@ impl Sets {
     /// predate changes the client already has.
     pub async fn read_backstop(
         &self,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
+        read: SetRead<'_>,
         known: &Known,
     ) -> Result<Arc<RunSet>, ReadError> {
         let Some(views) = &self.views else {
-            return self
-                .read_backstop_whole(env_id, target, cols, deadline)
-                .await;
+            return self.read_backstop_whole(read).await;
         };
-        let full = || self.read_backstop_whole(env_id, target, cols, deadline);
+        let SetRead {
+            env_id,
+            target,
+            cols,
+            deadline,
+        } = read;
+        let full = || self.read_backstop_whole(read);
         let current = views.current(env_id, target, full);
         let view = match tokio::time::timeout_at(deadline, current).await {
             Err(_) => return Err(ReadError::Deadline),
@@ -328,17 +318,11 @@ impl Sets {
 
     /// A backstop's read of the whole filter: [`Sets::read_shared`], reused by every backstop
     /// of the same key for `caches.backstop_share_ms`.
-    async fn read_backstop_whole(
-        &self,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
-    ) -> Result<Arc<RunSet>, ReadError> {
+    async fn read_backstop_whole(&self, read: SetRead<'_>) -> Result<Arc<RunSet>, ReadError> {
         let Some(backstops) = &self.backstops else {
-            return self.read_shared(env_id, target, cols, deadline).await;
+            return self.read_shared(read).await;
         };
-        let key = self.set_key(env_id, target, cols);
+        let key = self.set_key(read);
         // The common case, a backstop of a filter read in the last `backstop_share_ms`, never
         // builds the single-flight future (see `read_shared`).
         if let Some(set) = backstops.get(&key) {
@@ -346,8 +330,8 @@ impl Sets {
         }
         // Only the read that went to the store keeps its result: an entry is never older than
         // the share time.
-        let read = self.read_shared(env_id, target, cols, deadline);
-        shared_by_deadline(deadline, Box::pin(backstops.get_or_load(key, read))).await
+        let shared = self.read_shared(read);
+        shared_by_deadline(read.deadline, Box::pin(backstops.get_or_load(key, shared))).await
     }
 
     /// What the feed carries as of now, for a feed registered as `reg`: the shared read (one
@@ -357,21 +341,18 @@ impl Sets {
     /// once for all callers; only if that fails too does this caller read alone.
     pub async fn read_covered(
         &self,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
+        read: SetRead<'_>,
         reg: &Registration,
     ) -> Result<Arc<RunSet>, ReadError> {
-        let key = self.set_key(env_id, target, cols);
+        let key = self.set_key(read);
         for _ in 0..2 {
-            let set = self.read_shared(env_id, target, cols, deadline).await?;
+            let set = self.read_shared(read).await?;
             if set.settled && reg.replay_since(set.cursor).await {
                 return Ok(set);
             }
             self.drop_cached(&key, &set);
         }
-        self.read_fresh(env_id, target, cols, deadline).await
+        self.read_fresh(read).await
     }
 
     /// Drops `set` from the shared cache if it is still the entry for `key`.
@@ -387,14 +368,9 @@ impl Sets {
 
     /// What the feed carries, read now (no cache): for re-checks that must see the store as it
     /// is after a feed registered.
-    pub async fn read_fresh(
-        &self,
-        env_id: &EnvId,
-        target: &Target,
-        cols: ColumnSet,
-        deadline: Instant,
-    ) -> Result<Arc<RunSet>, ReadError> {
-        match tokio::time::timeout_at(deadline, self.read_fresh_inner(env_id, target, cols)).await {
+    pub async fn read_fresh(&self, read: SetRead<'_>) -> Result<Arc<RunSet>, ReadError> {
+        let fresh = self.read_fresh_inner(read.env_id, read.target, read.cols);
+        match tokio::time::timeout_at(read.deadline, fresh).await {
             Ok(result) => result,
             Err(_) => Err(ReadError::Deadline),
         }
@@ -647,34 +623,26 @@ where
         }
     }
 
-    /// The cached resource, else `read()` (cached when found). The read's future is built only
-    /// on a miss: a store future is several KiB, and a hit should not move one.
-    async fn cached<F>(
+    /// [`Freshness::Cached`]: the cached resource, else `read()`; [`Freshness::Fresh`]:
+    /// `read()` now. What `read()` finds is cached, a miss drops the cached entry. The read's
+    /// future is built only on a miss: a store future is several KiB, and a hit should not
+    /// move one.
+    async fn find<F>(
         &self,
         env_id: &EnvId,
         id: &I,
-        read: impl FnOnce() -> F,
-    ) -> Result<Option<Arc<T>>, StoreError>
-    where
-        F: std::future::Future<Output = Result<Option<T>, StoreError>>,
-    {
-        if let Some(hit) = self.cache.get(&(env_id.clone(), id.clone())) {
-            return Ok(Some(hit));
-        }
-        self.fresh(env_id, id, read).await
-    }
-
-    /// `read()` now, refreshing the cache (a miss drops the cached entry).
-    async fn fresh<F>(
-        &self,
-        env_id: &EnvId,
-        id: &I,
+        freshness: Freshness,
         read: impl FnOnce() -> F,
     ) -> Result<Option<Arc<T>>, StoreError>
     where
         F: std::future::Future<Output = Result<Option<T>, StoreError>>,
     {
         let key = (env_id.clone(), id.clone());
+        if freshness == Freshness::Cached {
+            if let Some(hit) = self.cache.get(&key) {
+                return Ok(Some(hit));
+            }
+        }
         let found = Box::pin(read()).await?.map(Arc::new);
         match &found {
             Some(resource) => self.cache.insert(key, resource.clone()),

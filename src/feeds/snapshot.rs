@@ -46,10 +46,8 @@ impl Feeds {
         let claims = Arc::new(self.claims_for(req, floor));
         let handle = self.handles.mint(&claims);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.live_poll_timeout_ms);
-        let set = self
-            .sets
-            .read_shared(&req.env_id, &target, req.cols, deadline)
-            .await?;
+        let read = req.read(&target, deadline);
+        let set = self.sets.read_shared(read).await?;
         self.router.routed(&req.env_id, received, deadline).await;
         let reg = self
             .router
@@ -63,10 +61,7 @@ impl Feeds {
         let mut pending = Pending::default();
         pending.extend(set.rows.iter().cloned());
         if !reg.covered() && !reg.quiet_since(&set.cursor) {
-            let fresh = self
-                .sets
-                .read_covered(&req.env_id, &target, req.cols, deadline, &reg)
-                .await?;
+            let fresh = self.sets.read_covered(read, &reg).await?;
             pending.extend(fresh.rows.iter().cloned());
         }
         let (mut cursor, late) = reg.settle();

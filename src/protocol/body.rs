@@ -192,13 +192,21 @@ impl From<FragmentBody> for axum::body::Body {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::protocol::encode::serialize_row;
     use crate::protocol::encode::tests::sample_row;
     use crate::protocol::ColumnSet;
     use http_body::Body as _;
     use serde_json::{json, Value};
+
+    /// A body of an insert of `a` then an update of `b` (current API version).
+    pub(crate) fn insert_then_update(a: &SerializedRow, b: &SerializedRow) -> FragmentBody {
+        FragmentBody::changes_then_up_to_date(
+            &[(Operation::Insert, a), (Operation::Update, b)],
+            false,
+        )
+    }
 
     fn parse(body: &FragmentBody) -> Value {
         serde_json::from_slice(&body.to_bytes()).expect("body is JSON")
@@ -239,10 +247,7 @@ mod tests {
         let mut row_b = sample_row();
         row_b.id = "cm_run_2".into();
         let b = serialize_row(&row_b, ColumnSet::ALL);
-        let body = FragmentBody::changes_then_up_to_date(
-            &[(Operation::Insert, &a), (Operation::Update, &b)],
-            false,
-        );
+        let body = insert_then_update(&a, &b);
         let v = parse(&body);
         let arr = v.as_array().expect("array");
         assert_eq!(arr.len(), 3);
@@ -257,10 +262,7 @@ mod tests {
     #[test]
     fn change_messages_are_the_bodys_messages_without_up_to_date() {
         let a = serialize_row(&sample_row(), ColumnSet::ALL);
-        let body = FragmentBody::changes_then_up_to_date(
-            &[(Operation::Insert, &a), (Operation::Update, &a)],
-            false,
-        );
+        let body = insert_then_update(&a, &a);
         let messages = body.change_messages();
         assert_eq!(messages.len(), 2);
         let whole = parse(&body);
@@ -311,10 +313,7 @@ mod tests {
     #[tokio::test]
     async fn http_body_frames_and_exact_size_hint() {
         let a = serialize_row(&sample_row(), ColumnSet::ALL);
-        let body = FragmentBody::changes_then_up_to_date(
-            &[(Operation::Insert, &a), (Operation::Update, &a)],
-            false,
-        );
+        let body = insert_then_update(&a, &a);
         let expected = body.to_bytes();
         let stream = body.clone().into_stream();
         assert_eq!(stream.size_hint().exact(), Some(expected.len() as u64));

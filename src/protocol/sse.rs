@@ -85,7 +85,7 @@ pub fn parse_events(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::body::Operation;
+    use crate::protocol::body::tests::insert_then_update;
     use crate::protocol::encode::serialize_row;
     use crate::protocol::encode::tests::sample_row;
     use crate::protocol::ColumnSet;
@@ -104,10 +104,7 @@ mod tests {
         let mut row = sample_row();
         row.payload = "line one\nline two".into();
         let a = serialize_row(&row, ColumnSet::ALL);
-        let body = FragmentBody::changes_then_up_to_date(
-            &[(Operation::Insert, &a), (Operation::Update, &a)],
-            false,
-        );
+        let body = insert_then_update(&a, &a);
         let parts = change_events(&body);
         assert_eq!(parts[1].as_ptr(), a.fragment.as_ptr());
         let mut text = concat(&parts);

@@ -122,15 +122,9 @@ impl ConcurrencyScript {
             limit.to_string(),
             ENTRY_TTL_S.to_string(),
         ];
-        super::CommandCounts::sent(&self.commands.concurrency, 1);
-        let admitted: i64 = self
-            .script
-            .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
-            .await
-            .map_err(|source| RedisError::Command {
-                op: "concurrency admit",
-                source,
-            })?;
+        let admitted = self
+            .call(&self.script, "concurrency admit", env_id, args)
+            .await?;
         Ok(admitted == 1)
     }
 
@@ -153,15 +147,28 @@ impl ConcurrencyScript {
             ENTRY_TTL_S.to_string(),
         ]);
         args.extend(members.iter().cloned());
+        let added = self
+            .call(&LEASE_SCRIPT, "concurrency lease", env_id, args)
+            .await?;
+        Ok(usize::try_from(added).unwrap_or(0))
+    }
+
+    /// Runs `script` on `env_id`'s set with `args` (one command counted as `concurrency`):
+    /// its integer answer.
+    ///
+    /// Errors: [`RedisError::Command`] named `op` when Redis fails.
+    async fn call(
+        &self,
+        script: &Script,
+        op: &'static str,
+        env_id: &str,
+        args: Vec<String>,
+    ) -> Result<i64, RedisError> {
         super::CommandCounts::sent(&self.commands.concurrency, 1);
-        let added: i64 = LEASE_SCRIPT
+        script
             .evalsha_with_reload(&self.client, vec![format!("{KEY_PREFIX}{env_id}")], args)
             .await
-            .map_err(|source| RedisError::Command {
-                op: "concurrency lease",
-                source,
-            })?;
-        Ok(usize::try_from(added).unwrap_or(0))
+            .map_err(|source| RedisError::Command { op, source })
     }
 
     /// Re-stamps leased `members` of `env_id` at `now_ms` (only those still in the set) and

@@ -210,21 +210,13 @@ impl PgStore {
         reads_from_primary: bool,
     ) -> Result<PgStore, StoreError> {
         let primary = pool_for(primary_url, max_connections, statement_timeout_ms)?;
-        let (replica, distinct_replica) = match replica_url {
+        let replica = match replica_url {
             Some(url) if !reads_from_primary && url != primary_url => {
-                (pool_for(url, max_connections, statement_timeout_ms)?, true)
+                Some(pool_for(url, max_connections, statement_timeout_ms)?)
             }
-            _ => (primary.clone(), false),
+            _ => None,
         };
-        Ok(PgStore {
-            primary,
-            replica,
-            distinct_replica,
-            replica_bypassed: AtomicBool::new(false),
-            queries: AtomicU64::new(0),
-            metrics: std::sync::OnceLock::new(),
-            sql: SqlCache::default(),
-        })
+        Ok(PgStore::from_pools(primary, replica))
     }
 
     /// Builds a store over existing pools (tests, CLI). `replica: None` → reads use `primary`.
@@ -254,12 +246,7 @@ impl PgStore {
     ///
     /// Errors: `StoreError { op: "ping" }`.
     pub async fn ping_primary(&self) -> Result<(), StoreError> {
-        self.count();
-        sqlx::query("SELECT 1")
-            .execute(&self.primary)
-            .await
-            .map_err(store_err("ping"))?;
-        Ok(())
+        self.ping_on(&self.primary).await
     }
 
     /// Runs `SELECT 1` on the replica pool when it is a distinct server (readiness check
@@ -267,13 +254,19 @@ impl PgStore {
     ///
     /// Errors: `StoreError { op: "ping" }`.
     pub async fn ping_replica(&self) -> Result<(), StoreError> {
-        if self.distinct_replica {
-            self.count();
-            sqlx::query("SELECT 1")
-                .execute(&self.replica)
-                .await
-                .map_err(store_err("ping"))?;
+        if !self.distinct_replica {
+            return Ok(());
         }
+        self.ping_on(&self.replica).await
+    }
+
+    /// Runs `SELECT 1` on `pool`.
+    async fn ping_on(&self, pool: &PgPool) -> Result<(), StoreError> {
+        self.count();
+        sqlx::query("SELECT 1")
+            .execute(pool)
+            .await
+            .map_err(store_err("ping"))?;
         Ok(())
     }
 
@@ -445,7 +438,7 @@ impl PgStore {
         &self,
         pool: &PgPool,
         op: &'static str,
-        make: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        make: impl Fn() -> PgQuery<'q>,
     ) -> Result<Vec<PgRow>, StoreError> {
         if let Some(mut conn) = pool.try_acquire() {
             if let Some(metrics) = self.metrics.get() {
@@ -480,13 +473,29 @@ impl PgStore {
         }
     }
 
-    /// The rows `make` selects (on the replica, the primary after a recovery conflict).
+    /// The query `read` for `cols`, its parameters bound by `bind`, made anew at each call.
+    /// Its statement is prepared and cached, except for a query whose plan must fit its
+    /// parameters ([`RunQuery::custom_plan`]).
+    fn statement<'q>(
+        &self,
+        read: RunQuery,
+        cols: ColumnSet,
+        bind: impl Fn(PgQuery<'q>) -> PgQuery<'q>,
+    ) -> impl Fn() -> PgQuery<'q> {
+        let sql = self.sql.get(read, cols);
+        move || bind(sqlx::query(AssertSqlSafe(sql.clone())).persistent(!read.custom_plan()))
+    }
+
+    /// The runs [`Self::statement`] selects (on the replica, the primary after a recovery
+    /// conflict), decoded from the first column on; `op` names the read in errors.
     async fn fetch_runs<'q>(
         &self,
         op: &'static str,
-        make: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        read: RunQuery,
         cols: ColumnSet,
+        bind: impl Fn(PgQuery<'q>) -> PgQuery<'q>,
     ) -> Result<Vec<RunRow>, StoreError> {
+        let make = self.statement(read, cols, bind);
         self.count();
         let rows = self
             .on_replica(|pool| self.fetch_on(pool, op, &make))
@@ -519,6 +528,9 @@ impl PgStore {
     }
 }
 
+/// A Postgres query with its parameters bound, not yet run.
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
 /// A `LIMIT` value for `cap` (Postgres `bigint`).
 fn limit(cap: usize) -> i64 {
     i64::try_from(cap).unwrap_or(i64::MAX)
@@ -535,13 +547,10 @@ impl RunStore for PgStore {
         if run_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = self.sql.get(RunQuery::Hydrate, cols);
-        let query = || {
-            sqlx::query(AssertSqlSafe(sql.clone()))
-                .bind(env_id)
-                .bind(run_ids)
-        };
-        self.fetch_runs("hydrate", query, cols).await
+        self.fetch_runs("hydrate", RunQuery::Hydrate, cols, |q| {
+            q.bind(env_id).bind(run_ids)
+        })
+        .await
     }
 
     async fn hydrate_many(
@@ -559,15 +568,10 @@ impl RunStore for PgStore {
         let ids: Vec<&str> = runs.iter().map(|(_, run)| run.as_str()).collect();
         let envs: BTreeSet<&str> = runs.iter().map(|(env, _)| env.as_str()).collect();
         let envs: Vec<&str> = envs.into_iter().collect();
-        let sql = self.sql.get(RunQuery::HydrateMany, cols);
-        let query = || {
-            sqlx::query(AssertSqlSafe(sql.clone()))
-                .bind(&ids)
-                .bind(&envs)
-        };
+        let make = self.statement(RunQuery::HydrateMany, cols, |q| q.bind(&ids).bind(&envs));
         self.count();
         let rows = self
-            .on_replica(|pool| self.fetch_on(pool, "hydrate_many", &query))
+            .on_replica(|pool| self.fetch_on(pool, "hydrate_many", &make))
             .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -602,25 +606,15 @@ impl RunStore for PgStore {
     ) -> Result<Vec<RunRow>, StoreError> {
         let floor = ms_to_ts(floor_ms);
         if tags.is_empty() {
-            let sql = self.sql.get(RunQuery::TagSetUnfiltered, cols);
-            let query = || {
-                sqlx::query(AssertSqlSafe(sql.clone()))
-                    .bind(env_id)
-                    .bind(floor)
-                    .bind(limit(cap))
-            };
-            self.fetch_runs("resolve_tag_set", query, cols).await
+            self.fetch_runs("resolve_tag_set", RunQuery::TagSetUnfiltered, cols, |q| {
+                q.bind(env_id).bind(floor).bind(limit(cap))
+            })
+            .await
         } else {
-            let sql = self.sql.get(RunQuery::TagSet, cols);
-            let query = || {
-                sqlx::query(AssertSqlSafe(sql.clone()))
-                    .persistent(!RunQuery::TagSet.custom_plan())
-                    .bind(env_id)
-                    .bind(tags)
-                    .bind(floor)
-                    .bind(limit(cap))
-            };
-            self.fetch_runs("resolve_tag_set", query, cols).await
+            self.fetch_runs("resolve_tag_set", RunQuery::TagSet, cols, |q| {
+                q.bind(env_id).bind(tags).bind(floor).bind(limit(cap))
+            })
+            .await
         }
     }
 
@@ -631,14 +625,10 @@ impl RunStore for PgStore {
         cap: usize,
         cols: ColumnSet,
     ) -> Result<Vec<RunRow>, StoreError> {
-        let sql = self.sql.get(RunQuery::BatchSet, cols);
-        let query = || {
-            sqlx::query(AssertSqlSafe(sql.clone()))
-                .bind(env_id)
-                .bind(batch_id)
-                .bind(limit(cap))
-        };
-        self.fetch_runs("resolve_batch_set", query, cols).await
+        self.fetch_runs("resolve_batch_set", RunQuery::BatchSet, cols, |q| {
+            q.bind(env_id).bind(batch_id).bind(limit(cap))
+        })
+        .await
     }
 
     async fn run_heads(

@@ -44,17 +44,10 @@ struct AdminState {
 }
 
 /// A running admin listener.
+#[derive(Debug)]
 pub struct Admin {
     /// The bound address.
     pub addr: SocketAddr,
-}
-
-impl std::fmt::Debug for Admin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admin")
-            .field("addr", &self.addr)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Admin {

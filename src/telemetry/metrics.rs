@@ -377,9 +377,9 @@ where
 }
 
 /// Registers the observable counter `spec`; `report` observes its series at each collection.
-fn observable_counter(
+fn observable_counter<K>(
     meter: &Meter,
-    spec: &Recorded,
+    spec: &Instrument<K>,
     report: impl Fn(&dyn AsyncInstrument<u64>) + Send + Sync + 'static,
 ) {
     meter
@@ -655,14 +655,7 @@ impl Metrics {
         callback: impl Fn(&dyn AsyncInstrument<u64>) + Send + Sync + 'static,
     ) {
         match spec.kind {
-            ObservedKind::Counter => {
-                self.meter
-                    .u64_observable_counter(spec.name)
-                    .with_unit(spec.unit)
-                    .with_description(spec.description)
-                    .with_callback(callback)
-                    .build();
-            }
+            ObservedKind::Counter => observable_counter(&self.meter, spec, callback),
             ObservedKind::Gauge => {
                 self.meter
                     .u64_observable_gauge(spec.name)
@@ -671,6 +664,42 @@ impl Metrics {
                     .with_callback(callback)
                     .build();
             }
+        }
+    }
+}
+
+/// An instrument's declaration: a [`Recorded`] or an [`Observed`], told apart by its kind.
+#[derive(Clone, Copy, Debug)]
+pub struct Instrument<K> {
+    /// Instrument name (`runfeed.<area>.<name>`).
+    pub name: &'static str,
+    /// Counter or histogram ([`RecordedKind`]), counter or gauge ([`ObservedKind`]).
+    pub kind: K,
+    /// UCUM unit.
+    pub unit: &'static str,
+    /// Names of the labels its series carry (besides `otel_scope_name`).
+    pub labels: &'static [&'static str],
+    /// Description (the Prometheus HELP text).
+    pub description: &'static str,
+}
+
+/// The kind of an [`Instrument`], as the metric reference names it.
+pub trait InstrumentKind: Copy {
+    /// `counter`, `histogram` or `gauge`.
+    fn as_str(self) -> &'static str;
+}
+
+impl<K: InstrumentKind> Instrument<K> {
+    /// The instrument as the metric reference lists it.
+    fn exported(&self) -> Exported {
+        let kind = self.kind.as_str();
+        Exported {
+            prometheus: prometheus_name(self.name, self.unit, kind == "counter"),
+            name: self.name,
+            kind,
+            unit: self.unit,
+            labels: self.labels,
+            description: self.description,
         }
     }
 }
@@ -684,21 +713,18 @@ pub enum RecordedKind {
     Histogram,
 }
 
+impl InstrumentKind for RecordedKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            RecordedKind::Counter => "counter",
+            RecordedKind::Histogram => "histogram",
+        }
+    }
+}
+
 /// A synchronous instrument, declared here once; [`Metrics::new`] builds it and the metric
 /// reference (`runfeed metrics-reference`) lists it.
-#[derive(Clone, Copy, Debug)]
-pub struct Recorded {
-    /// Instrument name (`runfeed.<area>.<name>`).
-    pub name: &'static str,
-    /// Counter or histogram.
-    pub kind: RecordedKind,
-    /// UCUM unit.
-    pub unit: &'static str,
-    /// Names of the labels its series carry (besides `otel_scope_name`).
-    pub labels: &'static [&'static str],
-    /// Description (the Prometheus HELP text).
-    pub description: &'static str,
-}
+pub type Recorded = Instrument<RecordedKind>;
 
 /// Every synchronous instrument of [`Metrics`].
 pub mod recorded {
@@ -873,21 +899,18 @@ pub enum ObservedKind {
     Gauge,
 }
 
+impl InstrumentKind for ObservedKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            ObservedKind::Counter => "counter",
+            ObservedKind::Gauge => "gauge",
+        }
+    }
+}
+
 /// An instrument whose value is read at collection time, declared here once; the wiring
 /// (`app::observe`) attaches the callback that reads it.
-#[derive(Clone, Copy, Debug)]
-pub struct Observed {
-    /// Instrument name (`runfeed.<area>.<name>`).
-    pub name: &'static str,
-    /// Counter or gauge.
-    pub kind: ObservedKind,
-    /// UCUM unit.
-    pub unit: &'static str,
-    /// Names of the labels its series carry (besides `otel_scope_name`).
-    pub labels: &'static [&'static str],
-    /// Description (the Prometheus HELP text).
-    pub description: &'static str,
-}
+pub type Observed = Instrument<ObservedKind>;
 
 /// Every observable instrument, and what the wiring reads into it (`app::observe`).
 ///
@@ -1306,28 +1329,8 @@ pub fn prometheus_name(name: &str, unit: &str, counter: bool) -> String {
 pub fn exported() -> Vec<Exported> {
     let mut out: Vec<Exported> = recorded::ALL
         .iter()
-        .map(|r| {
-            let counter = r.kind == RecordedKind::Counter;
-            Exported {
-                prometheus: prometheus_name(r.name, r.unit, counter),
-                name: r.name,
-                kind: if counter { "counter" } else { "histogram" },
-                unit: r.unit,
-                labels: r.labels,
-                description: r.description,
-            }
-        })
-        .chain(observed::ALL.iter().map(|o| {
-            let counter = o.kind == ObservedKind::Counter;
-            Exported {
-                prometheus: prometheus_name(o.name, o.unit, counter),
-                name: o.name,
-                kind: if counter { "counter" } else { "gauge" },
-                unit: o.unit,
-                labels: o.labels,
-                description: o.description,
-            }
-        }))
+        .map(|r| r.exported())
+        .chain(observed::ALL.iter().map(|o| o.exported()))
         .collect();
     out.sort_by(|a, b| a.prometheus.cmp(&b.prometheus));
     out

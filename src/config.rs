@@ -112,7 +112,11 @@ pub struct DatabaseConfig {
     pub run_reads_from_primary: bool,
     /// Connections per pool (the primary's and the replica's each).
     pub max_connections: u32,
-    /// Per-query timeout, ms.
+    /// Per-query timeout, ms: the server's `statement_timeout` on runfeed's connections, and
+    /// runfeed's own bound on each query's answer, this plus 1 000 ms (a frozen server cannot
+    /// enforce its timeout; the connection of a query that got no answer in time is closed and
+    /// the request gets a 503). 0: the server's setting applies (use 0 behind PgBouncer) and
+    /// runfeed waits at most 30 000 ms for an answer.
     pub statement_timeout_ms: u64,
 }
 

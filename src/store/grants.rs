@@ -189,20 +189,24 @@ ORDER BY t.ord
 
 const FUNCTIONS_SQL: &str = "SELECT f, has_function_privilege(f, 'EXECUTE') AS ok, current_user::text AS role FROM unnest($1::text[]) AS f";
 
-/// What the role connected through `pool` cannot read of [`required`] and [`FUNCTIONS`]
-/// (empty: everything is there), and the role's name.
+/// What the role connected through `pool` (one of `store`'s pools, queried through
+/// `PgStore::fetch_on`, so bounded like every store query) cannot read of [`required`] and
+/// [`FUNCTIONS`] (empty: everything is there), and the role's name.
 ///
 /// Errors: the catalog queries fail (connection, timeout).
-pub async fn missing_on(pool: &PgPool) -> Result<(String, Vec<Missing>), sqlx::Error> {
+pub async fn missing_on(
+    store: &PgStore,
+    pool: &PgPool,
+) -> Result<(String, Vec<Missing>), sqlx::Error> {
     let (tables, columns): (Vec<&str>, Vec<&str>) = required()
         .iter()
         .flat_map(|g| g.columns.iter().map(move |c| (g.table, *c)))
         .unzip();
-    let rows = sqlx::query(COLUMNS_SQL)
-        .bind(&tables)
-        .bind(&columns)
-        .fetch_all(pool)
-        .await?;
+    let query = || sqlx::query(COLUMNS_SQL).bind(&tables).bind(&columns);
+    let rows = store
+        .fetch_on(pool, "grants", query)
+        .await
+        .map_err(|e| e.source)?;
     let mut missing = Vec::new();
     let mut push = |m: Missing| {
         if !missing.contains(&m) {
@@ -225,10 +229,11 @@ pub async fn missing_on(pool: &PgPool) -> Result<(String, Vec<Missing>), sqlx::E
             push(Missing::Select { table, column });
         }
     }
-    let rows = sqlx::query(FUNCTIONS_SQL)
-        .bind(FUNCTIONS)
-        .fetch_all(pool)
-        .await?;
+    let query = || sqlx::query(FUNCTIONS_SQL).bind(FUNCTIONS);
+    let rows = store
+        .fetch_on(pool, "grants", query)
+        .await
+        .map_err(|e| e.source)?;
     let mut role = String::new();
     for row in &rows {
         role = row.try_get("role")?;
@@ -252,7 +257,7 @@ pub async fn check(store: &PgStore) -> Result<(), GrantError> {
         servers.push((Server::Replica, store.replica()));
     }
     for (server, pool) in servers {
-        let (role, missing) = missing_on(pool)
+        let (role, missing) = missing_on(store, pool)
             .await
             .map_err(|source| GrantError::Query { server, source })?;
         if !missing.is_empty() {

@@ -66,9 +66,11 @@ fn lag_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
 #[async_trait]
 impl ReplicaProbe for PgStore {
     async fn primary_lsn(&self) -> Result<Lsn, StoreError> {
-        let row = sqlx::query("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8 AS lsn")
-            .fetch_one(self.primary())
-            .await
+        let query = || sqlx::query("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8 AS lsn");
+        let row = self
+            .fetch_first_on(self.primary(), "primary_lsn", query)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)
             .map_err(lag_err("primary_lsn"))?;
         let lsn: i64 = row.try_get("lsn").map_err(lag_err("primary_lsn"))?;
         Ok(u64::try_from(lsn).unwrap_or(0))
@@ -103,12 +105,16 @@ impl PgStore {
         if !self.has_distinct_replica() {
             return Ok(None);
         }
-        let row = sqlx::query(
-            "SELECT pg_is_in_recovery() AS recovering, (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::int8 AS lsn",
-        )
-        .fetch_one(self.replica())
-        .await
-        .map_err(lag_err("replica_replay_lsn"))?;
+        let query = || {
+            sqlx::query(
+                "SELECT pg_is_in_recovery() AS recovering, (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::int8 AS lsn",
+            )
+        };
+        let row = self
+            .fetch_first_on(self.replica(), "replica_replay_lsn", query)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)
+            .map_err(lag_err("replica_replay_lsn"))?;
         let in_recovery: bool = row
             .try_get("recovering")
             .map_err(lag_err("replica_replay_lsn"))?;

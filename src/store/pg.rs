@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, PgPool, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::query::Query;
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use super::sql::{
     decode_head, decode_run, ms_to_ts, RunQuery, SqlCache, HEADS_BY_ID, HEADS_CREATED_SINCE,
@@ -23,6 +25,25 @@ use crate::telemetry::metrics::Metrics;
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 /// How long a query waits for a pooled connection before failing (`PoolTimedOut`).
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How much longer than `database.statement_timeout_ms` runfeed waits for the answer to a query
+/// before giving up on it itself ([`query_bound`]): the server cancels a statement at its
+/// timeout and answers at once, unless it cannot answer at all (frozen, or a network that
+/// drops packets without closing the connection).
+pub const QUERY_TIMEOUT_MARGIN: Duration = Duration::from_secs(1);
+/// The client-side bound of a query when `database.statement_timeout_ms` is 0 (the server's
+/// own setting applies, unknown to runfeed): ([`query_bound`]).
+pub const QUERY_TIMEOUT_FALLBACK: Duration = Duration::from_secs(30);
+
+/// How long runfeed waits for the answer to one query on a connection, whatever the server
+/// does: `statement_timeout_ms` + [`QUERY_TIMEOUT_MARGIN`], or [`QUERY_TIMEOUT_FALLBACK`] when
+/// it is 0. Waiting for a pooled connection is bounded apart ([`ACQUIRE_TIMEOUT`]).
+pub fn query_bound(statement_timeout_ms: u64) -> Duration {
+    if statement_timeout_ms == 0 {
+        QUERY_TIMEOUT_FALLBACK
+    } else {
+        Duration::from_millis(statement_timeout_ms).saturating_add(QUERY_TIMEOUT_MARGIN)
+    }
+}
 
 /// The Postgres implementation: a primary pool and a replica pool (the same pool when no replica
 /// is configured, or when reads are forced to the primary). Counts the queries it issues
@@ -37,6 +58,10 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// behind it). No session `TimeZone` is needed: timestamps are bound and decoded as
 /// `timestamp without time zone` holding UTC, and "now" comparisons use
 /// `now() AT TIME ZONE 'UTC'` (docs/trigger-dev.md §1.1).
+///
+/// Every query waits at most [`query_bound`] for its answer ([`PgStore::fetch_on`]): a frozen
+/// server cannot enforce its own `statement_timeout`. A connection whose query did not finish
+/// (timed out, or its caller gave up) is closed, never handed to the next query.
 pub struct PgStore {
     primary: PgPool,
     replica: PgPool,
@@ -46,12 +71,15 @@ pub struct PgStore {
     replica_bypassed: AtomicBool,
     queries: AtomicU64,
     sql: SqlCache,
+    /// How long a query waits for its answer ([`query_bound`]).
+    query_bound: Duration,
     /// Instruments (acquire waits); no-op until [`PgStore::set_metrics`].
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
 /// Errors of every [`PgStore`] in this process by kind (the `runfeed.pg.errors` metric):
-/// connection, pool_timeout, database, other.
+/// connection (a query with no answer within [`query_bound`] too), pool_timeout, database,
+/// other.
 static ERRORS: [AtomicU64; 4] = [
     AtomicU64::new(0),
     AtomicU64::new(0),
@@ -75,15 +103,63 @@ pub(super) fn count_error(err: &sqlx::Error) {
 }
 
 /// Whether `err` says the connection itself is gone (closed by the server or the network, or
-/// the server shutting down: SQLSTATE classes 08 and 57P), not that the statement failed.
+/// the server shutting down: SQLSTATE classes 08 and 57P), not that the statement failed. A
+/// timeout is not: the server did not answer, and asking it again would only wait as long.
 fn is_connection_lost(err: &sqlx::Error) -> bool {
     match err {
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Io(e) => e.kind() != std::io::ErrorKind::TimedOut,
+        sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
         sqlx::Error::Database(e) => e
             .code()
             .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
         _ => false,
     }
+}
+
+/// The error of a query with no answer within `bound`: an I/O error of kind `TimedOut` (counted
+/// as `connection`, and a 503 at the HTTP edge like every store failure).
+fn timed_out(bound: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer within {} ms (database.statement_timeout_ms and a margin); the connection is closed",
+            bound.as_millis()
+        ),
+    ))
+}
+
+/// A pooled connection running one query: back to the pool once the query finished (with rows
+/// or an error), closed instead when dropped before that (the query timed out, or the caller
+/// gave up on it). sqlx would otherwise ping it on its way back, and that ping waits as long as
+/// an unanswered query: on a frozen server, forever, holding the pool's slot.
+struct Running {
+    conn: PoolConnection<Postgres>,
+    finished: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+/// The rows of `query` on `conn`, waiting at most `bound` for them ([`Running`]).
+async fn fetch_bounded(
+    conn: PoolConnection<Postgres>,
+    bound: Duration,
+    query: Query<'_, Postgres, PgArguments>,
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    let mut running = Running {
+        conn,
+        finished: false,
+    };
+    let rows = tokio::time::timeout(bound, query.fetch_all(&mut *running.conn))
+        .await
+        .map_err(|_| timed_out(bound))?;
+    running.finished = true;
+    rows
 }
 
 fn store_err(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
@@ -197,7 +273,8 @@ impl PgStore {
     }
 
     /// Like [`PgStore::connect_lazy`] with explicit settings: `max_connections` per pool,
-    /// `statement_timeout_ms` (0 = server default), and `reads_from_primary`: every read goes to
+    /// `statement_timeout_ms` (0 = server default; every query also waits at most
+    /// [`query_bound`] of it for its answer), and `reads_from_primary`: every read goes to
     /// the primary and no replica pool is built (trigger's
     /// `REALTIME_BACKEND_NATIVE_RUN_READS_FROM_PRIMARY=1`, behaviour HYD-05).
     ///
@@ -216,10 +293,14 @@ impl PgStore {
             }
             _ => None,
         };
-        Ok(PgStore::from_pools(primary, replica))
+        Ok(PgStore {
+            query_bound: query_bound(statement_timeout_ms),
+            ..PgStore::from_pools(primary, replica)
+        })
     }
 
     /// Builds a store over existing pools (tests, CLI). `replica: None` → reads use `primary`.
+    /// Queries wait at most [`QUERY_TIMEOUT_FALLBACK`] for their answer.
     pub fn from_pools(primary: PgPool, replica: Option<PgPool>) -> PgStore {
         let distinct_replica = replica.is_some();
         let replica = replica.unwrap_or_else(|| primary.clone());
@@ -231,6 +312,7 @@ impl PgStore {
             queries: AtomicU64::new(0),
             metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
+            query_bound: query_bound(0),
         }
     }
 
@@ -263,10 +345,8 @@ impl PgStore {
     /// Runs `SELECT 1` on `pool`.
     async fn ping_on(&self, pool: &PgPool) -> Result<(), StoreError> {
         self.count();
-        sqlx::query("SELECT 1")
-            .execute(pool)
-            .await
-            .map_err(store_err("ping"))?;
+        self.fetch_on(pool, "ping", || sqlx::query("SELECT 1"))
+            .await?;
         Ok(())
     }
 
@@ -276,7 +356,7 @@ impl PgStore {
     }
 
     /// Query errors of every store in this process by kind: `connection` (I/O, TLS, protocol,
-    /// pool closed), `pool_timeout`, `database` (SQL errors, statement timeouts), `other`
+    /// pool closed, no answer within [`query_bound`]), `pool_timeout`, `database` (SQL errors, statement timeouts), `other`
     /// (decoding, configuration). Exported as `runfeed.pg.errors`.
     pub fn error_counts() -> [(&'static str, u64); 4] {
         std::array::from_fn(|i| (ERROR_KINDS[i], ERRORS[i].load(Ordering::Relaxed)))
@@ -346,12 +426,12 @@ impl PgStore {
     ) -> Result<Option<RunRow>, StoreError> {
         let sql = self.sql.get(RunQuery::ReadOne, cols);
         self.count();
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(env_id)
-            .bind(run_id)
-            .fetch_optional(pool)
-            .await
-            .map_err(store_err("read_run"))?;
+        let query = || {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(env_id)
+                .bind(run_id)
+        };
+        let row = self.fetch_first_on(pool, "read_run", query).await?;
         row.map(|r| decode_run(&r, cols, 0))
             .transpose()
             .map_err(store_err("read_run"))
@@ -366,12 +446,8 @@ impl PgStore {
         friendly_id: &str,
     ) -> Result<Option<T>, StoreError> {
         self.count();
-        let row = sqlx::query(lookup.sql)
-            .bind(friendly_id)
-            .bind(env_id)
-            .fetch_optional(pool)
-            .await
-            .map_err(store_err(lookup.op))?;
+        let query = || sqlx::query(lookup.sql).bind(friendly_id).bind(env_id);
+        let row = self.fetch_first_on(pool, lookup.op, query).await?;
         row.as_ref()
             .map(lookup.decode)
             .transpose()
@@ -426,33 +502,50 @@ impl PgStore {
         Ok(conn)
     }
 
-    /// Runs `make()` on a connection of `pool`: an idle one taken at once when nobody queues
-    /// for the pool, else one from [`PgStore::acquire_on`].
+    /// The rows of `make()` on a connection of `pool`: an idle one taken at once when nobody
+    /// queues for the pool, else one from [`PgStore::acquire_on`]. The one way runfeed queries
+    /// Postgres: every query waits at most [`query_bound`] for its answer, and a connection
+    /// whose query did not finish is closed ([`Running`]).
     ///
     /// Taking an idle connection directly skips `acquire`'s ping (a Postgres round trip per
     /// read) and its future; sqlx pinged the connection when it took it back. When one turns
     /// out to be dead all the same (the server closed it while it sat in the pool), the read
     /// runs once more on a connection from `acquire`, as it would have in the first place:
     /// these reads have no side effects.
-    async fn fetch_on<'q>(
+    ///
+    /// Errors: `StoreError { op }`: acquiring (`PoolTimedOut` after [`ACQUIRE_TIMEOUT`]), the
+    /// query (SQL, connection, an I/O `TimedOut` after [`query_bound`]), never a hang.
+    pub(super) async fn fetch_on<'q>(
         &self,
         pool: &PgPool,
         op: &'static str,
         make: impl Fn() -> PgQuery<'q>,
     ) -> Result<Vec<PgRow>, StoreError> {
-        if let Some(mut conn) = pool.try_acquire() {
+        if let Some(conn) = pool.try_acquire() {
             if let Some(metrics) = self.metrics.get() {
                 metrics.pg_acquired(Duration::ZERO);
             }
-            match make().fetch_all(&mut *conn).await {
+            match fetch_bounded(conn, self.query_bound, make()).await {
                 Err(err) if is_connection_lost(&err) => {
                     tracing::debug!(op, error = %err, "idle pooled connection was lost; reading again on another");
                 }
                 other => return other.map_err(store_err(op)),
             }
         }
-        let mut conn = self.acquire_on(pool, op).await?;
-        make().fetch_all(&mut *conn).await.map_err(store_err(op))
+        let conn = self.acquire_on(pool, op).await?;
+        fetch_bounded(conn, self.query_bound, make())
+            .await
+            .map_err(store_err(op))
+    }
+
+    /// The first row of `make()` ([`PgStore::fetch_on`]), for statements of one row at most.
+    pub(super) async fn fetch_first_on<'q>(
+        &self,
+        pool: &PgPool,
+        op: &'static str,
+        make: impl Fn() -> Query<'q, Postgres, PgArguments>,
+    ) -> Result<Option<PgRow>, StoreError> {
+        Ok(self.fetch_on(pool, op, make).await?.into_iter().next())
     }
 
     /// Runs `read` on the replica (the primary while the replica is bypassed); when the standby
@@ -513,14 +606,15 @@ impl PgStore {
         binds: &[&str],
     ) -> Result<Option<EnvRecord>, StoreError> {
         self.count();
+        let query = || {
+            let mut query = sqlx::query(sql);
+            for b in binds {
+                query = query.bind(*b);
+            }
+            query
+        };
         let row = self
-            .on_replica(|pool| async move {
-                let mut query = sqlx::query(sql);
-                for b in binds {
-                    query = query.bind(*b);
-                }
-                query.fetch_optional(pool).await.map_err(store_err(op))
-            })
+            .on_replica(|pool| self.fetch_first_on(pool, op, query))
             .await?;
         row.map(|r| decode_env(&r))
             .transpose()
@@ -701,18 +795,32 @@ impl EnvStore for PgStore {
 
     async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError> {
         self.count();
+        let query = || sqlx::query(SQL_REVOKED_KEYS).bind(env_id);
         let rows = self
-            .on_replica(|pool| async move {
-                sqlx::query(SQL_REVOKED_KEYS)
-                    .bind(env_id)
-                    .fetch_all(pool)
-                    .await
-                    .map_err(store_err("revoked_keys"))
-            })
+            .on_replica(|pool| self.fetch_on(pool, "revoked_keys", query))
             .await?;
         rows.iter()
             .map(|r| r.try_get::<String, _>("apiKey"))
             .collect::<Result<Vec<_>, _>>()
             .map_err(store_err("revoked_keys"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_waits_the_statement_timeout_and_a_margin_or_the_fallback_without_one() {
+        assert_eq!(query_bound(10_000), Duration::from_millis(11_000));
+        assert_eq!(query_bound(1), Duration::from_millis(1_001));
+        assert_eq!(query_bound(0), QUERY_TIMEOUT_FALLBACK);
+    }
+
+    #[test]
+    fn a_timeout_is_not_a_lost_connection_worth_reading_again() {
+        let err = timed_out(Duration::from_secs(1));
+        assert!(!is_connection_lost(&err));
+        assert!(err.to_string().contains("1000 ms"), "{err}");
     }
 }

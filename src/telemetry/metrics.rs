@@ -1084,7 +1084,7 @@ pub mod observed {
         kind: ObservedKind::Counter,
         unit: "{error}",
         labels: &["kind"],
-        description: "Postgres errors by kind: connection, pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
+        description: "Postgres errors by kind: connection (also a query with no answer within database.statement_timeout_ms + 1 s), pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
     };
 
     /// `runfeed.pg.replica_bypassed` (gauge).

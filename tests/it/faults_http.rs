@@ -2,8 +2,8 @@
 //!
 //! - tokens during a hold: a public token that expires while its feed is held gets a JSON 401
 //!   on the next poll; a run token (`typ: run+jwt`) gets a JSON 401 naming its type;
-//! - Postgres faults: a stopped primary, and `max_connections` exhausted by another client,
-//!   give a JSON 503 with `Retry-After` within the pool's acquire bound (never a hang),
+//! - Postgres faults: a stopped primary, a frozen one (SIGSTOP), and `max_connections`
+//!   exhausted by another client, give a JSON 503 with `Retry-After` within the pool's acquire bound (never a hang),
 //!   `/readyz` names `postgres`, and service resumes without restarting runfeed (an own
 //!   PostgreSQL instance from scripts/pg-instance.sh, never the shared one);
 //! - a read replica promoted while the primary keeps taking the writes (a streaming replica of
@@ -337,6 +337,136 @@ async fn max_connections_exhausted_by_another_client_gets_a_json_503_then_servic
     assert_not_ready_for(&http, running.admin_addr.expect("admin"), "postgres").await;
     drop(hog);
     wait_served(&http, &fresh_url, &headers).await;
+    running.stop().await;
+    db.pool.close().await;
+}
+
+/// A frozen Postgres (the postmaster and every backend SIGSTOPped: no error comes back and no
+/// connection closes) cannot enforce its own `statement_timeout`: runfeed bounds every query
+/// itself, so each request that needs the store (a new API key, a cold snapshot of a run, a new
+/// tag, a batch), on the connections its pool already holds or on new ones, is a JSON 503 with
+/// `Retry-After` within the statement timeout plus the pool's acquire bound — never a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_postgres_answers_503_within_the_statement_timeout() {
+    let pg = OwnPostgres::start(50);
+    let db = made("test db", TestDb::create(&pg.admin())).await;
+    let mut config = test_config(&db.url, 2_000);
+    config.database.max_connections = 4;
+    config.database.statement_timeout_ms = 2_000;
+    let running = within(WAIT, "start runfeed", app::start(config))
+        .await
+        .expect("start runfeed");
+    let base = format!("http://{}", running.addr);
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
+    let other = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        runs.push(
+            made(
+                "run",
+                fixtures::create_run(&db.pool, &env, RunSpec::default()),
+            )
+            .await,
+        );
+    }
+    let other_run = made(
+        "run",
+        fixtures::create_run(&db.pool, &other, RunSpec::default()),
+    )
+    .await;
+    let headers = modern(&env.api_key);
+    // Open the pool's connections: concurrent snapshots of the first runs.
+    let warm = runs[..4].iter().map(|run| {
+        let (http, headers) = (http.clone(), headers.clone());
+        let url = format!("{base}{}", run_url(&run.friendly_id).snapshot().render());
+        tokio::spawn(async move { get(&http, &url, &headers).await })
+    });
+    for r in warm.collect::<Vec<_>>() {
+        r.await.expect("warm-up task").assert_status(200);
+    }
+    // Queries in flight when the database freezes: held on a lock (server-side, within the
+    // statement timeout) until every backend is stopped, so none can time out on its own.
+    let mut lock = db.pool.begin().await.expect("begin");
+    sqlx::query(r#"LOCK TABLE "RuntimeEnvironment", "TaskRun" IN ACCESS EXCLUSIVE MODE"#)
+        .execute(&mut *lock)
+        .await
+        .expect("lock the tables");
+    let ask = |what: &'static str, url: Url, headers: Vec<(String, String)>| {
+        let http = http.clone();
+        let url = format!("{base}{}", url.render());
+        tokio::spawn(async move { (what, get(&http, &url, &headers).await) })
+    };
+    let mut asked = vec![
+        ask(
+            "a new API key",
+            run_url(&other_run.friendly_id).snapshot(),
+            modern(&other.api_key),
+        ),
+        ask(
+            "a cold snapshot of a run",
+            run_url(&runs[4].friendly_id).snapshot(),
+            headers.clone(),
+        ),
+    ];
+    within(Duration::from_secs(2), "runfeed's queries wait on the lock", async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'runfeed' AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .expect("pg_stat_activity");
+            if waiting >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let frozen = runfeed_dev::faults::postgres::Frozen::stop(pg.port).expect("SIGSTOP postgres");
+    // And requests that need the store once it is frozen.
+    asked.extend([
+        ask(
+            "a new tag",
+            tag_url("frozen-tag").snapshot(),
+            headers.clone(),
+        ),
+        ask(
+            "a batch",
+            batch_url("batch_frozen").snapshot(),
+            headers.clone(),
+        ),
+        ask(
+            "a run that does not exist",
+            run_url("run_frozen").snapshot(),
+            headers.clone(),
+        ),
+    ]);
+    for task in asked {
+        let (what, r) = within(Duration::from_secs(20), "a request while frozen", task)
+            .await
+            .expect("request task");
+        assert_json_503(&r, what);
+    }
+    // A second round on what the first round left in the pool.
+    let again = get(
+        &http,
+        &format!("{base}{}", tag_url("frozen-tag-2").snapshot().render()),
+        &headers,
+    )
+    .await;
+    assert_json_503(&again, "a request after the first round");
+    drop(frozen); // SIGCONT
+    lock.rollback().await.expect("release the lock");
+    let url = format!(
+        "{base}{}",
+        run_url(&runs[4].friendly_id).snapshot().render()
+    );
+    wait_served(&http, &url, &headers).await;
     running.stop().await;
     db.pool.close().await;
 }

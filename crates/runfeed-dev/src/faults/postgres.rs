@@ -107,13 +107,16 @@ fn signal(signal: &str, pids: &[u32]) -> anyhow::Result<()> {
 }
 
 /// Processes stopped with SIGSTOP; dropping it sends them SIGCONT (also when the scenario
-/// fails half-way: a frozen instance would outlive it).
-struct Frozen(Vec<u32>);
+/// fails half-way: a frozen instance would outlive it). Also the frozen-database test of
+/// `tests/it/faults_http.rs`.
+pub struct Frozen(Vec<u32>);
 
 impl Frozen {
     /// Stops the own instance on `port`: the postmaster first (it forks no backend while
     /// stopped), then every child it has.
-    fn stop(port: u16) -> anyhow::Result<Frozen> {
+    ///
+    /// Errors: the data directory has no `postmaster.pid`, or `kill` fails.
+    pub fn stop(port: u16) -> anyhow::Result<Frozen> {
         let pids = instance_pids(port)?;
         signal("-STOP", &pids[..1])?;
         let mut frozen = Frozen(pids[..1].to_vec());

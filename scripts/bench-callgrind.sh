@@ -117,7 +117,7 @@ if [ "$SCENARIO" = change ]; then
     awk -v pat="$1" -v n="$n" -v label="$2" 'index($0, pat) { gsub(",", "", $1); if ($1 + 0 > best) best = $1 + 0 }
       END { if (n > 0) printf "  of which %s: %.0f\n", label, best / n }' "$OUT/annotate.txt"
   }
-  part "runfeed::router::batch::dispatch::{{closure}}::{{closure}} " "the hydrate task (gate, query, decode, serialize, fan-out)"
+  part "runfeed::router::Inner>::hydrate_batch::{{closure}} " "the hydrate task (gate, query, decode, serialize, fan-out)"
   part "<runfeed::store::pg::PgStore as runfeed::store::RunStore>::hydrate_many::{{closure}}" "the store's hydrate_many (query and row decode)"
   part "runfeed::protocol::encode::serialize_row " "serialize_row"
   part "runfeed::changes::record::ChangeRecord::decode " "the record decoder"

@@ -166,6 +166,11 @@ impl Drop for OwnPostgres {
 async fn serve_on(db: &TestDb, hold_ms: u64) -> (app::Running, reqwest::Client, String) {
     let mut config = test_config(&db.url, hold_ms);
     config.database.max_connections = 4;
+    serve(config).await
+}
+
+/// An in-process runfeed with `config`, its HTTP client and base URL.
+async fn serve(config: runfeed::config::Config) -> (app::Running, reqwest::Client, String) {
     let running = within(WAIT, "start runfeed", app::start(config))
         .await
         .expect("start runfeed");
@@ -353,14 +358,7 @@ async fn a_frozen_postgres_answers_503_within_the_statement_timeout() {
     let mut config = test_config(&db.url, 2_000);
     config.database.max_connections = 4;
     config.database.statement_timeout_ms = 2_000;
-    let running = within(WAIT, "start runfeed", app::start(config))
-        .await
-        .expect("start runfeed");
-    let base = format!("http://{}", running.addr);
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client");
+    let (running, http, base) = serve(config).await;
     let env = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
     let other = made("env", fixtures::create_env(&db.pool, "DEVELOPMENT")).await;
     let mut runs = Vec::new();

@@ -654,20 +654,13 @@ async fn timed_snapshot(
 /// [`probe`] on a thread and runtime of its own, with its own connections: a probe's request
 /// then never waits behind the stampede's thousand tasks in this process's runtime, so what it
 /// measures is the server's latency, not the load generator's queue.
-fn probe_apart(
-    b: Arc<Bench>,
-    busy: Arc<DemoEnv>,
-    feeds: ProbeFeeds,
-    n: usize,
-    interval: Duration,
-    done: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<(usize, [Probed; 3])> {
+fn probe_apart(plan: ProbePlan) -> std::thread::JoinHandle<(usize, [Probed; 3])> {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build();
         match rt {
-            Ok(rt) => rt.block_on(probe(b, busy, feeds, n, interval, done)),
+            Ok(rt) => rt.block_on(probe(plan)),
             Err(err) => {
                 eprintln!("probe runtime: {err}");
                 (0, Default::default())
@@ -676,16 +669,28 @@ fn probe_apart(
     })
 }
 
-/// Probe rounds, one every `interval` until `done` or `n` rounds: each round snapshots one of
-/// each probe feed at once, in a task of its own (a slow round does not delay the next).
-async fn probe(
+/// What the fairness probe takes: up to `n` rounds, one every `interval`, until `done`; the run
+/// and batch feeds belong to `busy`.
+struct ProbePlan {
     b: Arc<Bench>,
     busy: Arc<DemoEnv>,
     feeds: ProbeFeeds,
     n: usize,
     interval: Duration,
     done: Arc<AtomicBool>,
-) -> (usize, [Probed; 3]) {
+}
+
+/// Probe rounds ([`ProbePlan`]): each round snapshots one of each probe feed at once, in a task
+/// of its own (a slow round does not delay the next).
+async fn probe(plan: ProbePlan) -> (usize, [Probed; 3]) {
+    let ProbePlan {
+        b,
+        busy,
+        feeds,
+        n,
+        interval,
+        done,
+    } = plan;
     let client = match reqwest::Client::builder().no_proxy().build() {
         Ok(client) => client,
         Err(err) => {
@@ -1215,14 +1220,14 @@ pub(crate) async fn volume(a: VolumeArgs) -> anyhow::Result<()> {
     let done = Arc::new(AtomicBool::new(false));
     let sampler = AdmissionPeak::start(&b, Duration::from_millis(20));
     let started = Instant::now();
-    let prober = probe_apart(
-        b.clone(),
-        busy.clone(),
-        probes,
-        a.probes,
-        Duration::from_millis(a.probe_interval_ms),
-        done.clone(),
-    );
+    let prober = probe_apart(ProbePlan {
+        b: b.clone(),
+        busy: busy.clone(),
+        feeds: probes,
+        n: a.probes,
+        interval: Duration::from_millis(a.probe_interval_ms),
+        done: done.clone(),
+    });
     let tasks = spawn_snapshots(&b, &busy, &feeds);
     let mut lat = Vec::new();
     let mut snaps: Vec<Option<Resp>> = Vec::new();

@@ -582,6 +582,14 @@ async fn a_replica_recovery_conflict_is_retried_not_answered_503() {
         .execute(&mut *a)
         .await
         .expect("lock Project");
+    // The lock's WAL record belongs to a transaction that stays open, so nothing flushes it: the
+    // WAL writer flushes whole pages and asynchronous commits, and the background writer's next
+    // standby snapshot may come 15 s or more later. A commit of another transaction flushes the
+    // WAL up to itself, the lock's record included, and the replica can replay it.
+    sqlx::query("SELECT txid_current()")
+        .execute(srv.pool())
+        .await
+        .expect("flush the WAL with a commit");
     wait_sql(
         &replica,
         "the Project lock replayed",

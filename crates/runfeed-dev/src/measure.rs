@@ -3,12 +3,28 @@
 
 /// Sum of every sample of the Prometheus family `name` in `text` (None when absent).
 pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    metric_sum_where(text, name, |_| true)
+}
+
+/// [`metric_sum`] over the samples whose labels include `label` (`key="value"`).
+pub fn metric_sum_labelled(text: &str, name: &str, label: &str) -> Option<f64> {
+    metric_sum_where(text, name, |labels| labels.split(',').any(|l| l == label))
+}
+
+/// Sum of the samples of `name` whose label set (between the braces; empty without) `keep`
+/// accepts.
+fn metric_sum_where(text: &str, name: &str, keep: impl Fn(&str) -> bool) -> Option<f64> {
     let mut found = None;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some(rest) = line.strip_prefix(name) else {
             continue;
         };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+        let labels = match rest.strip_prefix('{') {
+            Some(inner) => inner.split_once('}').map_or("", |(labels, _)| labels),
+            None if rest.starts_with(' ') => "",
+            None => continue,
+        };
+        if !keep(labels) {
             continue;
         }
         if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
@@ -110,5 +126,24 @@ impl CpuTally {
     /// Processes seen in the window.
     pub fn processes(&self) -> usize {
         self.seen.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{metric_sum, metric_sum_labelled};
+
+    const TEXT: &str = "# HELP x_total x\nx_total{path=\"a\",kind=\"k\"} 2\nx_total{path=\"b\"} 3\nx_total_other 7\ny 1\n";
+
+    #[test]
+    fn a_family_sums_every_sample_and_a_label_only_its_own() {
+        assert_eq!(metric_sum(TEXT, "x_total"), Some(5.0));
+        assert_eq!(
+            metric_sum_labelled(TEXT, "x_total", "path=\"a\""),
+            Some(2.0)
+        );
+        assert_eq!(metric_sum_labelled(TEXT, "x_total", "path=\"c\""), None);
+        assert_eq!(metric_sum(TEXT, "y"), Some(1.0));
+        assert_eq!(metric_sum(TEXT, "z"), None);
     }
 }

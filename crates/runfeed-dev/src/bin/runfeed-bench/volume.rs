@@ -14,7 +14,7 @@ use chrono::NaiveDateTime;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use runfeed::protocol::{Column, ColumnSet};
-use runfeed_dev::measure::{postgres_pids, CpuTally};
+use runfeed_dev::measure::{metric_sum_labelled, postgres_pids, CpuTally};
 use sqlx::Row;
 
 use super::gen::{GenMeta, ENV_SLUG_PREFIX};
@@ -371,7 +371,7 @@ impl Volume {
         let text = self.b.scrape().await;
         c.pg_queries = metric_sum(&text, "runfeed_pg_queries_total");
         c.backstops = metric_sum(&text, "runfeed_feeds_backstops_total");
-        c.cold_polls = labelled(
+        c.cold_polls = metric_sum_labelled(
             &text,
             "runfeed_feeds_live_polls_total",
             "path=\"cold-resolve\"",
@@ -568,25 +568,6 @@ async fn settle_reads(b: &Bench, limit: Duration) -> bool {
         }
     }
     false
-}
-
-/// The sum of `name`'s series whose labels include `label` (`key="value"`).
-fn labelled(text: &str, name: &str, label: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
-            continue;
-        };
-        let Some((labels, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        if labels.split(',').any(|l| l == label) {
-            if let Ok(v) = value.trim().parse::<f64>() {
-                *found.get_or_insert(0.0) += v;
-            }
-        }
-    }
-    found
 }
 
 /// Latencies (ms) of one kind of probe, and its failures.

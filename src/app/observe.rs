@@ -3,6 +3,7 @@
 //! the Postgres store, the Redis change source and the concurrency limiter. This is wiring, so it
 //! lives here and not in `telemetry`, which depends on nothing above it.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 
@@ -11,7 +12,7 @@ use opentelemetry::KeyValue;
 use crate::feeds::admit::Limiter;
 use crate::feeds::Feeds;
 use crate::redis::{CommandCounts, RedisChangeSource};
-use crate::router::Router;
+use crate::router::{Router, RouterStats};
 use crate::store::PgStore;
 use crate::telemetry::metrics::{
     observed, resident_memory_bytes, Metrics, Observed, BUILD_COMMIT, VERSION,
@@ -21,19 +22,11 @@ fn kv(key: &'static str, value: &'static str) -> KeyValue {
     KeyValue::new(key, value)
 }
 
-/// `(value, label value)` pairs as observations of the label `key`.
-fn by_label<const N: usize>(
-    key: &'static str,
-    series: [(u64, &'static str); N],
-) -> Vec<(u64, Vec<KeyValue>)> {
-    series
-        .into_iter()
-        .map(|(value, label)| (value, vec![kv(key, label)]))
-        .collect()
-}
+/// Which counter of [`RouterStats`] an instrument reads.
+type Counter = fn(&RouterStats) -> &AtomicU64;
 
-/// Reads router counters as `(value, labels)` observations.
-type ReadStats = fn(&Router) -> Vec<(u64, Vec<KeyValue>)>;
+/// Two counters of [`RouterStats`] as `(value, label value)`, the series of one label.
+type Split = fn(&RouterStats) -> [(u64, &'static str); 2];
 
 /// What the observable instruments read. Weak references: a stopped server's callbacks observe
 /// nothing.
@@ -86,70 +79,52 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         o.observe(r.active_envs() as u64, &[])
     });
 
-    let stat = |spec: &'static Observed, read: ReadStats| {
+    // Router counters read as one series each …
+    let counters: [(&'static Observed, Counter); 6] = [
+        (&observed::ROUTER_HYDRATED_RUNS, |s| &s.hydrated_rows),
+        (&observed::ROUTER_DELIVERIES, |s| &s.deliveries),
+        (&observed::ROUTER_DISTINCT_RUNS, |s| &s.distinct_runs),
+        (&observed::NOTIFIER_BATCHES_DELIVERED, |s| &s.coalesced_batches),
+        (&observed::ROUTER_ARRIVALS, |s| &s.batches),
+        (&observed::ROUTER_QUEUE_OVERFLOWS, |s| &s.overflows),
+    ];
+    for (spec, counter) in counters {
         let r = router.clone();
-        metrics.observe(spec, move |o| {
-            for (value, attrs) in read(&r) {
-                o.observe(value, &attrs);
-            }
-        });
-    };
-    stat(&observed::ROUTER_HYDRATES, |r| {
-        let s = r.stats();
-        let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
-        by_label(
-            "result",
-            [(all.saturating_sub(errors), "ok"), (errors, "error")],
-        )
-    });
-    stat(&observed::ROUTER_HYDRATED_RUNS, |r| {
-        vec![(r.stats().hydrated_rows.load(Relaxed), vec![])]
-    });
-    stat(&observed::ROUTER_DELIVERIES, |r| {
-        vec![(r.stats().deliveries.load(Relaxed), vec![])]
-    });
-    stat(&observed::ROUTER_DISTINCT_RUNS, |r| {
-        vec![(r.stats().distinct_runs.load(Relaxed), vec![])]
-    });
-    stat(&observed::ROUTER_REPLAYS, |r| {
-        let s = r.stats();
-        by_label(
-            "result",
+        metrics.observe(spec, move |o| o.observe(counter(r.stats()).load(Relaxed), &[]));
+    }
+    // … and as two values of one label.
+    let splits: [(&'static Observed, &'static str, Split); 4] = [
+        (&observed::ROUTER_HYDRATES, "result", |s| {
+            let (all, errors) = (s.hydrates.load(Relaxed), s.hydrate_errors.load(Relaxed));
+            [(all.saturating_sub(errors), "ok"), (errors, "error")]
+        }),
+        (&observed::ROUTER_REPLAYS, "result", |s| {
             [
                 (s.replays_delivered.load(Relaxed), "delivered"),
                 (s.replays_empty.load(Relaxed), "empty"),
-            ],
-        )
-    });
-    stat(&observed::ROUTER_REPLAY_EVICTIONS, |r| {
-        let s = r.stats();
-        by_label(
-            "reason",
+            ]
+        }),
+        (&observed::ROUTER_REPLAY_EVICTIONS, "reason", |s| {
             [
                 (s.evictions_window.load(Relaxed), "window"),
                 (s.evictions_cap.load(Relaxed), "cap"),
-            ],
-        )
-    });
-    stat(&observed::ROUTER_STALE_HYDRATES, |r| {
-        let s = r.stats();
-        by_label(
-            "outcome",
+            ]
+        }),
+        (&observed::ROUTER_STALE_HYDRATES, "outcome", |s| {
             [
                 (s.stale_recovered.load(Relaxed), "recovered"),
                 (s.stale_gave_up.load(Relaxed), "gave_up"),
-            ],
-        )
-    });
-    stat(&observed::NOTIFIER_BATCHES_DELIVERED, |r| {
-        vec![(r.stats().coalesced_batches.load(Relaxed), vec![])]
-    });
-    stat(&observed::ROUTER_ARRIVALS, |r| {
-        vec![(r.stats().batches.load(Relaxed), vec![])]
-    });
-    stat(&observed::ROUTER_QUEUE_OVERFLOWS, |r| {
-        vec![(r.stats().overflows.load(Relaxed), vec![])]
-    });
+            ]
+        }),
+    ];
+    for (spec, key, split) in splits {
+        let r = router.clone();
+        metrics.observe(spec, move |o| {
+            for (value, label) in split(r.stats()) {
+                o.observe(value, &[kv(key, label)]);
+            }
+        });
+    }
 
     if let Some(gate) = router.gate() {
         let g = Arc::downgrade(gate);

@@ -774,7 +774,7 @@ mod tests {
 
     /// Environments found by id (public tokens) outlive the short lookup TTL; misses do not
     /// (a just-created environment is not refused for long).
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn found_environments_by_id_are_kept_longer_than_misses() {
         let store = store_with(vec![env("env_1", "PRODUCTION", "tr_prod_key")]);
         let auth = Authenticator::with_found_env_ttl(
@@ -790,8 +790,7 @@ mod tests {
         assert!(auth.authenticate(Some(&found), None).await.is_ok());
         assert!(auth.authenticate(Some(&missing), None).await.is_err());
         let after_first = store.lookups.load(Ordering::SeqCst);
-        // Past the short TTL (a TTL expiry, not synchronisation).
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await; // past the short TTL
         assert!(auth.authenticate(Some(&found), None).await.is_ok());
         assert!(auth.authenticate(Some(&missing), None).await.is_err());
         assert_eq!(

@@ -7,7 +7,8 @@
 //! in it can be skipped by the next poll.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use crate::changes::ChangeRecord;
 use crate::protocol::RunId;

@@ -5,7 +5,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use super::batch::{Arrival, Routed};
 use super::{Buffered, Env, Eviction, FeedFilter, GateOutcome, HydratedRows, Inner, Slot};
@@ -13,6 +14,7 @@ use crate::cache::TtlCache;
 use crate::changes::ChangeRecord;
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
+use crate::store::StoreError;
 
 /// Most bytes of replayed rows kept for sharing ([`SharedReplays`]): a few hundred large rows.
 const SHARED_REPLAY_MAX_BYTES: u64 = 64 * 1024 * 1024;
@@ -96,7 +98,7 @@ impl Inner {
                     let records: Vec<ChangeRecord> =
                         buffered.iter().map(|b| b.record.clone()).collect();
                     let outcome = gate
-                        .wait(&records, tokio::time::Instant::from_std(newest))
+                        .wait(&records, newest)
                         .await;
                     settled = matches!(outcome, GateOutcome::Applied | GateOutcome::NoReplica);
                 }
@@ -129,20 +131,33 @@ impl Inner {
         ids: &[RunId],
         cols: ColumnSet,
     ) -> Result<HashMap<RunId, SerializedRow>, ()> {
+        let result = self.store.hydrate(env_id, ids, cols).await;
+        let rows = self.counted(result, format_args!("environment {env_id}"))?;
+        Ok(rows
+            .iter()
+            .map(|row| (row.id.clone(), serialize_row(row, cols)))
+            .collect())
+    }
+
+    /// Counts one hydrate's outcome in the router's stats; on a failure logs it with `scope`
+    /// (the environment, or the number of runs) and gives `Err(())`: the feeds fall back to
+    /// their backstop or re-check from the store.
+    fn counted<T>(
+        &self,
+        result: Result<Vec<T>, StoreError>,
+        scope: std::fmt::Arguments<'_>,
+    ) -> Result<Vec<T>, ()> {
         self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
-        match self.store.hydrate(env_id, ids, cols).await {
+        match result {
             Ok(rows) => {
                 self.stats
                     .hydrated_rows
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
-                Ok(rows
-                    .iter()
-                    .map(|row| (row.id.clone(), serialize_row(row, cols)))
-                    .collect())
+                Ok(rows)
             }
             Err(err) => {
                 self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%env_id, error = %err, "router hydrate failed; feeds fall back to their backstop");
+                tracing::warn!(%scope, error = %err, "router hydrate failed; feeds fall back to their backstop or re-read");
                 Err(())
             }
         }
@@ -158,7 +173,7 @@ impl Inner {
         env_id: &EnvId,
         records: Vec<ChangeRecord>,
         attempt: u32,
-        arrived: tokio::time::Instant,
+        arrived: Instant,
     ) -> Option<Arrival> {
         let env = self.env(env_id)?;
         env.received.fetch_add(1, Ordering::SeqCst);
@@ -174,7 +189,7 @@ impl Inner {
     /// the batch dispatcher (`batch::REHYDRATES` at most wait); one that finds no room is a gap
     /// in its environment ([`Inner::overflow`]).
     pub(super) fn rehydrate(&self, env_id: &EnvId, records: Vec<ChangeRecord>, attempt: u32) {
-        let arrived = tokio::time::Instant::now();
+        let arrived = Instant::now();
         if let Some(arrival) = self.arrival(env_id, records, attempt, arrived) {
             if let Err(arrival) = self.rehydrates.push(arrival) {
                 self.overflow(arrival);
@@ -365,23 +380,12 @@ impl Inner {
         runs: &[(EnvId, RunId)],
         cols: ColumnSet,
     ) -> Result<HashMap<(EnvId, RunId), SerializedRow>, ()> {
-        self.stats.hydrates.fetch_add(1, Ordering::Relaxed);
         self.metrics.hydrated_batch(runs.len());
-        match self.store.hydrate_many(runs, cols).await {
-            Ok(rows) => {
-                self.stats
-                    .hydrated_rows
-                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
-                Ok(rows
-                    .iter()
-                    .map(|(env, row)| ((env.clone(), row.id.clone()), serialize_row(row, cols)))
-                    .collect())
-            }
-            Err(err) => {
-                self.stats.hydrate_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(runs = runs.len(), error = %err, "router hydrate failed; feeds re-check from the store");
-                Err(())
-            }
-        }
+        let result = self.store.hydrate_many(runs, cols).await;
+        let rows = self.counted(result, format_args!("{} runs", runs.len()))?;
+        Ok(rows
+            .iter()
+            .map(|(env, row)| ((env.clone(), row.id.clone()), serialize_row(row, cols)))
+            .collect())
     }
 }

@@ -43,7 +43,8 @@ mod tripwire;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -344,7 +345,7 @@ impl Router {
 
     /// Waits until at least `received` records of `env_id` are routed (sequenced and buffered
     /// for replay), or `deadline`. Returns at once when the router is idle.
-    pub async fn routed(&self, env_id: &EnvId, received: u64, deadline: tokio::time::Instant) {
+    pub async fn routed(&self, env_id: &EnvId, received: u64, deadline: Instant) {
         let Some(env) = self.inner.env(env_id) else {
             return;
         };
@@ -395,8 +396,7 @@ impl Router {
             return true;
         };
         let records: Vec<ChangeRecord> = recent.into_iter().map(|(_, r)| r).collect();
-        let arrived = tokio::time::Instant::from_std(newest);
-        !matches!(gate.wait(&records, arrived).await, GateOutcome::GaveUp)
+        !matches!(gate.wait(&records, newest).await, GateOutcome::GaveUp)
     }
 
     /// How long to wait before re-reading a store read [`Router::settle_replica`] did not
@@ -536,7 +536,7 @@ impl Inner {
     fn receive(&self, event: SourceEvent) -> Option<Arrival> {
         match event {
             SourceEvent::Record { env_id, record } => {
-                self.arrival(&env_id, vec![record], 0, tokio::time::Instant::now())
+                self.arrival(&env_id, vec![record], 0, Instant::now())
             }
             SourceEvent::Subscribed { env_id, generation } => {
                 if let Some(env) = self.env(&env_id) {

@@ -1236,14 +1236,14 @@ async fn gap_04_evicted_cursor_not_covered() {
 }
 
 /// REP-02 (window) + GAP-04: an entry older than the window is evicted on the next insert and
-/// uncovers cursors before it. (The buffer ages on the std clock: a short real sleep ages r1.)
-#[tokio::test]
+/// uncovers cursors before it. (The buffer ages on tokio's clock, paused here.)
+#[tokio::test(start_paused = true)]
 async fn gap_04_window_eviction_uncovers_old_cursor() {
     let h = Harness::with_rows(replay_window(5), [row("r2", &[], None)]);
     let (_holder, c0) = h.holder().await;
     h.push(full("r1", &[]));
     h.routed(1).await;
-    std::thread::sleep(Duration::from_millis(20)); // ages r1 past the 5 ms window
+    tokio::time::advance(Duration::from_millis(20)).await; // ages r1 past the 5 ms window
     h.push(full("r2", &[]));
     h.routed(2).await;
     assert_eq!(load(&h.router.stats().evictions_window), 1);
@@ -1928,8 +1928,7 @@ async fn gate_02_hydrate_waits_for_the_replica_to_replay_the_commit() {
         "no hydrate before the replica caught up"
     );
     replica.replayed.store(20, Ordering::SeqCst);
-    let w = wake(&f).await;
-    assert_eq!(ids(&w.rows), vec!["r1"]);
+    assert_eq!(ids(&wake(&f).await.rows), vec!["r1"]);
     assert_eq!(h.store.hydrate_count(), 1);
 }
 
@@ -1999,8 +1998,7 @@ async fn gate_10_applied_gate_trusts_records_without_watermark() {
     let f = h.reg(run_feed("r1"), None).await;
     h.store.put(version("r1", 1));
     h.push(full("r1", &[]));
-    let w = wake(&f).await;
-    assert_eq!(ids(&w.rows), vec!["r1"]);
+    assert_eq!(ids(&wake(&f).await.rows), vec!["r1"]);
     assert_eq!(h.store.hydrate_count(), 1);
 }
 

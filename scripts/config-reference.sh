@@ -4,7 +4,7 @@
 #     and `<!-- config-reference:end -->`), the output of `runfeed config-reference` (src/config.rs);
 #   - the metric reference in docs/observability.md (between `<!-- metrics-reference:start -->` and
 #     `<!-- metrics-reference:end -->`), the output of `runfeed metrics-reference` (src/telemetry).
-# tests/deploy/docs.rs fails while either block is stale.
+# tests/it/docs.rs fails while either block is stale.
 #
 #   bash scripts/config-reference.sh           # rewrite both blocks in place
 #   bash scripts/config-reference.sh --check   # exit 1 when a block is stale, change nothing

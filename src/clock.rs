@@ -24,7 +24,9 @@ pub fn now_ms() -> i64 {
         Some(ahead) => i128::try_from(ahead.as_nanos()).unwrap_or(i128::MAX),
         None => -i128::try_from(real_now.duration_since(tokio_now).as_nanos()).unwrap_or(i128::MAX),
     };
-    let ms = wall_ns.saturating_add(paused_offset_ns).div_euclid(1_000_000);
+    let ms = wall_ns
+        .saturating_add(paused_offset_ns)
+        .div_euclid(1_000_000);
     i64::try_from(ms.max(0)).unwrap_or(i64::MAX)
 }
 

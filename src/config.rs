@@ -593,7 +593,7 @@ impl Config {
 fn check_run_token_upstream(upstream: &str) -> Result<(), ConfigError> {
     let invalid = |why: &str| {
         ConfigError::Invalid(format!(
-            "auth.run_token_upstream {upstream:?} {why} (expected the webapp's internal URL, e.g. http://webapp:3030)"
+            "auth.run_token_upstream {upstream:?} {why} (expected the webapp's internal URL, e.g. http://webapp:3000)"
         ))
     };
     let uri: http::Uri = upstream.parse().map_err(|_| invalid("is not a URL"))?;

@@ -84,13 +84,17 @@ pub fn register(metrics: &Metrics, sources: Sources) {
         (&observed::ROUTER_HYDRATED_RUNS, |s| &s.hydrated_rows),
         (&observed::ROUTER_DELIVERIES, |s| &s.deliveries),
         (&observed::ROUTER_DISTINCT_RUNS, |s| &s.distinct_runs),
-        (&observed::NOTIFIER_BATCHES_DELIVERED, |s| &s.coalesced_batches),
+        (&observed::NOTIFIER_BATCHES_DELIVERED, |s| {
+            &s.coalesced_batches
+        }),
         (&observed::ROUTER_ARRIVALS, |s| &s.batches),
         (&observed::ROUTER_QUEUE_OVERFLOWS, |s| &s.overflows),
     ];
     for (spec, counter) in counters {
         let r = router.clone();
-        metrics.observe(spec, move |o| o.observe(counter(r.stats()).load(Relaxed), &[]));
+        metrics.observe(spec, move |o| {
+            o.observe(counter(r.stats()).load(Relaxed), &[])
+        });
     }
     // … and as two values of one label.
     let splits: [(&'static Observed, &'static str, Split); 4] = [

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::cache::TtlCache;
 
 use crate::protocol::{EnvId, OrgId};
-use crate::store::{EnvRecord, EnvStore, StoreError};
+use crate::store::{EnvRecord, EnvStore, Found, StoreError};
 
 pub mod jwt;
 pub mod scope;
@@ -231,7 +231,7 @@ where
 async fn cached_env<K>(
     cache: Option<&TtlCache<K, Option<Arc<EnvRecord>>>>,
     key: K,
-    lookup: impl std::future::Future<Output = Result<Option<EnvRecord>, StoreError>>,
+    lookup: impl std::future::Future<Output = Found<EnvRecord>>,
 ) -> Result<Option<Arc<EnvRecord>>, StoreError>
 where
     K: std::hash::Hash + Eq + Clone + Send + Sync + 'static,
@@ -594,10 +594,7 @@ mod tests {
 
     impl MemEnvs {
         /// Counts one lookup and finds the first environment matching `pred`.
-        fn lookup(
-            &self,
-            pred: impl Fn(&EnvRecord) -> bool,
-        ) -> Result<Option<EnvRecord>, StoreError> {
+        fn lookup(&self, pred: impl Fn(&EnvRecord) -> bool) -> Found<EnvRecord> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
             Ok(self.envs.lock().iter().find(|e| pred(e)).cloned())
         }
@@ -605,22 +602,18 @@ mod tests {
 
     #[async_trait]
     impl EnvStore for MemEnvs {
-        async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        async fn env_by_api_key(&self, key: &str) -> Found<EnvRecord> {
             self.lookup(|e| e.api_key == key)
         }
-        async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+        async fn env_by_revoked_key(&self, key: &str) -> Found<EnvRecord> {
             let revoked = self.revoked.lock();
             let env_id = revoked.iter().find(|(_, k)| k == key).map(|(e, _)| e);
             self.lookup(|e| env_id.is_some_and(|id| e.id == *id))
         }
-        async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
+        async fn env_by_id(&self, id: &EnvId) -> Found<EnvRecord> {
             self.lookup(|e| &e.id == id)
         }
-        async fn branch_env(
-            &self,
-            parent_id: &EnvId,
-            branch: &str,
-        ) -> Result<Option<EnvRecord>, StoreError> {
+        async fn branch_env(&self, parent_id: &EnvId, branch: &str) -> Found<EnvRecord> {
             self.lookup(|e| {
                 e.parent_environment_id.as_deref() == Some(parent_id)
                     && e.branch_name.as_deref() == Some(branch)

@@ -21,7 +21,7 @@ use crate::config::{CachesConfig, FeedsConfig};
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow};
 use crate::router::{Registration, ReplayCursor, Router};
-use crate::store::{BatchResource, RunResource, RunStore, StoreError};
+use crate::store::{BatchResource, Found, RunResource, RunStore, StoreError};
 use crate::telemetry::metrics::{Metrics, ResolveResult};
 
 /// Whether a URL-id lookup may be served from the cache.
@@ -523,7 +523,7 @@ impl Sets {
         floor_ms: i64,
         cols: ColumnSet,
         share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Result<Option<StoreRead>, StoreError> {
+    ) -> Found<StoreRead> {
         let build = self.may_build(env_id, share);
         let Some(found) = self
             .windows
@@ -635,7 +635,7 @@ where
         read: impl FnOnce() -> F,
     ) -> Result<Option<Arc<T>>, StoreError>
     where
-        F: std::future::Future<Output = Result<Option<T>, StoreError>>,
+        F: std::future::Future<Output = Found<T>>,
     {
         let key = (env_id.clone(), id.clone());
         if freshness == Freshness::Cached {

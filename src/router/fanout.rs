@@ -97,9 +97,7 @@ impl Inner {
                 if let Some(newest) = newest {
                     let records: Vec<ChangeRecord> =
                         buffered.iter().map(|b| b.record.clone()).collect();
-                    let outcome = gate
-                        .wait(&records, newest)
-                        .await;
+                    let outcome = gate.wait(&records, newest).await;
                     settled = matches!(outcome, GateOutcome::Applied | GateOutcome::NoReplica);
                 }
             }

@@ -291,7 +291,7 @@ mod tests {
     use async_trait::async_trait;
 
     use super::*;
-    use crate::store::StoreError;
+    use crate::store::{Found, StoreError};
 
     struct FakeProbe {
         primary: AtomicU64,
@@ -313,7 +313,7 @@ mod tests {
             }
             Ok(self.primary.load(Ordering::Relaxed))
         }
-        async fn replica_replay_lsn(&self) -> Result<Option<Lsn>, StoreError> {
+        async fn replica_replay_lsn(&self) -> Found<Lsn> {
             Ok(Some(self.replica.load(Ordering::Relaxed)))
         }
         fn reads_primary(&self) -> bool {
@@ -338,7 +338,7 @@ mod tests {
         })
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn gate_waits_until_the_replica_replays_past_the_primary_position() {
         let p = probe(100, 50, false);
         let gate = Arc::new(Gate::new(p.clone(), cfg()));

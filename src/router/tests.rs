@@ -25,7 +25,7 @@ use super::*;
 use crate::changes::{ChangeRecord, MemoryChangeSource};
 use crate::config::RouterConfig;
 use crate::protocol::{ColumnSet, FriendlyBatchId, FriendlyRunId, RunRow, SerializedRow};
-use crate::store::{BatchResource, RunResource, RunStore, StoreError};
+use crate::store::{BatchResource, Found, RunResource, RunStore, StoreError};
 
 const ENV: &str = "env_1";
 const WAIT: Duration = Duration::from_secs(5);
@@ -103,7 +103,6 @@ impl FakeStore {
 /// What the store's set reads return.
 type Rows = Result<Vec<RunRow>, StoreError>;
 /// What the store's single lookups return.
-type Found<T> = Result<Option<T>, StoreError>;
 
 #[async_trait]
 impl RunStore for FakeStore {

@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use sqlx::Row;
 use tokio_util::sync::CancellationToken;
 
-use super::{PgStore, StoreError};
+use super::{Found, PgStore, StoreError};
 
 /// A WAL position in bytes (`pg_lsn - '0/0'`).
 pub type Lsn = u64;
@@ -35,7 +35,7 @@ pub trait ReplicaProbe: Send + Sync + 'static {
     /// The replica's replay position; `Ok(None)` when reads are not served by a replica in
     /// recovery (no distinct replica, or it was promoted and reads go to the primary): every
     /// commit is visible.
-    async fn replica_replay_lsn(&self) -> Result<Option<Lsn>, StoreError>;
+    async fn replica_replay_lsn(&self) -> Found<Lsn>;
     /// Whether replica reads go to the primary now (known without a query): nothing to wait
     /// for. `false` unless the implementation routes reads away from its replica.
     fn reads_primary(&self) -> bool {
@@ -76,7 +76,7 @@ impl ReplicaProbe for PgStore {
         Ok(u64::try_from(lsn).unwrap_or(0))
     }
 
-    async fn replica_replay_lsn(&self) -> Result<Option<Lsn>, StoreError> {
+    async fn replica_replay_lsn(&self) -> Found<Lsn> {
         Ok(match self.check_replica().await? {
             Some(ReplicaStatus {
                 in_recovery: true,
@@ -101,7 +101,7 @@ impl PgStore {
     ///
     /// Errors: `StoreError { op: "replica_replay_lsn" }` (the replica unreachable; the routing
     /// stays as it was).
-    pub async fn check_replica(&self) -> Result<Option<ReplicaStatus>, StoreError> {
+    pub async fn check_replica(&self) -> Found<ReplicaStatus> {
         if !self.has_distinct_replica() {
             return Ok(None);
         }

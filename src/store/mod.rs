@@ -27,6 +27,9 @@ mod sql;
 pub use lag::{Lsn, ReplicaProbe, ReplicaStatus};
 pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 
+/// A lookup's answer: the row, `None` when there is none, or the store's error.
+pub type Found<T> = Result<Option<T>, StoreError>;
+
 /// A database failure, with the operation it happened in.
 #[derive(Debug, thiserror::Error)]
 #[error("postgres {op}: {source}")]
@@ -123,12 +126,7 @@ pub trait RunStore: Send + Sync + 'static {
     }
 
     /// One run by internal id: replica, then primary on a miss.
-    async fn read_run(
-        &self,
-        env_id: &EnvId,
-        run_id: &RunId,
-        cols: ColumnSet,
-    ) -> Result<Option<RunRow>, StoreError>;
+    async fn read_run(&self, env_id: &EnvId, run_id: &RunId, cols: ColumnSet) -> Found<RunRow>;
 
     /// Tag feed run set: runs of `env_id` carrying ALL `tags` (`"runTags" @> tags`; no tags = no
     /// filter) with `"createdAt" >= floor_ms`, newest first (`createdAt DESC, id DESC`), at most
@@ -165,18 +163,14 @@ pub trait RunStore: Send + Sync + 'static {
     }
 
     /// The run named by a friendly id in `env_id`: replica, then primary on a miss.
-    async fn find_run(
-        &self,
-        env_id: &EnvId,
-        friendly_id: &FriendlyRunId,
-    ) -> Result<Option<RunResource>, StoreError>;
+    async fn find_run(&self, env_id: &EnvId, friendly_id: &FriendlyRunId) -> Found<RunResource>;
 
     /// The batch named by a friendly id in `env_id`: replica, then primary on a miss.
     async fn find_batch(
         &self,
         env_id: &EnvId,
         friendly_id: &FriendlyBatchId,
-    ) -> Result<Option<BatchResource>, StoreError>;
+    ) -> Found<BatchResource>;
 }
 
 /// Which run heads [`RunStore::run_heads`] reads.
@@ -193,17 +187,13 @@ pub enum HeadScope<'a> {
 #[async_trait]
 pub trait EnvStore: Send + Sync + 'static {
     /// The environment whose `apiKey` equals `key`.
-    async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError>;
+    async fn env_by_api_key(&self, key: &str) -> Found<EnvRecord>;
     /// The environment of a `"RevokedApiKey"` row with this key and `expiresAt > now()`.
-    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError>;
+    async fn env_by_revoked_key(&self, key: &str) -> Found<EnvRecord>;
     /// The environment with this id.
-    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError>;
+    async fn env_by_id(&self, id: &EnvId) -> Found<EnvRecord>;
     /// The non-archived child of `parent_id` with `branchName = branch`.
-    async fn branch_env(
-        &self,
-        parent_id: &EnvId,
-        branch: &str,
-    ) -> Result<Option<EnvRecord>, StoreError>;
+    async fn branch_env(&self, parent_id: &EnvId, branch: &str) -> Found<EnvRecord>;
     /// Unexpired revoked keys of `env_id` (JWT grace retry).
     async fn revoked_keys(&self, env_id: &EnvId) -> Result<Vec<String>, StoreError>;
 }

@@ -15,7 +15,9 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use super::sql::{
     decode_head, decode_run, ms_to_ts, RunQuery, SqlCache, HEADS_BY_ID, HEADS_CREATED_SINCE,
 };
-use super::{BatchResource, EnvRecord, EnvStore, HeadScope, RunResource, RunStore, StoreError};
+use super::{
+    BatchResource, EnvRecord, EnvStore, Found, HeadScope, RunResource, RunStore, StoreError,
+};
 use crate::protocol::{
     BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow,
 };
@@ -423,7 +425,7 @@ impl PgStore {
         env_id: &EnvId,
         run_id: &RunId,
         cols: ColumnSet,
-    ) -> Result<Option<RunRow>, StoreError> {
+    ) -> Found<RunRow> {
         let sql = self.sql.get(RunQuery::ReadOne, cols);
         self.count();
         let query = || {
@@ -444,7 +446,7 @@ impl PgStore {
         lookup: &Lookup<T>,
         env_id: &EnvId,
         friendly_id: &str,
-    ) -> Result<Option<T>, StoreError> {
+    ) -> Found<T> {
         self.count();
         let query = || sqlx::query(lookup.sql).bind(friendly_id).bind(env_id);
         let row = self.fetch_first_on(pool, lookup.op, query).await?;
@@ -455,22 +457,17 @@ impl PgStore {
     }
 
     /// [`Self::find_on`] on the replica, then on the primary on a miss.
-    async fn find<T>(
-        &self,
-        lookup: &Lookup<T>,
-        env_id: &EnvId,
-        friendly_id: &str,
-    ) -> Result<Option<T>, StoreError> {
+    async fn find<T>(&self, lookup: &Lookup<T>, env_id: &EnvId, friendly_id: &str) -> Found<T> {
         self.replica_then_primary(|pool| self.find_on(pool, lookup, env_id, friendly_id))
             .await
     }
 
     /// `read` on the replica ([`Self::on_replica`]), then, when reads go to a distinct replica,
     /// on the primary on a miss: a row committed moments ago may not have replayed yet.
-    async fn replica_then_primary<'a, T, F, Fut>(&'a self, read: F) -> Result<Option<T>, StoreError>
+    async fn replica_then_primary<'a, T, F, Fut>(&'a self, read: F) -> Found<T>
     where
         F: Fn(&'a PgPool) -> Fut,
-        Fut: std::future::Future<Output = Result<Option<T>, StoreError>> + 'a,
+        Fut: std::future::Future<Output = Found<T>> + 'a,
     {
         if let Some(found) = self.on_replica(&read).await? {
             return Ok(Some(found));
@@ -544,7 +541,7 @@ impl PgStore {
         pool: &PgPool,
         op: &'static str,
         make: impl Fn() -> Query<'q, Postgres, PgArguments>,
-    ) -> Result<Option<PgRow>, StoreError> {
+    ) -> Found<PgRow> {
         Ok(self.fetch_on(pool, op, make).await?.into_iter().next())
     }
 
@@ -604,7 +601,7 @@ impl PgStore {
         op: &'static str,
         sql: &'static str,
         binds: &[&str],
-    ) -> Result<Option<EnvRecord>, StoreError> {
+    ) -> Found<EnvRecord> {
         self.count();
         let query = || {
             let mut query = sqlx::query(sql);
@@ -680,12 +677,7 @@ impl RunStore for PgStore {
         Ok(out)
     }
 
-    async fn read_run(
-        &self,
-        env_id: &EnvId,
-        run_id: &RunId,
-        cols: ColumnSet,
-    ) -> Result<Option<RunRow>, StoreError> {
+    async fn read_run(&self, env_id: &EnvId, run_id: &RunId, cols: ColumnSet) -> Found<RunRow> {
         self.replica_then_primary(|pool| self.read_one_on(pool, env_id, run_id, cols))
             .await
     }
@@ -751,11 +743,7 @@ impl RunStore for PgStore {
             .map_err(store_err("run_heads"))
     }
 
-    async fn find_run(
-        &self,
-        env_id: &EnvId,
-        friendly_id: &FriendlyRunId,
-    ) -> Result<Option<RunResource>, StoreError> {
+    async fn find_run(&self, env_id: &EnvId, friendly_id: &FriendlyRunId) -> Found<RunResource> {
         self.find(&FIND_RUN, env_id, friendly_id.as_str()).await
     }
 
@@ -763,32 +751,28 @@ impl RunStore for PgStore {
         &self,
         env_id: &EnvId,
         friendly_id: &FriendlyBatchId,
-    ) -> Result<Option<BatchResource>, StoreError> {
+    ) -> Found<BatchResource> {
         self.find(&FIND_BATCH, env_id, friendly_id.as_str()).await
     }
 }
 
 #[async_trait]
 impl EnvStore for PgStore {
-    async fn env_by_api_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_api_key(&self, key: &str) -> Found<EnvRecord> {
         self.env_query("env_by_api_key", ENV_BY_API_KEY, &[key])
             .await
     }
 
-    async fn env_by_revoked_key(&self, key: &str) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_revoked_key(&self, key: &str) -> Found<EnvRecord> {
         self.env_query("env_by_revoked_key", SQL_ENV_BY_REVOKED_KEY, &[key])
             .await
     }
 
-    async fn env_by_id(&self, id: &EnvId) -> Result<Option<EnvRecord>, StoreError> {
+    async fn env_by_id(&self, id: &EnvId) -> Found<EnvRecord> {
         self.env_query("env_by_id", ENV_BY_ID, &[id]).await
     }
 
-    async fn branch_env(
-        &self,
-        parent_id: &EnvId,
-        branch: &str,
-    ) -> Result<Option<EnvRecord>, StoreError> {
+    async fn branch_env(&self, parent_id: &EnvId, branch: &str) -> Found<EnvRecord> {
         self.env_query("branch_env", BRANCH_ENV, &[parent_id, branch])
             .await
     }

@@ -179,9 +179,9 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
         args.token_ttl
     );
     println!();
-    println!("If the server is not running yet (scripts/dev.sh has already started it), start it in another terminal:");
+    println!("scripts/dev.sh has started the server. Running this demo on its own, start the server in another terminal:");
     println!(
-        "  runfeed serve --database-url '{}' --redis-url '{}'",
+        "  cargo run --release --bin runfeed -- serve --database-url '{}' --redis-url '{}'",
         args.database_url, args.redis_url
     );
     println!();

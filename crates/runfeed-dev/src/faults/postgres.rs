@@ -143,6 +143,8 @@ struct Sample {
     held: f64,
     /// Arrivals routed so far (`runfeed_router_arrivals_total`).
     routed: f64,
+    /// Records dropped on a full hydrate queue so far (`runfeed_router_queue_overflows_total`).
+    overflows: f64,
 }
 
 /// The server's RSS and router figures every second until `stop` (the metrics read 0 when the
@@ -170,6 +172,7 @@ fn spawn_sampler(
                     rss,
                     held: metric("runfeed_router_held_feeds"),
                     routed: metric("runfeed_router_arrivals_total"),
+                    overflows: metric("runfeed_router_queue_overflows_total"),
                 });
             }
         }
@@ -399,6 +402,18 @@ async fn freeze(
             .find(|s| s.at >= at)
             .map_or(0.0, |s| s.routed)
     };
+    // The RSS along the fault, and when the hydrate queue first overflowed (it is full from then).
+    let into_fault = |secs: u64| {
+        samples
+            .iter()
+            .find(|s| s.at >= fault_at + Duration::from_secs(secs) && s.at < thawed_at)
+            .map_or_else(|| "-".to_string(), |s| format!("{:.1}", mib(s.rss)))
+    };
+    let rss_along = [10, 30, 60, 120, 240, 290].map(into_fault).join(" / ");
+    let first_overflow = samples
+        .iter()
+        .find(|s| s.at >= fault_at && s.overflows > before)
+        .map_or(json!(null), |s| json!((s.at - fault_at).as_secs()));
     rows.extend([
         (
             "records of new runs published during the fault",
@@ -419,6 +434,11 @@ async fn freeze(
         ),
         ("RSS before the fault, MiB", json!(first)),
         ("RSS peak, MiB", json!(peak)),
+        (
+            "RSS 10 / 30 / 60 / 120 / 240 / 290 s into the fault, MiB",
+            json!(rss_along),
+        ),
+        ("first queue overflow, s into the fault", first_overflow),
         (
             "RSS when the database came back, MiB",
             json!(thawed.map_or(0.0, |s| mib(s.rss))),

@@ -284,10 +284,11 @@ pub struct RouterConfig {
     pub coalesce_ceiling_ms: u64,
     /// Most runs one hydrate batch reads, over all environments and column sets (1 000).
     pub hydrate_batch_max_runs: usize,
-    /// Most change records waiting for a hydrate batch (100 000; ≈ 300 B each). While the store
-    /// is too slow or down, records beyond this are dropped, and each drop is a gap in its
-    /// environment: the feeds held there re-read from the store, as after a lost Redis
-    /// connection. Bounds the router's memory whatever the rate of records.
+    /// Most change records waiting for a hydrate batch (100 000; ≈ 0.9 KiB of resident memory
+    /// each, measured in docs/faults.md). While the store is too slow or down, records beyond
+    /// this are dropped, and each drop is a gap in its environment: the feeds held there re-read
+    /// from the store, as after a lost Redis connection. Bounds the router's memory whatever the
+    /// rate of records.
     pub max_queued_records: usize,
     /// How long buffered change records stay replayable, ms; 0 disables replay (2 000).
     pub replay_window_ms: u64,

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::query::Query;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use super::sql::{
@@ -151,7 +150,7 @@ impl Drop for Running {
 async fn fetch_bounded(
     conn: PoolConnection<Postgres>,
     bound: Duration,
-    query: Query<'_, Postgres, PgArguments>,
+    query: PgQuery<'_>,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
     let mut running = Running {
         conn,
@@ -540,7 +539,7 @@ impl PgStore {
         &self,
         pool: &PgPool,
         op: &'static str,
-        make: impl Fn() -> Query<'q, Postgres, PgArguments>,
+        make: impl Fn() -> PgQuery<'q>,
     ) -> Found<PgRow> {
         Ok(self.fetch_on(pool, op, make).await?.into_iter().next())
     }

@@ -110,6 +110,26 @@ pub fn redis_server(port: u16) -> std::process::Command {
     cmd
 }
 
+/// Polls `sql` (a `bool` query, with `bind` as its `$1`) on `pool` every 20 ms until it returns
+/// true, at most [`WAIT`]: a database state that has no event to await.
+pub async fn wait_sql(pool: &sqlx::PgPool, what: &str, sql: &str, bind: Option<&str>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut q = sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(sql.to_string()));
+        if let Some(b) = bind {
+            q = q.bind(b.to_string());
+        }
+        if q.fetch_one(pool).await.unwrap_or(false) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never true within {WAIT:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Polls `cond` every 5 ms until it holds or `limit` passes (waiting on an observable).
 pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;

@@ -498,25 +498,6 @@ async fn wait_replayed(replica: &sqlx::PgPool, run_id: &str) {
     .await;
 }
 
-/// Polls `sql` (a `bool` query) on `pool` every 20 ms until it returns true.
-async fn wait_sql(pool: &sqlx::PgPool, what: &str, sql: &str, bind: Option<&str>) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let mut q = sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(sql.to_string()));
-        if let Some(b) = bind {
-            q = q.bind(b.to_string());
-        }
-        if q.fetch_one(pool).await.unwrap_or(false) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never true within {WAIT:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Property 6 (no server errors), with a read replica (found by the checker as two 503s for
 /// `env_by_api_key` on a lagging replica: "canceling statement due to conflict with recovery").
 /// A hot standby cancels queries that conflict with the WAL it replays; that is a normal,

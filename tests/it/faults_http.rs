@@ -410,20 +410,16 @@ async fn a_frozen_postgres_answers_503_within_the_statement_timeout() {
             headers.clone(),
         ),
     ];
-    within(Duration::from_secs(2), "runfeed's queries wait on the lock", async {
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'runfeed' AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&db.pool)
-            .await
-            .expect("pg_stat_activity");
-            if waiting >= 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
+    within(
+        Duration::from_secs(2),
+        "runfeed's queries wait on the lock",
+        wait_sql(
+            &db.pool,
+            "runfeed's queries wait on the lock",
+            "SELECT count(*) >= 2 FROM pg_stat_activity WHERE application_name = 'runfeed' AND wait_event_type = 'Lock'",
+            None,
+        ),
+    )
     .await;
     let frozen = runfeed_dev::faults::postgres::Frozen::stop(pg.port).expect("SIGSTOP postgres");
     // And requests that need the store once it is frozen.

@@ -177,11 +177,11 @@ pub struct FeedsConfig {
     pub resolve_admission_limit: usize,
     /// Of those, the most one environment's tag resolves may hold at once (2); 0 =
     /// no per-environment share. One environment's stampede then leaves the rest of the gate to
-    /// other environments and to run feeds, and the replica's cores to their queries; the gate
-    /// stays bounded in total by `resolve_admission_limit`. With 2 instead of 8 (and the tag set
-    /// planned per execution), another environment's cold tag snapshot during a 1 000-filter
-    /// stampede on 10 M runs went from p99 2.4 s to 0.55 s (BENCHMARKS.md, "At production data
-    /// volume"); raise it with the replica's cores.
+    /// other environments and to run feeds; the gate stays bounded in total by
+    /// `resolve_admission_limit`. While another environment has a tag resolve in flight, an
+    /// environment runs one at a time, so that a stampede leaves the replica's cores to the
+    /// other's query (`src/feeds/shares.rs`; BENCHMARKS.md, "At production data volume"). Raise
+    /// it with the replica's cores.
     pub resolve_admission_per_env: usize,
     /// Cold tag resolves of one environment within a minute that build its window, an in-memory
     /// index (id, `createdAt`, tags) of its runs since the oldest floor they asked for (at most

@@ -192,6 +192,14 @@ pub fn register(metrics: &Metrics, sources: Sources) {
             o.observe(s.query_count(), &[]);
         }
     });
+    let s = store.clone();
+    metrics.observe(&observed::PG_TAG_SET_PLANS, move |o| {
+        if let Some(s) = s.upgrade() {
+            for (plan, n) in s.tag_plan_counts() {
+                o.observe(n, &[kv("plan", plan)]);
+            }
+        }
+    });
     let s = store;
     metrics.observe(&observed::PG_REPLICA_BYPASSED, move |o| {
         if let Some(s) = s.upgrade() {

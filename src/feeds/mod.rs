@@ -19,6 +19,7 @@ pub mod cursors;
 pub mod diff;
 pub mod read;
 pub mod sets;
+pub mod shares;
 pub mod stream;
 pub mod window;
 

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use super::backstop::{BackstopSettings, Backstops, Current};
 use super::diff::Known;
 use super::read::{ReadError, RunSet, SetRead, Target};
+use super::shares::{EnvShares, SharePermit};
 use super::window::{MayBuild, WindowSettings, Windows};
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
@@ -457,7 +458,7 @@ impl Sets {
         env_id: &EnvId,
         target: &Target,
         cols: ColumnSet,
-        share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+        share: &mut Option<SharePermit>,
     ) -> Result<StoreRead, StoreError> {
         let read_ms = now_ms();
         let cursor = self.router.touch(env_id);
@@ -494,11 +495,7 @@ impl Sets {
 
     /// Whether a resolve holding `share` may start `env_id`'s window build now: not while the
     /// environment's tag resolves hold its whole share (a stampede).
-    fn may_build<'a>(
-        &self,
-        env_id: &EnvId,
-        share: &'a mut Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> MayBuild<'a> {
+    fn may_build<'a>(&self, env_id: &EnvId, share: &'a mut Option<SharePermit>) -> MayBuild<'a> {
         let queued = self
             .env_shares
             .as_ref()
@@ -522,7 +519,7 @@ impl Sets {
         tags: &Arc<[String]>,
         floor_ms: i64,
         cols: ColumnSet,
-        share: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+        share: &mut Option<SharePermit>,
     ) -> Found<StoreRead> {
         let build = self.may_build(env_id, share);
         let Some(found) = self
@@ -552,42 +549,6 @@ impl Sets {
             settled: true,
             read_ms: found.read_ms,
         }))
-    }
-}
-
-/// Per-environment shares of the resolve admission gate: each environment's tag resolves hold at most `per_env` of the gate's permits at once (`feeds.resolve_admission_per_env`).
-/// Waiters beyond that queue on their environment's share, not on the gate, so other
-/// environments and run feeds still get permits. Bounded: environments unused for a minute are
-/// dropped (a permit still held keeps its semaphore alive).
-struct EnvShares {
-    per_env: usize,
-    /// Bound: 100 000 environments; each kept until unused for 60 s (an idle cache).
-    shares: TtlCache<EnvId, Arc<Semaphore>>,
-}
-
-impl EnvShares {
-    fn new(per_env: usize) -> EnvShares {
-        EnvShares {
-            per_env,
-            shares: TtlCache::idle(100_000, Duration::from_secs(60)),
-        }
-    }
-
-    /// Whether `env_id`'s tag resolves hold every permit of its share, so that the next one
-    /// waits (called by a holder of one).
-    fn queued(&self, env_id: &EnvId) -> bool {
-        self.shares
-            .get(env_id)
-            .is_some_and(|share| share.available_permits() == 0)
-    }
-
-    /// A permit of `env_id`'s share (waits while the environment holds all of its share).
-    async fn acquire(&self, env_id: &EnvId) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let per_env = self.per_env;
-        let share = self
-            .shares
-            .get_or_insert_with(env_id.clone(), || Arc::new(Semaphore::new(per_env)));
-        share.acquire_owned().await.ok()
     }
 }
 
@@ -656,46 +617,4 @@ where
 /// its rows' serialized bytes plus a fixed overhead per row and per set).
 fn set_weight(set: &Arc<RunSet>) -> u64 {
     crate::protocol::held_bytes(&set.rows)
-}
-
-#[cfg(test)]
-mod tests {
-    use futures::FutureExt;
-
-    use super::*;
-
-    /// One environment holding its whole share waits on its own share; another environment
-    /// still gets a permit at once (admission is fair across environments).
-    #[tokio::test]
-    async fn one_environment_at_its_share_does_not_block_another() {
-        let shares = EnvShares::new(2);
-        let (a, b) = (EnvId::new("env_a"), EnvId::new("env_b"));
-        let held = [shares.acquire(&a).await, shares.acquire(&a).await];
-        assert!(held.iter().all(Option::is_some));
-        assert!(
-            shares.acquire(&a).now_or_never().is_none(),
-            "a third permit for env_a waits"
-        );
-        assert!(
-            shares.acquire(&b).now_or_never().flatten().is_some(),
-            "env_b is admitted at once"
-        );
-        drop(held);
-        assert!(shares.acquire(&a).now_or_never().flatten().is_some());
-    }
-
-    /// An environment whose tag resolves hold its whole share is in a stampede (no window build
-    /// starts then); one permit free, it is not.
-    #[tokio::test]
-    async fn an_environment_holding_its_whole_share_counts_as_queued() {
-        let shares = EnvShares::new(2);
-        let a = EnvId::new("env_a");
-        let first = shares.acquire(&a).await;
-        assert!(!shares.queued(&a));
-        let second = shares.acquire(&a).await;
-        assert!(shares.queued(&a));
-        drop(second);
-        assert!(!shares.queued(&a));
-        drop(first);
-    }
 }

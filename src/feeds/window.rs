@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::backstop::{COMMIT_MARGIN_MS, TAIL_READ_LIMIT};
 use super::read::ReadError;
+use super::shares::SharePermit;
 use crate::cache::TtlCache;
 use crate::clock::now_ms;
 use crate::protocol::{EnvId, RunId, RunMeta};
@@ -84,7 +85,7 @@ pub enum MayBuild<'a> {
     /// The queue is empty: a build started takes this permit of the environment's share
     /// (`feeds.resolve_admission_per_env`) until its read is done, so the environment's claim
     /// on the replica stays within its share.
-    Yes(&'a mut Option<OwnedSemaphorePermit>),
+    Yes(&'a mut Option<SharePermit>),
 }
 
 /// What a window answered for a tag filter.
@@ -266,7 +267,12 @@ impl Inner {
         let demanded = slot.demand.lock().resolves >= self.settings.after_resolves;
         let due = Instant::now() >= *slot.retry_at.lock();
         if self.settings.after_resolves > 0 && demanded && due && slot.window.lock().is_none() {
-            self.start_build(env_id, slot, slot.oldest_floor_ms(), share.take());
+            self.start_build(
+                env_id,
+                slot,
+                slot.oldest_floor_ms(),
+                share.take().map(SharePermit::into_permit),
+            );
         }
     }
 

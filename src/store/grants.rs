@@ -483,12 +483,17 @@ mod tests {
             RunQuery::Hydrate,
             RunQuery::ReadOne,
             RunQuery::TagSet,
+            RunQuery::TagSetOrdered,
             RunQuery::TagSetUnfiltered,
             RunQuery::BatchSet,
         ] {
             statements.push(run_query_sql(kind, ColumnSet::ALL));
         }
-        for src in [include_str!("pg.rs"), include_str!("lag.rs")] {
+        for src in [
+            include_str!("pg.rs"),
+            include_str!("lag.rs"),
+            include_str!("tag_plan.rs"),
+        ] {
             statements.extend(sql_literals(src));
         }
         // pg.rs: 4 plain statements + the env_sql! head + 3 tails; lag.rs: 2 probes.

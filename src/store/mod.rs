@@ -23,6 +23,7 @@ pub mod lag;
 mod pg;
 pub mod setup;
 mod sql;
+mod tag_plan;
 
 pub use lag::{Lsn, ReplicaProbe, ReplicaStatus};
 pub use pg::{PgStore, ACQUIRE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
@@ -130,7 +131,8 @@ pub trait RunStore: Send + Sync + 'static {
 
     /// Tag feed run set: runs of `env_id` carrying ALL `tags` (`"runTags" @> tags`; no tags = no
     /// filter) with `"createdAt" >= floor_ms`, newest first (`createdAt DESC, id DESC`), at most
-    /// `cap`. One query (resolve and hydrate together).
+    /// `cap`. One query (resolve and hydrate together); the Postgres store first asks the
+    /// planner for its estimates, to choose the formulation (`src/store/tag_plan.rs`).
     async fn resolve_tag_set(
         &self,
         env_id: &EnvId,

@@ -14,9 +14,11 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use super::sql::{
     decode_head, decode_run, ms_to_ts, RunQuery, SqlCache, HEADS_BY_ID, HEADS_CREATED_SINCE,
 };
+use super::tag_plan::{self, TagPlan, MATCHES_ESTIMATE, ORDERED_MAX_WINDOW, WINDOW_ESTIMATE};
 use super::{
     BatchResource, EnvRecord, EnvStore, Found, HeadScope, RunResource, RunStore, StoreError,
 };
+use crate::cache::TtlCache;
 use crate::protocol::{
     BatchId, ColumnSet, EnvId, FriendlyBatchId, FriendlyRunId, RunId, RunMeta, RunRow,
 };
@@ -76,6 +78,12 @@ pub struct PgStore {
     query_bound: Duration,
     /// Instruments (acquire waits); no-op until [`PgStore::set_metrics`].
     metrics: std::sync::OnceLock<Arc<Metrics>>,
+    /// The planner's estimate of an environment's runs since a floor (epoch ms), for the tag
+    /// set's plan ([`tag_plan`]). Bound: 10 000 entries, each kept 60 s; floors are bucketed
+    /// (`feeds.runset_created_at_bucket_ms`), so a stampede of one environment asks once.
+    window_estimates: TtlCache<(EnvId, i64), f64>,
+    /// Tag sets read by plan: [`TagPlan::Planner`], [`TagPlan::Ordered`].
+    tag_plans: [AtomicU64; 2],
 }
 
 /// Errors of every [`PgStore`] in this process by kind (the `runfeed.pg.errors` metric):
@@ -314,6 +322,8 @@ impl PgStore {
             metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
             query_bound: query_bound(0),
+            window_estimates: TtlCache::new(10_000, Duration::from_secs(60)),
+            tag_plans: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
@@ -354,6 +364,16 @@ impl PgStore {
     /// Total queries issued by this store so far (tests and the bench count hydrates with it).
     pub fn query_count(&self) -> u64 {
         self.queries.load(Ordering::Relaxed)
+    }
+
+    /// Tag sets read so far by plan: `planner` (the plain statement, planned by Postgres) and
+    /// `ordered` (the ordered scan of a small environment's window; `src/store/tag_plan.rs`).
+    pub fn tag_plan_counts(&self) -> [(&'static str, u64); 2] {
+        let [planner, ordered] = &self.tag_plans;
+        [
+            ("planner", planner.load(Ordering::Relaxed)),
+            ("ordered", ordered.load(Ordering::Relaxed)),
+        ]
     }
 
     /// Query errors of every store in this process by kind: `connection` (I/O, TLS, protocol,
@@ -412,6 +432,67 @@ impl PgStore {
         } else {
             &self.replica
         }
+    }
+
+    /// How to read a tag set ([`tag_plan`]): from the planner's estimates of the environment's
+    /// window (cached) and, when that window is small enough, of its runs carrying `tags`.
+    /// An estimate that cannot be read leaves the choice to Postgres.
+    async fn tag_plan(
+        &self,
+        env_id: &EnvId,
+        tags: &[String],
+        floor_ms: i64,
+        cap: usize,
+    ) -> TagPlan {
+        let floor = ms_to_ts(floor_ms);
+        let key = (env_id.clone(), floor_ms);
+        let window = match self.window_estimates.get(&key) {
+            Some(rows) => rows,
+            None => {
+                let query = || {
+                    sqlx::query(WINDOW_ESTIMATE)
+                        .bind(env_id)
+                        .bind(floor)
+                        .persistent(false)
+                };
+                match self.estimate("window_estimate", query).await {
+                    Some(rows) => {
+                        self.window_estimates.insert(key, rows);
+                        rows
+                    }
+                    None => return TagPlan::Planner,
+                }
+            }
+        };
+        if window > ORDERED_MAX_WINDOW {
+            return TagPlan::Planner;
+        }
+        let query = || {
+            sqlx::query(MATCHES_ESTIMATE)
+                .bind(env_id)
+                .bind(tags)
+                .bind(floor)
+                .persistent(false)
+        };
+        match self.estimate("matches_estimate", query).await {
+            Some(matches) => tag_plan::choose(window, matches, cap),
+            None => TagPlan::Planner,
+        }
+    }
+
+    /// The estimated rows of `make()`'s `EXPLAIN (FORMAT JSON)`, on the replica; `None` when
+    /// it cannot be read (logged at debug: the caller falls back to the planner's plan).
+    async fn estimate<'q>(&self, op: &'static str, make: impl Fn() -> PgQuery<'q>) -> Option<f64> {
+        self.count();
+        let rows = match self.on_replica(|pool| self.fetch_on(pool, op, &make)).await {
+            Ok(rows) => rows,
+            Err(err) => {
+                tracing::debug!(op, error = %err, "plan estimate failed; Postgres plans the tag set alone");
+                return None;
+            }
+        };
+        let explain: serde_json::Value = rows.first()?.try_get(0).ok()?;
+        tag_plan::plan_rows(&explain)
     }
 
     fn count(&self) {
@@ -696,7 +777,13 @@ impl RunStore for PgStore {
             })
             .await
         } else {
-            self.fetch_runs("resolve_tag_set", RunQuery::TagSet, cols, |q| {
+            let plan = self.tag_plan(env_id, tags, floor_ms, cap).await;
+            self.tag_plans[plan as usize].fetch_add(1, Ordering::Relaxed);
+            let kind = match plan {
+                TagPlan::Ordered => RunQuery::TagSetOrdered,
+                TagPlan::Planner => RunQuery::TagSet,
+            };
+            self.fetch_runs("resolve_tag_set", kind, cols, |q| {
                 q.bind(env_id).bind(tags).bind(floor).bind(limit(cap))
             })
             .await

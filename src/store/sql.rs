@@ -38,6 +38,12 @@ pub(crate) enum RunQuery {
     /// and a small environment's through its `(runtimeEnvironmentId, batchId)` btree: slower
     /// overall (BENCHMARKS.md, "At production data volume").
     TagSet,
+    /// [`RunQuery::TagSet`] as the ordered scan of `TaskRun_runtimeEnvironmentId_createdAt_idx`,
+    /// newest first, that stops at the limit (`super::tag_plan`): the tag test is written
+    /// `("runTags" @> $2) IS TRUE`, which the GIN cannot serve and which is true exactly when
+    /// `"runTags" @> $2` is, while Postgres still estimates it from the tag's statistics. Same
+    /// parameters, same rows.
+    TagSetOrdered,
     /// `$1` env, `$2` floor timestamp, `$3` limit (no tag filter).
     TagSetUnfiltered,
     /// `$1` env, `$2` internal batch id, `$3` limit.
@@ -52,7 +58,7 @@ impl RunQuery {
     /// of 10.1; BENCHMARKS.md, "At production data volume"). A cold read, so the extra parse is
     /// cheap beside it.
     pub(crate) fn custom_plan(self) -> bool {
-        matches!(self, RunQuery::TagSet)
+        matches!(self, RunQuery::TagSet | RunQuery::TagSetOrdered)
     }
 }
 
@@ -101,6 +107,9 @@ pub(crate) fn run_query_sql(kind: RunQuery, cols: ColumnSet) -> String {
         ),
         RunQuery::TagSet => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+        ),
+        RunQuery::TagSetOrdered => format!(
+            r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND ("runTags" @> $2) IS TRUE AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
         RunQuery::TagSetUnfiltered => format!(
             r#"SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
@@ -333,6 +342,7 @@ mod tests {
             "{sql}"
         );
         assert!(RunQuery::TagSet.custom_plan());
+        assert!(RunQuery::TagSetOrdered.custom_plan());
         for kind in [
             RunQuery::Hydrate,
             RunQuery::HydrateMany,

@@ -943,6 +943,7 @@ pub type Observed = Instrument<ObservedKind>;
 /// | `runfeed.http.accept_errors` | `runfeed_http_accept_errors_total` | `http::serve::accept_errors` (process-wide) |
 /// | `runfeed.pg.queries` | `runfeed_pg_queries_total` | `PgStore::query_count` |
 /// | `runfeed.pg.errors`, `kind` | `runfeed_pg_errors_total` | `PgStore::error_counts` (process-wide) |
+/// | `runfeed.pg.tag_set_plans`, `plan` = planner \| ordered | `runfeed_pg_tag_set_plans_total` | `PgStore::tag_plan_counts` |
 /// | `runfeed.pg.replica_bypassed` | `runfeed_pg_replica_bypassed` | `PgStore::replica_bypassed` (1 = replica reads go to the primary) |
 /// | `runfeed.redis.errors`, `kind` = connection \| command \| lagged \| lost_subscription \| limiter_fallback | `runfeed_redis_errors_total` | Redis source |
 /// | `runfeed.redis.connected` | `runfeed_redis_connected` | Redis source (1 = up) |
@@ -1085,6 +1086,15 @@ pub mod observed {
         unit: "{error}",
         labels: &["kind"],
         description: "Postgres errors by kind: connection (also a query with no answer within database.statement_timeout_ms + 1 s), pool_timeout, database (SQL, statement timeout), other (decoding); process-wide",
+    };
+
+    /// `runfeed.pg.tag_set_plans` (counter).
+    pub const PG_TAG_SET_PLANS: Observed = Observed {
+        name: "runfeed.pg.tag_set_plans",
+        kind: ObservedKind::Counter,
+        unit: "{read}",
+        labels: &["plan"],
+        description: "Tag set reads by plan: planner (the plain statement, planned by Postgres), ordered (the ordered scan of a small environment's window, chosen from the planner's own estimates)",
     };
 
     /// `runfeed.pg.replica_bypassed` (gauge).
@@ -1252,7 +1262,7 @@ pub mod observed {
     };
 
     /// All of them, in declaration order.
-    pub const ALL: [&Observed; 33] = [
+    pub const ALL: [&Observed; 34] = [
         &ROUTER_HELD_FEEDS,
         &ROUTER_ACTIVE_ENVS,
         &REPLICA_LAG_ESTIMATE,
@@ -1264,6 +1274,7 @@ pub mod observed {
         &RUNSET_ADMISSION_IN_USE,
         &PG_QUERIES,
         &PG_ERRORS,
+        &PG_TAG_SET_PLANS,
         &PG_REPLICA_BYPASSED,
         &NOTIFIER_MESSAGES_RECEIVED,
         &NOTIFIER_ACTIVE_SUBSCRIPTIONS,

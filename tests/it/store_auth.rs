@@ -789,15 +789,23 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
 
     let before = store.query_count();
     let rows = tag_set(&store, "env_a", &tags, floor, 1000).await;
-    assert_eq!(store.query_count() - before, 1);
+    // The set's one query, after the planner's estimates of the window and of its matches
+    // (src/store/tag_plan.rs); the window's is kept for the next read.
+    assert_eq!(store.query_count() - before, 3);
     assert_eq!(
         rows,
         vec!["ab_tie_y", "ab_tie_x", "abc", "at_floor"],
         "createdAt DESC, id DESC; floor inclusive"
     );
 
+    let before = store.query_count();
     let rows = tag_set(&store, "env_a", &tags, floor, 2).await;
     assert_eq!(rows, vec!["ab_tie_y", "ab_tie_x"]);
+    assert_eq!(
+        store.query_count() - before,
+        2,
+        "the window's estimate is kept"
+    );
 
     // No tags: every run of the env (including NULL runTags) above the floor.
     let rows = tag_set(&store, "env_a", &[], floor, 1000).await;
@@ -808,6 +816,60 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
 
     let unknown_tag = tag_set(&store, "env_a", &["zzz".to_string()], 0, 1000).await;
     assert!(unknown_tag.is_empty());
+    db.cleanup().await;
+}
+
+/// When the planner estimates that the tags match at least the cap in a small window, the set
+/// is read by the ordered scan of the environment's `(runtimeEnvironmentId, createdAt)` range
+/// (src/store/tag_plan.rs): the same runs, order, floor and cap as the plain statement. On
+/// this table of a few rows, every estimate is the planner's floor of one row, so a cap of one
+/// takes the ordered scan and a larger cap the plain statement.
+#[tokio::test]
+async fn a_tag_set_read_by_the_ordered_scan_has_the_plain_statements_runs() {
+    let db = TestDb::create().await;
+    let ab: &[&str] = &["a", "b"];
+    runs_at(
+        &db.pool,
+        "env_a",
+        &[
+            ("old", "2024-01-01 00:00:00.000", Some(ab)),
+            ("only_a", "2024-01-03 00:00:00.000", Some(&["a"])),
+            ("ab_x", "2024-01-05 00:00:00.000", Some(ab)),
+            ("ab_y", "2024-01-05 00:00:00.000", Some(&["b", "a"])),
+            ("newest_only_b", "2024-01-06 00:00:00.000", Some(&["b"])),
+        ],
+    )
+    .await;
+    runs_at(
+        &db.pool,
+        "env_b",
+        &[("other_env", "2024-01-07 00:00:00.000", Some(ab))],
+    )
+    .await;
+    let store = db.store();
+    let floor = ms("2024-01-02 00:00:00.000");
+    let tags = vec!["a".to_string(), "b".to_string()];
+    let plans = |store: &PgStore| store.tag_plan_counts().map(|(_, n)| n);
+
+    let [planner, ordered] = plans(&store);
+    assert_eq!(
+        tag_set(&store, "env_a", &tags, floor, 1).await,
+        vec!["ab_y"]
+    );
+    assert_eq!(
+        plans(&store),
+        [planner, ordered + 1],
+        "a cap of one: the ordered scan"
+    );
+    assert_eq!(
+        tag_set(&store, "env_a", &tags, floor, 1000).await,
+        vec!["ab_y", "ab_x"]
+    );
+    assert_eq!(
+        plans(&store),
+        [planner + 1, ordered + 1],
+        "a large cap: the planner"
+    );
     db.cleanup().await;
 }
 

@@ -911,6 +911,9 @@ fn select_all() -> String {
 /// One explained set query.
 enum SetQuery {
     Tags(Vec<String>),
+    /// The ordered formulation runfeed sends for a tag frequent in a small environment
+    /// (`src/store/tag_plan.rs`).
+    TagsOrdered(Vec<String>),
     Unfiltered,
     Batch(String),
 }
@@ -928,6 +931,9 @@ async fn explain(
         SetQuery::Tags(_) => format!(
             r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "runTags" @> $2 AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
         ),
+        SetQuery::TagsOrdered(_) => format!(
+            r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND ("runTags" @> $2) IS TRUE AND "createdAt" >= $3 ORDER BY "createdAt" DESC, id DESC LIMIT $4"#
+        ),
         SetQuery::Unfiltered => format!(
             r#"EXPLAIN (ANALYZE, BUFFERS) SELECT {select} FROM "TaskRun" WHERE "runtimeEnvironmentId" = $1 AND "createdAt" >= $2 ORDER BY "createdAt" DESC, id DESC LIMIT $3"#
         ),
@@ -940,7 +946,9 @@ async fn explain(
         .persistent(false)
         .bind(&env.env_id);
     let query = match q {
-        SetQuery::Tags(tags) => query.bind(tags).bind(v.floor).bind(limit),
+        SetQuery::Tags(tags) | SetQuery::TagsOrdered(tags) => {
+            query.bind(tags).bind(v.floor).bind(limit)
+        }
         SetQuery::Unfiltered => query.bind(v.floor).bind(limit),
         SetQuery::Batch(id) => query.bind(id).bind(limit),
     };
@@ -1009,7 +1017,12 @@ async fn explain_all(
         cases.push((
             format!("another environment's tag {tag} ({n} runs)"),
             other,
-            SetQuery::Tags(vec![tag]),
+            SetQuery::Tags(vec![tag.clone()]),
+        ));
+        cases.push((
+            format!("another environment's tag {tag}, ordered (as runfeed sends it)"),
+            other,
+            SetQuery::TagsOrdered(vec![tag]),
         ));
     }
     let batch: Option<(String, i32)> = sqlx::query_as(

@@ -24,6 +24,11 @@ use crate::protocol::{
 };
 use crate::telemetry::metrics::Metrics;
 
+/// How far apart two floors may be for one estimate to serve both, ms: a feed's floor moves
+/// with the clock (bucketed to `feeds.runset_created_at_bucket_ms`), and a window's size barely
+/// changes in a few minutes.
+const ESTIMATE_FLOOR_TOLERANCE_MS: u64 = 5 * 60 * 1000;
+
 /// Default pool size per pool (primary and replica each).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 /// How long a query waits for a pooled connection before failing (`PoolTimedOut`).
@@ -78,10 +83,10 @@ pub struct PgStore {
     query_bound: Duration,
     /// Instruments (acquire waits); no-op until [`PgStore::set_metrics`].
     metrics: std::sync::OnceLock<Arc<Metrics>>,
-    /// The planner's estimate of an environment's runs since a floor (epoch ms), for the tag
-    /// set's plan ([`tag_plan`]). Bound: 10 000 entries, each kept 60 s; floors are bucketed
-    /// (`feeds.runset_created_at_bucket_ms`), so a stampede of one environment asks once.
-    window_estimates: TtlCache<(EnvId, i64), f64>,
+    /// The planner's estimates for the tag set's plan ([`tag_plan`]), with the floor (epoch
+    /// ms) each was made for: by environment (no tags) its runs since the floor, by
+    /// environment and tags those carrying the tags. Bound: 10 000 entries, each kept 60 s.
+    estimates: TtlCache<(EnvId, Vec<String>), (i64, f64)>,
     /// Tag sets read by plan: [`TagPlan::Planner`], [`TagPlan::Ordered`].
     tag_plans: [AtomicU64; 2],
 }
@@ -322,7 +327,7 @@ impl PgStore {
             metrics: std::sync::OnceLock::new(),
             sql: SqlCache::default(),
             query_bound: query_bound(0),
-            window_estimates: TtlCache::new(10_000, Duration::from_secs(60)),
+            estimates: TtlCache::new(10_000, Duration::from_secs(60)),
             tag_plans: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
@@ -435,8 +440,9 @@ impl PgStore {
     }
 
     /// How to read a tag set ([`tag_plan`]): from the planner's estimates of the environment's
-    /// window (cached) and, when that window is small enough, of its runs carrying `tags`.
-    /// An estimate that cannot be read leaves the choice to Postgres.
+    /// window and, when that window is small enough, of its runs carrying `tags`. Both are kept
+    /// ([`PgStore::estimates`]), so a filter read again (a backstop's re-read, the next cold
+    /// snapshot) asks no more. An estimate that cannot be read leaves the choice to Postgres.
     async fn tag_plan(
         &self,
         env_id: &EnvId,
@@ -445,39 +451,57 @@ impl PgStore {
         cap: usize,
     ) -> TagPlan {
         let floor = ms_to_ts(floor_ms);
-        let key = (env_id.clone(), floor_ms);
-        let window = match self.window_estimates.get(&key) {
-            Some(rows) => rows,
-            None => {
-                let query = || {
-                    sqlx::query(WINDOW_ESTIMATE)
-                        .bind(env_id)
-                        .bind(floor)
-                        .persistent(false)
-                };
-                match self.estimate("window_estimate", query).await {
-                    Some(rows) => {
-                        self.window_estimates.insert(key, rows);
-                        rows
-                    }
-                    None => return TagPlan::Planner,
-                }
-            }
+        let window_query = || {
+            sqlx::query(WINDOW_ESTIMATE)
+                .bind(env_id)
+                .bind(floor)
+                .persistent(false)
+        };
+        let window_key = (env_id.clone(), Vec::new());
+        let Some(window) = self
+            .kept_estimate(window_key, floor_ms, "window_estimate", window_query)
+            .await
+        else {
+            return TagPlan::Planner;
         };
         if window > ORDERED_MAX_WINDOW {
             return TagPlan::Planner;
         }
-        let query = || {
+        let matches_query = || {
             sqlx::query(MATCHES_ESTIMATE)
                 .bind(env_id)
                 .bind(tags)
                 .bind(floor)
                 .persistent(false)
         };
-        match self.estimate("matches_estimate", query).await {
+        let matches_key = (env_id.clone(), tags.to_vec());
+        match self
+            .kept_estimate(matches_key, floor_ms, "matches_estimate", matches_query)
+            .await
+        {
             Some(matches) => tag_plan::choose(window, matches, cap),
             None => TagPlan::Planner,
         }
+    }
+
+    /// The estimate kept for `key` when it was made for a floor within
+    /// [`ESTIMATE_FLOOR_TOLERANCE_MS`] of `floor_ms`, else [`PgStore::estimate`] of `make()`,
+    /// kept.
+    async fn kept_estimate<'q>(
+        &self,
+        key: (EnvId, Vec<String>),
+        floor_ms: i64,
+        op: &'static str,
+        make: impl Fn() -> PgQuery<'q>,
+    ) -> Option<f64> {
+        if let Some((made_for, rows)) = self.estimates.get(&key) {
+            if made_for.abs_diff(floor_ms) <= ESTIMATE_FLOOR_TOLERANCE_MS {
+                return Some(rows);
+            }
+        }
+        let rows = self.estimate(op, make).await?;
+        self.estimates.insert(key, (floor_ms, rows));
+        Some(rows)
     }
 
     /// The estimated rows of `make()`'s `EXPLAIN (FORMAT JSON)`, on the replica; `None` when

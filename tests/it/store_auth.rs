@@ -790,7 +790,7 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
     let before = store.query_count();
     let rows = tag_set(&store, "env_a", &tags, floor, 1000).await;
     // The set's one query, after the planner's estimates of the window and of its matches
-    // (src/store/tag_plan.rs); the window's is kept for the next read.
+    // (src/store/tag_plan.rs), which are kept for the filter's next read.
     assert_eq!(store.query_count() - before, 3);
     assert_eq!(
         rows,
@@ -801,11 +801,7 @@ async fn resolve_tag_set_contains_all_tags_respects_floor_newest_first_and_cap()
     let before = store.query_count();
     let rows = tag_set(&store, "env_a", &tags, floor, 2).await;
     assert_eq!(rows, vec!["ab_tie_y", "ab_tie_x"]);
-    assert_eq!(
-        store.query_count() - before,
-        2,
-        "the window's estimate is kept"
-    );
+    assert_eq!(store.query_count() - before, 1, "the estimates are kept");
 
     // No tags: every run of the env (including NULL runTags) above the floor.
     let rows = tag_set(&store, "env_a", &[], floor, 1000).await;

@@ -69,6 +69,7 @@ const FAMILIES: &[&str] = &[
     "runfeed_http_accept_errors_total",
     "runfeed_pg_queries_total",
     "runfeed_pg_errors_total",
+    "runfeed_pg_tag_set_plans_total",
     "runfeed_pg_replica_bypassed",
     "runfeed_redis_errors_total",
     "runfeed_redis_connected",
@@ -604,6 +605,7 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
         "runfeed_pg_errors_total{kind=pool_timeout}",
         "runfeed_pg_errors_total{kind=database}",
         "runfeed_pg_errors_total{kind=other}",
+        "runfeed_pg_tag_set_plans_total{plan=ordered}",
         "runfeed_redis_errors_total{kind=connection}",
         "runfeed_redis_errors_total{kind=command}",
         "runfeed_redis_errors_total{kind=lagged}",
@@ -612,6 +614,10 @@ async fn every_instrument_is_exported_and_moves_with_the_workload() {
     ] {
         assert!(s9.has(series), "{series} is exported");
     }
+    assert!(
+        s9.get("runfeed_pg_tag_set_plans_total", &[("plan", "planner")]) >= 1.0,
+        "the tag feed's cold read, planned by Postgres on this small table"
+    );
     assert!(s9.get("runfeed_replica_lag_estimate_milliseconds", &[]) >= 0.0);
     assert_eq!(
         s9.get("runfeed_pg_replica_bypassed", &[]),

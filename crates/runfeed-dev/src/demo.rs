@@ -186,7 +186,7 @@ fn print_summary(args: &DemoArgs, seeded: &Seeded, token: &str) {
     );
     println!();
     println!("Then watch the feeds:");
-    println!("  export PUBLIC_TOKEN='{token}'");
+    println!("  export PUBLIC_TOKEN='{token}' TAG='{DEMO_TAG}'");
     println!("  # one run: snapshot, then long-poll with the electric-handle / electric-offset response headers");
     println!(
         "  curl -sS -D - -H \"Authorization: Bearer $PUBLIC_TOKEN\" -H 'x-trigger-electric-version: 1.0.0-beta.1' '{base}/realtime/v1/runs/{}?offset=-1'",

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::cache::TtlCache;
 use crate::protocol::EnvId;
@@ -37,9 +37,9 @@ pub struct EnvShares {
 struct Flights {
     /// Bound: one entry per environment with a resolve in flight (module docs).
     by_env: Mutex<HashMap<EnvId, Flight>>,
-    /// Sent whenever a resolve stops running or leaves: a permit holder waiting for its turn
-    /// checks again.
-    changed: watch::Sender<()>,
+    /// Notified whenever a resolve stops running or leaves: a permit holder waiting for its
+    /// turn checks again.
+    changed: Notify,
 }
 
 /// One environment's tag resolves in flight: `entered` from the call to
@@ -118,7 +118,7 @@ impl Drop for InFlight {
                 }
             }
         }
-        self.flights.changed.send_replace(());
+        self.flights.changed.notify_waiters();
     }
 }
 
@@ -130,7 +130,7 @@ impl EnvShares {
             shares: TtlCache::idle(100_000, Duration::from_secs(60)),
             flights: Arc::new(Flights {
                 by_env: Mutex::new(HashMap::new()),
-                changed: watch::Sender::new(()),
+                changed: Notify::new(),
             }),
         }
     }
@@ -155,12 +155,15 @@ impl EnvShares {
             .shares
             .get_or_insert_with(env_id.clone(), || Arc::new(Semaphore::new(per_env)));
         let permit = share.acquire_owned().await.ok()?;
-        // Subscribed before the check, so a change between the two wakes the wait.
-        let mut changed = self.flights.changed.subscribe();
-        while !flight.try_run() {
-            if changed.changed().await.is_err() {
-                break; // the sender lives in `self.flights`: never
+        loop {
+            // Enabled before the check, so a change between the two wakes the wait.
+            let changed = self.flights.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if flight.try_run() {
+                break;
             }
+            changed.await;
         }
         Some(SharePermit {
             permit,

@@ -24,6 +24,7 @@ use tower_http::trace::{DefaultOnRequest, MakeSpan, OnResponse, TraceLayer};
 use tracing::field::Empty;
 use tracing::Span;
 
+use super::metrics::Liveness;
 use super::Metrics;
 
 /// Route label of requests outside every route (404 fallback).
@@ -164,7 +165,11 @@ where
         let pending = Pending {
             route,
             method: req.method().clone(),
-            live: is_live(req.uri().query()),
+            live: if is_live(req.uri().query()) {
+                Liveness::Live
+            } else {
+                Liveness::NotLive
+            },
             started: Instant::now(),
             metrics: self.metrics.clone(),
             done: false,
@@ -244,7 +249,7 @@ struct Pending {
     metrics: Arc<Metrics>,
     route: &'static str,
     method: axum::http::Method,
-    live: bool,
+    live: Liveness,
     started: Instant,
     done: bool,
 }

@@ -22,7 +22,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use opentelemetry::metrics::{AsyncInstrument, Counter, Histogram, Meter, MeterProvider};
+use opentelemetry::metrics::{
+    AsyncInstrument, BoundHistogram, Counter, Histogram, Meter, MeterProvider,
+};
 use opentelemetry::KeyValue;
 
 /// Meter (instrumentation scope) name: the `otel_scope_name` label of every series.
@@ -61,7 +63,7 @@ const ROW_BOUNDS: &[f64] = &[
 
 /// Which path a live response's rows came through (`path` label of delivery lag and emitted
 /// rows).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeliveryPath {
     /// Replayed from the router's buffer when the poll registered (a change between polls).
     Replay,
@@ -222,10 +224,10 @@ pub struct Metrics {
     /// now − the newest emitted row's `updatedAt` per live emission, by `path`
     /// ([`DeliveryPath`]); app clock vs the writer's clock, negatives clamped to 0. The
     /// end-to-end SLI.
-    pub delivery_lag: Histogram<f64>,
+    pub delivery_lag: KeyedHistogram<DeliveryPath, f64>,
     /// `runfeed.feeds.emitted_rows` (`{row}`; `runfeed_feeds_emitted_rows`): rows per live
     /// emission, by `path`.
-    pub emitted_rows: Histogram<u64>,
+    pub emitted_rows: KeyedHistogram<DeliveryPath, u64>,
     /// `runfeed.feeds.live_polls` (`runfeed_feeds_live_polls_total`): live-loop path events by
     /// `path` ([`LivePath`]); one poll can add several.
     pub live_polls: FixedCounter,
@@ -258,7 +260,7 @@ pub struct Metrics {
     pub http_requests: KeyedCounter<(Cow<'static, str>, Cow<'static, str>, u16)>,
     /// `runfeed.http.duration` (ms; `runfeed_http_duration_milliseconds`): time to the response
     /// head by `route`, `status` and `live` (`true` = the poll hold duration).
-    pub http_duration: Histogram<f64>,
+    pub http_duration: KeyedHistogram<(&'static str, u16, Liveness), f64>,
     /// `runfeed.http.sent` (By; `runfeed_http_sent_bytes_total`): response body bytes by
     /// `route`.
     pub http_sent: KeyedCounter<Cow<'static, str>>,
@@ -376,6 +378,62 @@ where
     }
 }
 
+/// A histogram whose label sets are not all known up front but few (an enum's values, route ×
+/// status × liveness): each label set is bound once, on its first record, to the OTel SDK's
+/// bound instrument (`Histogram::bind`), found again by a read-locked lookup of its key. An
+/// unbound OTel histogram hashes, and on a miss sorts, its attributes on every record
+/// (≈ 1 400 instructions each); these record on every request and delivery (BENCHMARKS.md
+/// "Cost per unit of work"). A label set appears at collection once recorded.
+pub struct KeyedHistogram<K, T> {
+    histogram: Histogram<T>,
+    attrs: fn(&K) -> Vec<KeyValue>,
+    bound: parking_lot::RwLock<HashMap<K, BoundHistogram<T>, foldhash::fast::RandomState>>,
+}
+
+impl<K, T> KeyedHistogram<K, T>
+where
+    K: std::hash::Hash + Eq + Clone,
+{
+    /// Records into `histogram`; `attrs` names a key's label set (called once per key).
+    fn new(histogram: Histogram<T>, attrs: fn(&K) -> Vec<KeyValue>) -> KeyedHistogram<K, T> {
+        KeyedHistogram {
+            histogram,
+            attrs,
+            bound: parking_lot::RwLock::default(),
+        }
+    }
+
+    /// Records `value` for the label set `key`.
+    fn record(&self, key: K, value: T) {
+        if let Some(bound) = self.bound.read().get(&key) {
+            bound.record(value);
+            return;
+        }
+        let mut bound = self.bound.write();
+        let histogram = &self.histogram;
+        let attrs = self.attrs;
+        bound
+            .entry(key)
+            .or_insert_with_key(|key| histogram.bind(&attrs(key)))
+            .record(value);
+    }
+}
+
+/// The `path` label of a delivery's histograms.
+fn delivery_path_attrs(path: &DeliveryPath) -> Vec<KeyValue> {
+    vec![kv("path", path.as_str())]
+}
+
+/// Whether a request was a live poll (`live=true`): the `live` label of `runfeed.http.duration`
+/// (a live poll's duration is its hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Liveness {
+    /// `live=true`.
+    Live,
+    /// Any other request (a snapshot, a catch-up, `/healthz`).
+    NotLive,
+}
+
 /// Registers the observable counter `spec`; `report` observes its series at each collection.
 fn observable_counter<K>(
     meter: &Meter,
@@ -460,8 +518,14 @@ impl Metrics {
     /// Creates every synchronous instrument on `meter` (fixed label sets start at zero).
     pub fn new(meter: &Meter) -> Metrics {
         let m = Metrics {
-            delivery_lag: f64_histogram(meter, &recorded::FEEDS_DELIVERY_LAG, LAG_BOUNDS_MS),
-            emitted_rows: u64_histogram(meter, &recorded::FEEDS_EMITTED_ROWS, ROW_BOUNDS),
+            delivery_lag: KeyedHistogram::new(
+                f64_histogram(meter, &recorded::FEEDS_DELIVERY_LAG, LAG_BOUNDS_MS),
+                delivery_path_attrs,
+            ),
+            emitted_rows: KeyedHistogram::new(
+                u64_histogram(meter, &recorded::FEEDS_EMITTED_ROWS, ROW_BOUNDS),
+                delivery_path_attrs,
+            ),
             live_polls: FixedCounter::new(
                 meter,
                 &recorded::FEEDS_LIVE_POLLS,
@@ -507,7 +571,16 @@ impl Metrics {
                     ]
                 },
             ),
-            http_duration: f64_histogram(meter, &recorded::HTTP_DURATION, HTTP_BOUNDS_MS),
+            http_duration: KeyedHistogram::new(
+                f64_histogram(meter, &recorded::HTTP_DURATION, HTTP_BOUNDS_MS),
+                |(route, status, live)| {
+                    vec![
+                        KeyValue::new("route", *route),
+                        KeyValue::new("status", i64::from(*status)),
+                        KeyValue::new("live", *live == Liveness::Live),
+                    ]
+                },
+            ),
             http_sent: KeyedCounter::new(meter, &recorded::HTTP_SENT, |route| {
                 vec![KeyValue::new("route", label_value(route))]
             }),
@@ -547,12 +620,11 @@ impl Metrics {
         if rows == 0 {
             return;
         }
-        let attrs = [kv("path", path.as_str())];
         self.emitted_rows
-            .record(u64::try_from(rows).unwrap_or(u64::MAX), &attrs);
+            .record(path, u64::try_from(rows).unwrap_or(u64::MAX));
         if let Some(newest) = newest_ms {
             let lag = (crate::clock::now_ms() - newest).max(0);
-            self.delivery_lag.record(lag as f64, &attrs);
+            self.delivery_lag.record(path, lag as f64);
         }
     }
 
@@ -608,19 +680,19 @@ impl Metrics {
         }
     }
 
-    /// One finished HTTP request.
-    pub fn http_request(&self, route: &str, method: &str, status: u16, live: bool, took: Duration) {
-        let route = label(route);
+    /// One finished HTTP request on `route` (a route pattern, [`crate::telemetry::http`]'s
+    /// `unmatched` for any other path), answered `status` after `took`.
+    pub fn http_request(
+        &self,
+        route: &'static str,
+        method: &str,
+        status: u16,
+        live: Liveness,
+        took: Duration,
+    ) {
         self.http_requests
-            .add((route.clone(), label(method), status), 1);
-        self.http_duration.record(
-            ms(took),
-            &[
-                KeyValue::new("route", label_value(&route)),
-                KeyValue::new("status", i64::from(status)),
-                KeyValue::new("live", live),
-            ],
-        );
+            .add((Cow::Borrowed(route), label(method), status), 1);
+        self.http_duration.record((route, status, live), ms(took));
     }
 
     /// A feed request with a run token on `route` (one of [`FEED_ROUTES`]) ended `outcome`.

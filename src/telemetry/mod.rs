@@ -210,4 +210,56 @@ mod tests {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }
     }
+
+    /// The count of the series of `family` whose labels include every one of `labels`.
+    fn count_of(text: &str, family: &str, labels: &[&str]) -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{family}{{")))
+            .find(|l| labels.iter().all(|label| l.contains(label)))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    #[test]
+    fn a_bound_histogram_exports_each_label_set_with_every_record() {
+        use std::time::Duration;
+        let t = Telemetry::new(&TelemetryConfig::default()).expect("telemetry");
+        let m = t.metrics();
+        let route = "/realtime/v1/runs/{run_id}";
+        for live in [
+            metrics::Liveness::Live,
+            metrics::Liveness::Live,
+            metrics::Liveness::NotLive,
+        ] {
+            m.http_request(route, "GET", 200, live, Duration::from_millis(3));
+        }
+        m.http_request(route, "GET", 404, metrics::Liveness::NotLive, Duration::ZERO);
+        m.emitted(metrics::DeliveryPath::Notify, 2, None);
+        m.emitted(metrics::DeliveryPath::Notify, 3, None);
+        m.emitted(metrics::DeliveryPath::Replay, 1, None);
+        let text = encode_prometheus(t.registry()).expect("encode");
+        let family = "runfeed_http_duration_milliseconds_count";
+        let route_label = format!("route=\"{route}\"");
+        let count = |labels: &[&str]| count_of(&text, family, labels);
+        assert_eq!(
+            count(&[&route_label, "live=\"true\"", "status=\"200\""]),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(
+            count(&[&route_label, "live=\"false\"", "status=\"200\""]),
+            Some(1.0)
+        );
+        assert_eq!(
+            count(&[&route_label, "live=\"false\"", "status=\"404\""]),
+            Some(1.0)
+        );
+        assert_eq!(count(&["status=\"404\"", "live=\"true\""]), None);
+        let rows = |path: &str| {
+            let label = format!("path=\"{path}\"");
+            count_of(&text, "runfeed_feeds_emitted_rows_sum", &[&label])
+        };
+        assert_eq!(rows("notify"), Some(5.0));
+        assert_eq!(rows("replay"), Some(1.0));
+        assert_eq!(rows("cold"), None, "a label set appears once recorded");
+    }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fred::clients::Client;
-use fred::interfaces::KeysInterface;
+use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::scripts::Script;
 use fred::types::Expiration;
 
@@ -44,8 +44,9 @@ fn bump_by(counter: &AtomicU64, n: usize) {
 }
 
 /// Stores every `(key, value)` pair it is given with `PX ARGV[1]` (`ARGV[i + 1]` is the value of
-/// `KEYS[i]`): the cursor writes of one environment queued together, as ONE command. The keys
-/// share their environment's hash tag, so they are in one Cluster slot.
+/// `KEYS[i]`): the cursor writes queued together, as ONE command. On a Cluster a call carries
+/// one environment's keys, which share its hash tag, so one slot; on a standalone server, the
+/// whole batch.
 pub const SET_MANY: &str = r#"
 for i, key in ipairs(KEYS) do
   redis.call('SET', key, ARGV[i + 1], 'PX', ARGV[1])
@@ -65,11 +66,12 @@ struct Write {
     value: String,
 }
 
-/// The writer task: drains up to [`WRITE_BATCH_MAX`] queued writes and sends them grouped by
-/// environment, one command per group (a lone write is a plain `SET key value PX ttl`, a group
-/// one [`SET_MANY`] call), bounded by 4 × [`READ_DEADLINE`]. A delivery to the N feeds of one
-/// environment writes N cursors at once, so Redis sees one command for them instead of N
-/// (BENCHMARKS.md "Cost per unit of work"). Ends when every [`CursorStore`] clone is gone.
+/// The writer task: drains up to [`WRITE_BATCH_MAX`] queued writes and sends them as one
+/// command per group (a lone write is a plain `SET key value PX ttl`, a group one [`SET_MANY`]
+/// call), bounded by 4 × [`READ_DEADLINE`]: one group per environment on a Cluster
+/// (`clustered`), the whole batch on a standalone server. A delivery to N feeds writes N cursors
+/// at once, so Redis sees one command for them instead of N (BENCHMARKS.md "Cost per unit of
+/// work"). Ends when every [`CursorStore`] clone is gone.
 async fn write_loop(
     client: Client,
     mut rx: tokio::sync::mpsc::Receiver<Write>,
@@ -77,6 +79,7 @@ async fn write_loop(
     stats: Arc<CursorStats>,
     commands: Arc<super::CommandCounts>,
 ) {
+    let clustered = client.is_clustered();
     let mut batch = Vec::with_capacity(WRITE_BATCH_MAX);
     while rx.recv_many(&mut batch, WRITE_BATCH_MAX).await > 0 {
         // One change delivered to several feeds of an environment wakes their responses
@@ -93,7 +96,13 @@ async fn write_loop(
         // Sent now; the replies are awaited in a task of their own, so the next batch never
         // waits behind this one (a poll hopping to another instance right after its response
         // must find its cursor stored).
-        let sends: Vec<_> = group_by_env(std::mem::take(&mut batch))
+        let writes = std::mem::take(&mut batch);
+        let groups = if clustered {
+            group_by_env(writes)
+        } else {
+            vec![writes]
+        };
+        let sends: Vec<_> = groups
             .into_iter()
             .map(|group| send_group(&client, group, ttl_ms))
             .collect();
@@ -162,7 +171,10 @@ fn send_group(
                     .map(drop)
             }
         };
-        result.map_err(|_| n)
+        result.map_err(|e| {
+            tracing::debug!(error = %e, n, "replay cursor write failed");
+            n
+        })
     }
 }
 

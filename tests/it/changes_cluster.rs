@@ -653,6 +653,61 @@ async fn sharded_subscription_follows_a_slot_migration() {
     c.finish(publisher, vec![]).await;
 }
 
+/// On a Cluster, replay cursor writes queued together are one command per environment (its
+/// keys share the environment's hash tag, so one slot), every cursor readable afterwards.
+#[tokio::test]
+async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
+    let Some(c) = Cluster::start("cursor_writes_on_a_cluster_are_one_command_per_environment").await
+    else {
+        return;
+    };
+    let envs = c.env_per_shard();
+    let redis = runfeed::redis::Redis::connect(classic(&c.url)).expect("client");
+    let store = redis.cursor_store(60_000);
+    let stats = store.stats().clone();
+    // Until the client knows the cluster's slots, writes fail (and are counted): write one
+    // until it is stored.
+    let deadline = Instant::now() + WAIT;
+    while stats.set_ok.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "the cluster client never connected");
+        store.set(&envs[0], "warm", "0_0", "warm".to_string());
+        sleep(Duration::from_millis(100)).await;
+    }
+    let commands_before = redis.command_counts().cursor_write.load(Ordering::Relaxed);
+    let (ok_before, errors_before) = (
+        stats.set_ok.load(Ordering::Relaxed),
+        stats.set_error.load(Ordering::Relaxed),
+    );
+    // Queued without yielding (this test's runtime has one thread): the writer takes them as
+    // one batch.
+    for env in &envs {
+        for i in 0..10 {
+            store.set(env, "h", &format!("{i}_0"), format!("{env}/{i}"));
+        }
+    }
+    let writes = 10 * envs.len() as u64;
+    let deadline = Instant::now() + WAIT;
+    while stats.set_ok.load(Ordering::Relaxed) < ok_before + writes {
+        assert!(Instant::now() < deadline, "cursor writes never acknowledged");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stats.set_error.load(Ordering::Relaxed), errors_before);
+    assert_eq!(
+        redis.command_counts().cursor_write.load(Ordering::Relaxed) - commands_before,
+        envs.len() as u64,
+        "one command per environment"
+    );
+    for env in &envs {
+        for i in 0..10 {
+            let got = store
+                .get(env, "h", &format!("{i}_0"), |v| Some(v.to_string()))
+                .await;
+            assert_eq!(got, Some(format!("{env}/{i}")));
+        }
+    }
+    c.quit().await;
+}
+
 /// Cluster with sharded pub/sub off: classic SUBSCRIBE/PUBLISH through the cluster (classic
 /// messages reach every node), for envs on every shard; SPUBLISH does not reach a classic
 /// subscriber.

@@ -232,7 +232,13 @@ mod tests {
         ] {
             m.http_request(route, "GET", 200, live, Duration::from_millis(3));
         }
-        m.http_request(route, "GET", 404, metrics::Liveness::NotLive, Duration::ZERO);
+        m.http_request(
+            route,
+            "GET",
+            404,
+            metrics::Liveness::NotLive,
+            Duration::ZERO,
+        );
         m.emitted(metrics::DeliveryPath::Notify, 2, None);
         m.emitted(metrics::DeliveryPath::Notify, 3, None);
         m.emitted(metrics::DeliveryPath::Replay, 1, None);

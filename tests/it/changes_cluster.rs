@@ -657,7 +657,8 @@ async fn sharded_subscription_follows_a_slot_migration() {
 /// keys share the environment's hash tag, so one slot), every cursor readable afterwards.
 #[tokio::test]
 async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
-    let Some(c) = Cluster::start("cursor_writes_on_a_cluster_are_one_command_per_environment").await
+    let Some(c) =
+        Cluster::start("cursor_writes_on_a_cluster_are_one_command_per_environment").await
     else {
         return;
     };
@@ -669,7 +670,10 @@ async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
     // until it is stored.
     let deadline = Instant::now() + WAIT;
     while stats.set_ok.load(Ordering::Relaxed) == 0 {
-        assert!(Instant::now() < deadline, "the cluster client never connected");
+        assert!(
+            Instant::now() < deadline,
+            "the cluster client never connected"
+        );
         store.set(&envs[0], "warm", "0_0", "warm".to_string());
         sleep(Duration::from_millis(100)).await;
     }
@@ -688,7 +692,10 @@ async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
     let writes = 10 * envs.len() as u64;
     let deadline = Instant::now() + WAIT;
     while stats.set_ok.load(Ordering::Relaxed) < ok_before + writes {
-        assert!(Instant::now() < deadline, "cursor writes never acknowledged");
+        assert!(
+            Instant::now() < deadline,
+            "cursor writes never acknowledged"
+        );
         sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(stats.set_error.load(Ordering::Relaxed), errors_before);

@@ -18,7 +18,8 @@
 #   BIN=/path/to/other/runfeed bash scripts/bench-callgrind.sh
 #   SCENARIO=delivery bash scripts/bench-callgrind.sh
 #   SCENARIO=change bash scripts/bench-callgrind.sh
-# Env: BIN, BENCH (the runfeed-bench binary), SCENARIO (poll | delivery | change), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
+#   SERVER=bare bash scripts/bench-callgrind.sh           # the floor: `runfeed-bench bare` under the poll load
+# Env: BIN, BENCH (the runfeed-bench binary), SCENARIO (poll | delivery | change), SERVER (runfeed | bare), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
 # default info, the default configuration), PG_ADMIN, REDIS_URL,
 # OUT (target/bench-callgrind).
 set -uo pipefail
@@ -50,11 +51,24 @@ case "$SCENARIO" in
   delivery | change) HOLD_MS=30000; JITTER=0 ;;
   *) log "SCENARIO must be poll, delivery or change"; exit 2 ;;
 esac
-RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
-RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
-RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG="${SERVER_LOG:-info}" \
-  valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
-  "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
+SERVER="${SERVER:-runfeed}"
+case "$SERVER" in
+  runfeed)
+    RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
+    RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
+    RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG="${SERVER_LOG:-info}" \
+      valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
+      "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
+    BANNER='s/^runfeed listening on //p' ;;
+  bare)
+    # The floor (`runfeed-bench bare`, scripts/bench-floor.sh) under the same poll load; it
+    # answers its own /metrics.
+    [ "$SCENARIO" = poll ] || { log "SERVER=bare runs the poll scenario only"; exit 2; }
+    valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
+      "$BENCH" bare --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$LOG" 2>&1 &
+    BANNER='s/^bare listening on //p' ;;
+  *) log "SERVER must be runfeed or bare"; exit 2 ;;
+esac
 PID=$!
 cleanup() {
   kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null
@@ -63,12 +77,13 @@ cleanup() {
 trap cleanup EXIT
 BASE=""
 for _ in $(seq 1 600); do
-  BASE=$(sed -n 's/^runfeed listening on //p' "$LOG" | head -n1)
+  BASE=$(sed -n "$BANNER" "$LOG" | head -n1)
   [ -n "$BASE" ] && break
   sleep 0.1
 done
 [ -n "$BASE" ] || { log "server never listened"; cat "$LOG" >&2; exit 1; }
 ADMIN="http://127.0.0.1:$ADMIN_PORT"
+[ "$SERVER" = bare ] && ADMIN="$BASE"
 if [ "$SCENARIO" = poll ]; then
   # The feeds re-poll for the whole window plus their set-up.
   "$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
@@ -89,9 +104,12 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 sleep 3
+answered() { curl -s "$ADMIN/metrics" | awk '/^runfeed_http_requests_total/ { s += $NF } END { print s + 0 }'; }
+[ "$SERVER" = bare ] && before=$(answered)
 callgrind_control -z "$PID" >/dev/null
 sleep "$WINDOW_S"
 callgrind_control -d "$PID" >/dev/null
+[ "$SERVER" = bare ] && after=$(answered)
 kill "$BENCH_PID" 2>/dev/null
 sleep 1
 # The last dump file holds the window's counts (the counters were zeroed at its start).
@@ -102,13 +120,21 @@ ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", 
 # decoder per change record), not from two scrapes of the admin /metrics inside the window: a
 # scrape costs as much as a few hundred polls (every series encoded), which a Prometheus pays
 # every 15 s or so.
-case "$SCENARIO" in
-  poll) counted='runfeed::telemetry::metrics::Metrics::http_request'; unit="ended poll" ;;
-  delivery) counted='runfeed::telemetry::metrics::Metrics::emitted'; unit="delivery" ;;
-  change) counted='runfeed::changes::record::ChangeRecord::decode'; unit="change record" ;;
+case "$SERVER:$SCENARIO" in
+  bare:poll) counted=""; unit="ended poll" ;;
+  *:poll) counted='runfeed::telemetry::metrics::Metrics::http_request'; unit="ended poll" ;;
+  *:delivery) counted='runfeed::telemetry::metrics::Metrics::emitted'; unit="delivery" ;;
+  *:change) counted='runfeed::changes::record::ChangeRecord::decode'; unit="change record" ;;
 esac
-n=$(awk -v f="$counted" '/^cfn=/ { m = (substr($0, 5) == f) } /^calls=/ { if (m) { split($0, a, /[= ]/); s += a[2] } m = 0 } END { print s + 0 }' "$dump")
-log "binary $BIN: $ir instructions over $n units ($unit)"
+# The bare server's units are its answered feed requests, read from its own /metrics just outside
+# the window (that page is two counters, nothing like runfeed's).
+if [ "$SERVER" = bare ]; then
+  n=$(( ${after%.*} - ${before%.*} ))
+else
+  n=$(awk -v f="$counted" '/^cfn=/ { m = (substr($0, 5) == f) } /^calls=/ { if (m) { split($0, a, /[= ]/); s += a[2] } m = 0 } END { print s + 0 }' "$dump")
+fi
+if [ "$SERVER" = bare ]; then served="$BENCH bare"; else served="$BIN"; fi
+log "binary $served: $ir instructions over $n units ($unit)"
 awk -v ir="$ir" -v n="$n" -v u="$unit" 'BEGIN { if (n > 0) printf "instructions per %s: %.0f\n", u, ir / n }'
 if [ "$SCENARIO" = change ]; then
   callgrind_annotate --inclusive=yes --threshold=100 "$dump" >"$OUT/annotate.txt" 2>/dev/null

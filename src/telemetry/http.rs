@@ -24,8 +24,7 @@ use tower_http::trace::{DefaultOnRequest, MakeSpan, OnResponse, TraceLayer};
 use tracing::field::Empty;
 use tracing::Span;
 
-use super::metrics::Liveness;
-use super::Metrics;
+use super::{Liveness, Metrics};
 
 /// Route label of requests outside every route (404 fallback).
 pub const UNMATCHED: &str = "unmatched";

@@ -680,8 +680,8 @@ impl Metrics {
         }
     }
 
-    /// One finished HTTP request on `route` (a route pattern, [`crate::telemetry::http`]'s
-    /// `unmatched` for any other path), answered `status` after `took`.
+    /// One finished HTTP request on `route` (a route pattern, `unmatched` for any other path),
+    /// answered `status` after `took`.
     pub fn http_request(
         &self,
         route: &'static str,
@@ -1094,7 +1094,7 @@ pub mod observed {
         kind: ObservedKind::Counter,
         unit: "{command}",
         labels: &["purpose"],
-        description: "Commands sent to Redis on behalf of feeds, counted where sent (a script call counts once): cursor_read, cursor_write (one per environment and batch), concurrency (admission and lease scripts, re-stamps, releases)",
+        description: "Commands sent to Redis on behalf of feeds, counted where sent (a script call counts once): cursor_read, cursor_write (one per batch of responses; on a Cluster one per environment and batch), concurrency (admission and lease scripts, re-stamps, releases)",
     };
 
     /// `runfeed.feeds.concurrency_rejections` (counter).

@@ -23,7 +23,7 @@ use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::TelemetryConfig;
-pub use metrics::Metrics;
+pub use metrics::{Liveness, Metrics};
 
 /// Installs the global subscriber: `RUST_LOG` filter (default `info`, sqlx notices muted), JSON lines when
 /// `RUNFEED_LOG_FORMAT=json`, pretty otherwise. Logs go to stderr. Safe to call twice.

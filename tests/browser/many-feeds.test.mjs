@@ -19,7 +19,7 @@ import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { CHROMIUM, launchChromium } from "./chromium.mjs";
-import { createDatabase, dropDatabase, Fixture, startServer, mintToken, publish, freePort, waitFor } from "../e2e/lib.mjs";
+import { createDatabase, dropDatabase, Fixture, startServer, mintToken, publish, freePort, freePorts, waitFor } from "../e2e/lib.mjs";
 import { render, startProxy, makeCert } from "../e2e/proxies/suite.mjs";
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
@@ -76,7 +76,8 @@ before(async () => {
   webapp = await startWebapp();
   dir = fs.mkdtempSync(path.join(os.tmpdir(), "runfeed-many-feeds-"));
   const tls = makeCert(dir);
-  const ports = { port: await freePort(), tlsPort: await freePort() };
+  const [port, tlsPort] = await freePorts(2);
+  const ports = { port, tlsPort };
   const config = render("nginx", { ...ports, tls, runfeed: new URL(server.baseUrl).host, webapp: webapp.addr });
   proxy = await startProxy("nginx", config, ports, "nginx (many feeds)");
 

@@ -322,14 +322,29 @@ export async function startServer({ databaseUrl, holdMs = 20000, env = {}, args 
 
 /** A TCP port that was free a moment ago on 127.0.0.1 (for a server that must keep its address). */
 export function freePort() {
-  return new Promise((resolve, reject) => {
-    const srv = net.createServer();
-    srv.once("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const { port } = srv.address();
-      srv.close(() => resolve(port));
-    });
-  });
+  return freePorts(1).then(([port]) => port);
+}
+
+/**
+ * `n` distinct free ports on 127.0.0.1: all `n` are held open together before any is released, so
+ * the kernel cannot hand the same one out twice (one `freePort()` after another can: a port
+ * released by the first may come back from the second, e.g. a proxy's plain and TLS listeners).
+ */
+export async function freePorts(n) {
+  const servers = [];
+  try {
+    for (let i = 0; i < n; i++) {
+      const srv = net.createServer();
+      servers.push(srv);
+      await new Promise((resolve, reject) => {
+        srv.once("error", reject);
+        srv.listen(0, "127.0.0.1", resolve);
+      });
+    }
+    return servers.map((srv) => srv.address().port);
+  } finally {
+    await Promise.all(servers.map((srv) => new Promise((resolve) => srv.close(() => resolve()))));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import {
   setupWorld,
   startServer,
   freePort,
+  freePorts,
   raw,
   qs,
   sdkSubscribe,
@@ -500,10 +501,12 @@ export function proxySuite(kind) {
     world.servers.main = rf;
     const rfAddr = new URL(rf.baseUrl).host;
     const tls = makeCert(dir);
-    const ports = { port: await freePort(), tlsPort: await freePort() };
+    const [port, tlsPort] = await freePorts(2);
+    const ports = { port, tlsPort };
     proxy = await startProxy(kind, render(kind, { ...ports, tls, runfeed: rfAddr, runfeedAdminPort: adminPort, webapp: webapp.addr }), ports, kind);
     world.track(() => proxy.stop());
-    const stubPorts = { port: await freePort(), tlsPort: await freePort() };
+    const [stubPort, stubTlsPort] = await freePorts(2);
+    const stubPorts = { port: stubPort, tlsPort: stubTlsPort };
     stubProxy = await startProxy(
       kind,
       render(kind, { ...stubPorts, tls, runfeed: feedStub.addr, runfeedAdminPort: feedStub.port, webapp: webapp.addr }),

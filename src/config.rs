@@ -70,6 +70,12 @@ pub struct ServerConfig {
     /// default: docs/faults.md note 1). A reading client still gets about twice this per round
     /// trip (5 MiB/s at 100 ms with 262 144). 0 = the kernel's autotuning.
     pub socket_send_buffer_bytes: usize,
+    /// Hand the pages of a connection's 8 KiB read buffer back to the kernel when it goes idle
+    /// (`madvise(MADV_DONTNEED)`, once per request): ≈ 4 KiB less memory per held feed, at a
+    /// system-CPU price per request, most of it the other cores' TLB flush (half of what an
+    /// ended poll costs above a bare HTTP server in BENCHMARKS.md "Cost per unit of work").
+    /// `false` keeps that page resident: less CPU per request, more memory per held feed.
+    pub release_idle_read_buffers: bool,
 }
 
 impl Default for ServerConfig {
@@ -83,6 +89,7 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 10_000,
             write_stall_timeout_ms: 30_000,
             socket_send_buffer_bytes: 262_144,
+            release_idle_read_buffers: true,
         }
     }
 }

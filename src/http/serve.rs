@@ -199,6 +199,17 @@ pub struct ConnLimits {
     pub max_buf_bytes: usize,
     /// After shutdown starts, connections still open this long are cut off, ms.
     pub shutdown_grace_ms: u64,
+    /// Whether an idle connection's read buffer pages are handed back ([`IdleRelease`]).
+    pub read_buffers: ReadBuffers,
+}
+
+/// What happens to an idle connection's read buffer (`server.release_idle_read_buffers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadBuffers {
+    /// Its whole unfilled pages are handed back when the connection goes idle.
+    ReleaseWhenIdle,
+    /// Its pages stay resident.
+    Keep,
 }
 
 impl Default for ConnLimits {
@@ -208,6 +219,7 @@ impl Default for ConnLimits {
             write_stall_timeout_ms: 30_000,
             max_buf_bytes: 160 * 1024,
             shutdown_grace_ms: 2_000,
+            read_buffers: ReadBuffers::ReleaseWhenIdle,
         }
     }
 }
@@ -291,6 +303,7 @@ pub async fn serve<S>(
         let io = IdleRelease {
             inner: stream,
             touched: false,
+            read_buffers: limits.read_buffers,
             write_stall,
             stall: None,
             abort: abort.clone(),
@@ -325,6 +338,11 @@ impl ConnLimits {
             write_stall_timeout_ms: config.server.write_stall_timeout_ms,
             max_buf_bytes: 4 * (config.server.max_url_bytes + config.server.max_header_bytes),
             shutdown_grace_ms: config.server.shutdown_grace_ms,
+            read_buffers: if config.server.release_idle_read_buffers {
+                ReadBuffers::ReleaseWhenIdle
+            } else {
+                ReadBuffers::Keep
+            },
         }
     }
 }
@@ -348,6 +366,8 @@ struct IdleRelease {
     inner: TcpStream,
     /// Bytes were read since the last release.
     touched: bool,
+    /// Whether the release happens at all (`server.release_idle_read_buffers`).
+    read_buffers: ReadBuffers,
     /// How long a pending write may make no progress (None: forever).
     write_stall: Option<Duration>,
     /// Armed while a write is pending.
@@ -479,7 +499,9 @@ impl AsyncRead for IdleRelease {
             Poll::Ready(Ok(())) if buf.filled().len() > before => self.touched = true,
             Poll::Pending if self.touched => {
                 self.touched = false;
-                IdleRelease::release(buf);
+                if self.read_buffers == ReadBuffers::ReleaseWhenIdle {
+                    IdleRelease::release(buf);
+                }
             }
             _ => {}
         }
@@ -533,6 +555,13 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn pair(write_stall: Option<Duration>) -> (IdleRelease, TcpStream) {
+        pair_with(write_stall, ReadBuffers::ReleaseWhenIdle).await
+    }
+
+    async fn pair_with(
+        write_stall: Option<Duration>,
+        read_buffers: ReadBuffers,
+    ) -> (IdleRelease, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let client = TcpStream::connect(listener.local_addr().expect("addr"))
             .await
@@ -541,6 +570,7 @@ mod tests {
         let io = IdleRelease {
             inner: server,
             touched: false,
+            read_buffers,
             write_stall,
             stall: None,
             abort: std::sync::Arc::default(),
@@ -737,6 +767,59 @@ mod tests {
             assert!(io.stall.is_none());
             let mut ok = [0u8; 2];
             client.read_exact(&mut ok).await.expect("client read");
+        }
+    }
+
+    /// The release replaces the whole unfilled pages of the read buffer with zeros when the
+    /// connection goes idle; with `server.release_idle_read_buffers = false` they keep their
+    /// content (they stay resident).
+    #[tokio::test]
+    async fn an_idle_read_buffer_is_released_only_when_configured() {
+        use tokio::io::ReadBuf;
+        for (mode, zeroed) in [
+            (ReadBuffers::ReleaseWhenIdle, true),
+            (ReadBuffers::Keep, false),
+        ] {
+            let (mut io, mut client) = pair_with(None, mode).await;
+            let page = pages::size().unwrap_or(4096);
+            let mut storage = vec![0xAAu8; 4 * page];
+            client.write_all(b"head").await.expect("client write");
+            // Read the head, then poll again with nothing to read: the connection is idle.
+            let unfilled_at = {
+                let mut buf = ReadBuf::new(&mut storage);
+                tokio::time::timeout(Duration::from_secs(5), async {
+                    loop {
+                        std::future::poll_fn(|cx| {
+                            let _ = Pin::new(&mut io).poll_read(cx, &mut buf);
+                            Poll::Ready(())
+                        })
+                        .await;
+                        if !buf.filled().is_empty() {
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                })
+                .await
+                .expect("the head arrives");
+                std::future::poll_fn(|cx| {
+                    assert!(Pin::new(&mut io).poll_read(cx, &mut buf).is_pending());
+                    Poll::Ready(())
+                })
+                .await;
+                buf.filled().len()
+            };
+            let start = storage.as_ptr() as usize + unfilled_at;
+            let (first, len) =
+                whole_pages(start, storage.len() - unfilled_at, page).expect("whole pages");
+            let at = first - storage.as_ptr() as usize;
+            let page_bytes = &storage[at..at + len];
+            assert_eq!(
+                page_bytes.iter().all(|b| *b == 0),
+                zeroed && cfg!(target_os = "linux"),
+                "{mode:?}"
+            );
+            assert!(zeroed || page_bytes.iter().all(|b| *b == 0xAA), "{mode:?}");
         }
     }
 }

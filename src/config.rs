@@ -72,8 +72,8 @@ pub struct ServerConfig {
     pub socket_send_buffer_bytes: usize,
     /// Hand the pages of a connection's 8 KiB read buffer back to the kernel when it goes idle
     /// (`madvise(MADV_DONTNEED)`, once per request): ≈ 4 KiB less memory per held feed, at a
-    /// system-CPU price per request, most of it the other cores' TLB flush (half of what an
-    /// ended poll costs above a bare HTTP server in BENCHMARKS.md "Cost per unit of work").
+    /// system-CPU price per request, most of it the other cores' TLB flush (7–18 % of an ended
+    /// poll's CPU in BENCHMARKS.md "Cost per unit of work").
     /// `false` keeps that page resident: less CPU per request, more memory per held feed.
     pub release_idle_read_buffers: bool,
 }

@@ -668,15 +668,16 @@ async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
     let stats = store.stats().clone();
     // Until the client knows the cluster's slots, writes fail (and are counted): write one
     // until it is stored.
-    let deadline = Instant::now() + WAIT;
-    while stats.set_ok.load(Ordering::Relaxed) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the cluster client never connected"
-        );
-        store.set(&envs[0], "warm", "0_0", "warm".to_string());
-        sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "the cluster client never connected",
+        Duration::from_millis(100),
+        || {
+            store.set(&envs[0], "warm", "0_0", "warm".to_string());
+            let stored = stats.set_ok.load(Ordering::Relaxed) > 0;
+            async move { stored }
+        },
+    )
+    .await;
     let commands_before = redis.command_counts().cursor_write.load(Ordering::Relaxed);
     let (ok_before, errors_before) = (
         stats.set_ok.load(Ordering::Relaxed),
@@ -690,14 +691,11 @@ async fn cursor_writes_on_a_cluster_are_one_command_per_environment() {
         }
     }
     let writes = 10 * envs.len() as u64;
-    let deadline = Instant::now() + WAIT;
-    while stats.set_ok.load(Ordering::Relaxed) < ok_before + writes {
-        assert!(
-            Instant::now() < deadline,
-            "cursor writes never acknowledged"
-        );
-        sleep(Duration::from_millis(10)).await;
-    }
+    // The writer acknowledges in a task of its own and signals nothing: poll its counter.
+    common::wait_until(WAIT, "cursor writes acknowledged", || {
+        stats.set_ok.load(Ordering::Relaxed) >= ok_before + writes
+    })
+    .await;
     assert_eq!(stats.set_error.load(Ordering::Relaxed), errors_before);
     assert_eq!(
         redis.command_counts().cursor_write.load(Ordering::Relaxed) - commands_before,

@@ -19,7 +19,11 @@
 #   SCENARIO=delivery bash scripts/bench-callgrind.sh
 #   SCENARIO=change bash scripts/bench-callgrind.sh
 #   SERVER=bare bash scripts/bench-callgrind.sh           # the floor: `runfeed-bench bare` under the poll load
-# Env: BIN, BENCH (the runfeed-bench binary), SCENARIO (poll | delivery | change), SERVER (runfeed | bare), HELD (100), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
+# CALLGRIND_ARGS adds valgrind options, e.g. `--cache-sim=yes` (simulated cache misses per function,
+# with HELD=4000 HOLD_MS=8000 SETUP_S=150 for a working set beyond the caches at a rate valgrind
+# keeps up with).
+# Env: BIN, BENCH (the runfeed-bench binary), CALLGRIND_ARGS, SCENARIO (poll | delivery | change), SERVER (runfeed | bare), HELD (100), HOLD_MS (poll: 1000), SETUP_S (poll: 30, the load's
+# set-up before the window), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
 # default info, the default configuration), PG_ADMIN, REDIS_URL,
 # OUT (target/bench-callgrind).
 set -uo pipefail
@@ -47,7 +51,7 @@ LOG="$OUT/server.log"
 : >"$LOG"
 SCENARIO="${SCENARIO:-poll}"
 case "$SCENARIO" in
-  poll) HOLD_MS=1000; JITTER=0.15 ;;
+  poll) HOLD_MS=${HOLD_MS:-1000}; JITTER=0.15 ;;
   delivery | change) HOLD_MS=30000; JITTER=0 ;;
   *) log "SCENARIO must be poll, delivery or change"; exit 2 ;;
 esac
@@ -57,14 +61,14 @@ case "$SERVER" in
     RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$ADMIN_PORT" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS=$HOLD_MS \
     RUNFEED_FEEDS__LIVE_POLL_JITTER_RATIO=$JITTER \
     RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=callgrind-secret RUST_LOG="${SERVER_LOG:-info}" \
-      valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
+      valgrind --tool=callgrind ${CALLGRIND_ARGS:-} --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
       "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$LOG" 2>&1 &
     BANNER='s/^runfeed listening on //p' ;;
   bare)
     # The floor (`runfeed-bench bare`, scripts/bench-floor.sh) under the same poll load; it
     # answers its own /metrics.
     [ "$SCENARIO" = poll ] || { log "SERVER=bare runs the poll scenario only"; exit 2; }
-    valgrind --tool=callgrind --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
+    valgrind --tool=callgrind ${CALLGRIND_ARGS:-} --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
       "$BENCH" bare --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$LOG" 2>&1 &
     BANNER='s/^bare listening on //p' ;;
   *) log "SERVER must be runfeed or bare"; exit 2 ;;
@@ -87,7 +91,7 @@ ADMIN="http://127.0.0.1:$ADMIN_PORT"
 if [ "$SCENARIO" = poll ]; then
   # The feeds re-poll for the whole window plus their set-up.
   "$BENCH" idle --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \
-    --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + 30))" >"$OUT/idle.txt" 2>&1 &
+    --held "$HELD" --distinct 10 --duration-s "$((WINDOW_S + ${SETUP_S:-30}))" >"$OUT/idle.txt" 2>&1 &
 elif [ "$SCENARIO" = change ]; then
   HELD=200
   "$BENCH" churn --base-url "$BASE" --database-url "$DB_URL" --redis-url "$REDIS_URL" --admin-url "$ADMIN" \

@@ -1,7 +1,7 @@
 //! A bounded map whose entries expire a fixed time after they were inserted (or, for an
 //! [idle](TtlCache::idle) cache, after they were last used), for the lookups every poll makes,
-//! and the one loading cache of the crate ([`TtlCache::get_or_load`]). A leaf: imports nothing
-//! of runfeed.
+//! and the one loading cache of the crate ([`TtlCache::get_or_load`]); also the crate's hash map
+//! for hot-path keys ([`FastMap`]). A leaf: imports nothing of runfeed.
 //!
 //! A `quick_cache` map (S3-FIFO eviction, sharded locks, no background work) with the expiry
 //! kept beside each value: a read past it is a miss, and the expired entries nobody reads again
@@ -31,6 +31,13 @@ use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+/// The crate's hash map for keys hashed on a hot path (ids, tags, environments: every poll,
+/// registration and routed record): foldhash, seeded per process, instead of std's SipHash,
+/// which cost several hundred instructions per poll in the admission limiter alone.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// The set of [`FastMap`].
+pub type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+
 /// Initial size of a map: it grows to its bound as entries are inserted.
 const INITIAL_ENTRIES: u64 = 1024;
 
@@ -52,7 +59,7 @@ pub struct TtlCache<K, V> {
 }
 
 /// The loads in flight by key, each a [`Flight`] behind `dyn Any`.
-type Flights<K> = Mutex<HashMap<K, Arc<dyn Any + Send + Sync>, foldhash::fast::RandomState>>;
+type Flights<K> = Mutex<FastMap<K, Arc<dyn Any + Send + Sync>>>;
 
 /// One load in flight: set once, by the caller that runs it, to what every waiter gets.
 type Flight<V, E> = OnceCell<Result<V, Arc<E>>>;

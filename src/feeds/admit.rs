@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::cache::FastMap;
 use crate::protocol::{EnvId, OrgId};
 use crate::redis::ConcurrencyScript;
 
@@ -91,7 +92,7 @@ impl LimiterConfig {
 pub struct Limiter {
     script: Option<ConcurrencyScript>,
     cfg: LimiterConfig,
-    local: Arc<Mutex<HashMap<String, u64>>>,
+    local: Arc<Mutex<FastMap<String, u64>>>,
     leases: Arc<Leases>,
     next_id: AtomicU64,
     instance: u64,
@@ -102,7 +103,7 @@ pub struct Limiter {
 /// Slots this instance holds in Redis, per environment.
 #[derive(Default)]
 struct Leases {
-    envs: Mutex<HashMap<Arc<str>, EnvLease>>,
+    envs: Mutex<FastMap<Arc<str>, EnvLease>>,
 }
 
 struct EnvLease {
@@ -156,7 +157,7 @@ enum Release {
         env_id: Arc<str>,
     },
     Local {
-        local: Arc<Mutex<HashMap<String, u64>>>,
+        local: Arc<Mutex<FastMap<String, u64>>>,
         env_id: String,
     },
 }

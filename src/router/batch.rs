@@ -32,7 +32,7 @@
 //! docs/behaviours.md NTF-16..19) delayed every second change of an environment by up to the
 //! window, even when nothing else was happening; here no record waits for a timer.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -42,6 +42,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::{Env, Inner, Slot};
+use crate::cache::FastMap;
 use crate::changes::{ChangeRecord, EventReceiver, EVENT_QUEUE};
 use crate::protocol::{ColumnSet, EnvId, RunId};
 
@@ -77,9 +78,9 @@ pub(super) struct Routed {
     /// The first sequence of its records (its key in the environment's in-flight set).
     pub first_seq: u64,
     /// Matched feeds → the runs each is a candidate for.
-    pub matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)>,
+    pub matches: FastMap<u64, (Arc<Slot>, BTreeSet<RunId>)>,
     /// Column set → the matched runs needing that projection.
-    pub groups: HashMap<ColumnSet, BTreeSet<RunId>>,
+    pub groups: FastMap<ColumnSet, BTreeSet<RunId>>,
     /// 0 for a first pass; > 0 for a stale re-hydrate (see [`super::tripwire`]).
     pub attempt: u32,
     /// When its records arrived (the read-your-writes gate waits for commits before this).

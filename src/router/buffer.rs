@@ -6,10 +6,11 @@
 //! sequence N was routed or answered", so no record that arrived before a response but was not
 //! in it can be skipped by the next poll.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
+use crate::cache::FastMap;
 use crate::changes::ChangeRecord;
 use crate::protocol::RunId;
 
@@ -35,7 +36,7 @@ pub enum Eviction {
 /// Latest record per run, by arrival sequence.
 #[derive(Debug, Default)]
 pub struct ReplayBuffer {
-    by_run: HashMap<RunId, Buffered>,
+    by_run: FastMap<RunId, Buffered>,
     by_seq: BTreeMap<u64, RunId>,
     /// Every sequence ≤ this has left the buffer (or been superseded by a later record of the
     /// same run, which is still buffered). A cursor ≥ this is fully covered.

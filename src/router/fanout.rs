@@ -2,7 +2,7 @@
 //! index, hydrating the matched runs with ONE store query per column set, serializing each ONCE,
 //! and pushing the shared rows into every matching feed's inbox.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::batch::{Arrival, Routed};
 use super::{Buffered, Env, Eviction, FeedFilter, GateOutcome, HydratedRows, Inner, Slot};
-use crate::cache::TtlCache;
+use crate::cache::{FastMap, TtlCache};
 use crate::changes::ChangeRecord;
 use crate::protocol::encode::serialize_row;
 use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
@@ -33,7 +33,7 @@ struct ReplayKey {
 /// The rows one replay hydrated, and whether the read-your-writes gate let it through (a read
 /// the gate gave up on is handed to the feeds waiting for it, but not kept).
 struct ReplayRows {
-    rows: HashMap<RunId, SerializedRow>,
+    rows: FastMap<RunId, SerializedRow>,
     settled: bool,
 }
 
@@ -128,7 +128,7 @@ impl Inner {
         env_id: &EnvId,
         ids: &[RunId],
         cols: ColumnSet,
-    ) -> Result<HashMap<RunId, SerializedRow>, ()> {
+    ) -> Result<FastMap<RunId, SerializedRow>, ()> {
         let result = self.store.hydrate(env_id, ids, cols).await;
         let rows = self.counted(result, format_args!("environment {env_id}"))?;
         Ok(rows
@@ -219,8 +219,8 @@ impl Inner {
         let records = arrival.records;
         let mut state = env.state.lock();
         let first_seq = state.last_seq + 1;
-        let mut matches: HashMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = HashMap::new();
-        let mut groups: HashMap<ColumnSet, BTreeSet<RunId>> = HashMap::new();
+        let mut matches: FastMap<u64, (Arc<Slot>, BTreeSet<RunId>)> = FastMap::default();
+        let mut groups: FastMap<ColumnSet, BTreeSet<RunId>> = FastMap::default();
         for record in &records {
             state.last_seq += 1;
             for id in state.candidates(record) {
@@ -300,7 +300,7 @@ impl Inner {
             _ => None,
         };
         // 2. One query per column set over every environment's runs.
-        let mut wanted: HashMap<ColumnSet, BTreeSet<(EnvId, RunId)>> = HashMap::new();
+        let mut wanted: FastMap<ColumnSet, BTreeSet<(EnvId, RunId)>> = FastMap::default();
         for arrival in &arrivals {
             for (cols, ids) in &arrival.groups {
                 let set = wanted.entry(*cols).or_default();
@@ -317,7 +317,7 @@ impl Inner {
             async move { (cols, inner.hydrate_many(&runs, cols).await.ok()) }
         }))
         .await;
-        let hydrated: HashMap<ColumnSet, Option<HydratedRows>> = hydrated.into_iter().collect();
+        let hydrated: FastMap<ColumnSet, Option<HydratedRows>> = hydrated.into_iter().collect();
         // 3. Per arrival: tripwire, then deliver.
         let mut woken = Vec::new();
         let mut deliveries = 0u64;
@@ -325,7 +325,7 @@ impl Inner {
             let env_id = &arrival.env.id;
             // A failed hydrate must not pass silently under the cursors: its feeds re-check
             // from the store (and answer with an untrusted cursor if that fails too).
-            let view: HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>> = arrival
+            let view: FastMap<ColumnSet, Option<FastMap<RunId, SerializedRow>>> = arrival
                 .groups
                 .iter()
                 .map(|(cols, ids)| {
@@ -377,7 +377,7 @@ impl Inner {
         &self,
         runs: &[(EnvId, RunId)],
         cols: ColumnSet,
-    ) -> Result<HashMap<(EnvId, RunId), SerializedRow>, ()> {
+    ) -> Result<FastMap<(EnvId, RunId), SerializedRow>, ()> {
         self.metrics.hydrated_batch(runs.len());
         let result = self.store.hydrate_many(runs, cols).await;
         let rows = self.counted(result, format_args!("{} runs", runs.len()))?;

@@ -40,7 +40,7 @@ mod index;
 mod registration;
 mod tripwire;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +53,7 @@ pub use buffer::{Buffered, Eviction, ReplayBuffer};
 pub use filter::FeedFilter;
 pub use gate::{Gate, GateOutcome};
 
+use crate::cache::{FastMap, FastSet};
 use crate::changes::{ChangeRecord, ChangeSource, SourceEvent};
 use crate::config::RouterConfig;
 use crate::protocol::{BatchId, ColumnSet, EnvId, RunId, SerializedRow};
@@ -61,12 +62,7 @@ use crate::telemetry::metrics::Metrics;
 use batch::{Arrival, BatchLimits, Rehydrates};
 
 /// Rows of one hydrate, by environment and run.
-type HydratedRows = HashMap<(EnvId, RunId), SerializedRow>;
-/// The index's maps and sets: touched on every registration, deregistration and routed record,
-/// keyed by ids and tags (foldhash, seeded per process, instead of SipHash).
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-/// See [`FastMap`].
-type FastSet<K> = HashSet<K, foldhash::fast::RandomState>;
+type HydratedRows = FastMap<(EnvId, RunId), SerializedRow>;
 
 /// Where a connection's view of an environment's change stream ends: every record with a
 /// sequence ≤ `seq` in subscription `epoch` was routed to it or answered. `epoch == 0` means

@@ -3,11 +3,12 @@
 //! the run) are withheld and re-hydrated shortly, then delivered with echo passes if the
 //! replica never catches up (docs/behaviours.md GATE-04..09, done better per §4 item 3).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{GateOutcome, Inner};
+use crate::cache::FastMap;
 use crate::changes::ChangeRecord;
 use crate::protocol::{ColumnSet, EnvId, RunId, SerializedRow};
 
@@ -23,7 +24,7 @@ impl Inner {
         self: &Arc<Self>,
         env_id: &EnvId,
         records: &[ChangeRecord],
-        hydrated: &HashMap<ColumnSet, Option<HashMap<RunId, SerializedRow>>>,
+        hydrated: &FastMap<ColumnSet, Option<FastMap<RunId, SerializedRow>>>,
         outcome: Option<GateOutcome>,
         attempt: u32,
     ) -> HashSet<RunId> {
@@ -33,7 +34,7 @@ impl Inner {
         let unsure =
             matches!(outcome, Some(GateOutcome::GaveUp | GateOutcome::Clock)) || attempt > 0;
         let now_ms = crate::clock::now_ms();
-        let mut stale: HashMap<RunId, ChangeRecord> = HashMap::new();
+        let mut stale: FastMap<RunId, ChangeRecord> = FastMap::default();
         for record in records {
             let rows: Vec<Option<&SerializedRow>> = hydrated
                 .values()

@@ -5,10 +5,7 @@
 //! offset the client presented, so a response lost in transit can never hide a change — the
 //! client re-presents the older offset and gets the change again.
 
-use std::collections::HashMap;
-
-/// The hasher of a poll's pending rows (foldhash: run ids are hashed for every row considered).
-type Hasher = foldhash::fast::RandomState;
+use crate::cache::FastMap;
 
 use crate::protocol::body::Operation;
 use crate::protocol::{RunId, SerializedRow};
@@ -176,7 +173,7 @@ impl Known {
 /// Rows a poll has collected, deduplicated by run (the newest version wins).
 #[derive(Debug, Default)]
 pub struct Pending {
-    rows: HashMap<RunId, SerializedRow, Hasher>,
+    rows: FastMap<RunId, SerializedRow>,
 }
 
 impl Pending {

@@ -18,7 +18,6 @@
 //! series exist (and `rate()` works) from the first scrape.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -26,6 +25,8 @@ use opentelemetry::metrics::{
     AsyncInstrument, BoundHistogram, Counter, Histogram, Meter, MeterProvider,
 };
 use opentelemetry::KeyValue;
+
+use crate::cache::FastMap;
 
 /// Meter (instrumentation scope) name: the `otel_scope_name` label of every series.
 pub const METER_NAME: &str = "runfeed";
@@ -332,9 +333,7 @@ impl FixedCounter {
 /// OTel counter hashes and sorts its attributes on every `add`; these count on every request
 /// (BENCHMARKS.md "Cost per unit of work").
 pub struct KeyedCounter<K> {
-    counts: Arc<
-        parking_lot::RwLock<HashMap<K, std::sync::atomic::AtomicU64, foldhash::fast::RandomState>>,
-    >,
+    counts: Arc<parking_lot::RwLock<FastMap<K, std::sync::atomic::AtomicU64>>>,
 }
 
 impl<K> KeyedCounter<K>
@@ -347,7 +346,7 @@ where
         spec: &Recorded,
         attrs: impl Fn(&K) -> Vec<KeyValue> + Send + Sync + 'static,
     ) -> KeyedCounter<K> {
-        let counts: Arc<parking_lot::RwLock<HashMap<K, std::sync::atomic::AtomicU64, _>>> =
+        let counts: Arc<parking_lot::RwLock<FastMap<K, std::sync::atomic::AtomicU64>>> =
             Arc::default();
         let read = counts.clone();
         observable_counter(meter, spec, move |o| {
@@ -387,7 +386,7 @@ where
 pub struct KeyedHistogram<K, T> {
     histogram: Histogram<T>,
     attrs: fn(&K) -> Vec<KeyValue>,
-    bound: parking_lot::RwLock<HashMap<K, BoundHistogram<T>, foldhash::fast::RandomState>>,
+    bound: parking_lot::RwLock<FastMap<K, BoundHistogram<T>>>,
 }
 
 impl<K, T> KeyedHistogram<K, T>

@@ -10,9 +10,10 @@
 #   bash scripts/bench-floor.sh
 #   ROUNDS=5 WINDOW_S=30 bash scripts/bench-floor.sh
 #   STRACE=1 bash scripts/bench-floor.sh      # also system calls per request (strace -c -f)
+#   RAW=1 bash scripts/bench-floor.sh         # also `runfeed-bench bare --engine raw` (no hyper)
 # Env: BIN (target/release/runfeed), BENCH (target/release/runfeed-bench), ROUNDS (3), WINDOW_S
 # (15), SETTLE_S (3, after all feeds are held), HELD (4000), DISTINCT (100), SOURCE_ADDRS (4),
-# HOLD_MS (2000), STRACE (0), STRACE_S (10), SERVER_LOG (runfeed's RUST_LOG, default info),
+# HOLD_MS (2000), STRACE (0), STRACE_S (10), RAW (0), SERVER_LOG (runfeed's RUST_LOG, default info),
 # PG_ADMIN, REDIS_URL, OUT (target/bench-floor).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -79,7 +80,9 @@ start() {
     banner='s/^runfeed listening on //p'
     ADMIN="http://127.0.0.1:$admin_port"
   else
-    "$BENCH" bare --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$logf" 2>&1 &
+    local engine=hyper
+    [ "$name" = raw ] && engine=raw
+    "$BENCH" bare --engine "$engine" --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$logf" 2>&1 &
     PID=$!
     banner='s/^bare listening on //p'
   fi
@@ -160,6 +163,7 @@ pass() {
 
 for round in $(seq 1 "$ROUNDS"); do
   if [ $((round % 2)) = 1 ]; then order="runfeed bare"; else order="bare runfeed"; fi
+  [ "${RAW:-0}" = 1 ] && order="$order raw"
   for name in $order; do
     pass "$round" "$name" || exit 1
   done
@@ -183,4 +187,8 @@ awk -v strace="$STRACE" '
     if (n > 0 && m > 0)
       row("mean", tu["runfeed"] / n, ts["runfeed"] / n, tu["bare"] / m, ts["bare"] / m,
         sprintf("%.2f", tc["runfeed"] / n), sprintf("%.2f", tc["bare"] / m))
+    k = cnt["raw"]
+    if (k > 0 && m > 0)
+      printf "raw (bare --engine raw, no hyper), mean: %.1f (%.1f / %.1f) µs, %.2f × bare hyper\n",
+        (tu["raw"] + ts["raw"]) / k, tu["raw"] / k, ts["raw"] / k, (tu["raw"] + ts["raw"]) / (tu["bare"] + ts["bare"]) * m / k
   }' "$RESULTS"

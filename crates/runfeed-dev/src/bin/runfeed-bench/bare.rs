@@ -15,6 +15,14 @@
 //!
 //! It is the baseline of `held` (RSS per parked request) and of `scripts/bench-floor.sh` (CPU per
 //! ended live poll under `idle`).
+//!
+//! `--engine raw` serves the same answers without hyper: a hand-written HTTP/1.1 keep-alive loop
+//! per connection that reads into one scratch buffer per thread (so a parked connection holds no
+//! read buffer at all, and nothing is handed back with `madvise`), parses the head with
+//! `httparse`, and writes each answer as one pre-built byte string (`date` fixed, same length as
+//! hyper's). No header-read timeout, no pipelining beyond keeping the extra bytes. It measures
+//! what a connection layer of runfeed's own could cost against hyper's (BENCHMARKS.md "Cost per
+//! unit of work").
 
 use super::*;
 
@@ -33,6 +41,18 @@ pub(crate) struct BareArgs {
     /// hyper's header-read timeout (ms, 0 disables): runfeed's `server.header_read_timeout_ms`.
     #[arg(long, default_value_t = 10_000)]
     header_read_timeout_ms: u64,
+    /// The HTTP/1.1 connection layer: hyper's, as runfeed serves, or a hand-written one.
+    #[arg(long, value_enum, default_value_t = Engine::Hyper)]
+    engine: Engine,
+}
+
+/// Which HTTP/1.1 connection layer serves the requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Engine {
+    /// hyper's `http1::Builder`, configured as runfeed's `src/http/serve.rs`.
+    Hyper,
+    /// A hand-written keep-alive loop (see the module docs).
+    Raw,
 }
 
 /// The body of every feed answer.
@@ -145,6 +165,9 @@ async fn handle(
 pub(crate) async fn bare(a: BareArgs) -> anyhow::Result<()> {
     let counts = Arc::new(Counts::default());
     let hold = Duration::from_millis(a.hold_ms);
+    if a.engine == Engine::Raw {
+        return raw::serve(&a.listen, counts, hold).await;
+    }
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -172,6 +195,322 @@ pub(crate) async fn bare(a: BareArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let _ = conn.await;
         });
+    }
+}
+
+/// The hand-written connection layer of `--engine raw`.
+mod raw {
+    use std::cell::RefCell;
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, LazyLock};
+    use std::time::Duration;
+
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+
+    use super::{feed_answer, is_live, Counts, Parked};
+
+    /// Bytes read per `read` call, in one buffer per thread.
+    const SCRATCH: usize = 16 * 1024;
+    /// A head larger than this closes the connection.
+    const MAX_HEAD: usize = 64 * 1024;
+
+    thread_local! {
+        static BUF: RefCell<Vec<u8>> = RefCell::new(vec![0; SCRATCH]);
+    }
+
+    /// A whole response (head and body) as bytes: hyper's head for the same `Response`, with a
+    /// fixed `date` of the length hyper writes.
+    fn encode(r: &super::Response, body: &[u8]) -> Vec<u8> {
+        let mut out = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for (name, value) in r.headers() {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+        out.extend_from_slice(b"date: Mon, 07 Dec 2026 22:00:00 GMT\r\n\r\n");
+        out.extend_from_slice(body);
+        out
+    }
+
+    static LIVE: LazyLock<Vec<u8>> =
+        LazyLock::new(|| encode(&feed_answer(false), super::UP_TO_DATE));
+    static SNAPSHOT: LazyLock<Vec<u8>> =
+        LazyLock::new(|| encode(&feed_answer(true), super::UP_TO_DATE));
+
+    /// What a complete head asks for.
+    enum Ask {
+        Live,
+        Snapshot,
+        Text(String),
+    }
+
+    /// Parses `buf` as a request head: `Some((ask, head length))` once complete, `Ok(None)`
+    /// while partial.
+    fn parse(buf: &[u8], counts: &Counts) -> Result<Option<(Ask, usize)>, httparse::Error> {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        let httparse::Status::Complete(len) = req.parse(buf)? else {
+            return Ok(None);
+        };
+        let target = req.path.unwrap_or("/");
+        let (path, query) = match target.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (target, None),
+        };
+        let ask = match path {
+            "/count" => Ask::Text(counts.parked.load(Ordering::Relaxed).to_string()),
+            "/metrics" => Ask::Text(format!(
+                "runfeed_router_held_feeds {}\nrunfeed_http_requests_total {}\n",
+                counts.parked.load(Ordering::Relaxed),
+                counts.answered.load(Ordering::Relaxed),
+            )),
+            _ if is_live(query) => Ask::Live,
+            _ => Ask::Snapshot,
+        };
+        Ok(Some((ask, len)))
+    }
+
+    /// How one read ended.
+    enum Read {
+        /// A complete head (its bytes consumed from the connection's pending bytes).
+        Head(Ask),
+        /// Nothing more to read now.
+        Again,
+        /// The client closed, sent garbage or too large a head.
+        Close,
+    }
+
+    /// Reads what the socket has into the thread's scratch buffer and parses the head from it
+    /// (or from `pending`, the bytes of a head that spans reads, or pipelined after one).
+    fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, counts: &Counts) -> Read {
+        if !pending.is_empty() {
+            if let Some(read) = parse_pending(pending, counts) {
+                return read;
+            }
+        }
+        BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let n = match stream.try_read(&mut buf) {
+                Ok(0) => return Read::Close,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Read::Again,
+                Err(_) => return Read::Close,
+            };
+            if pending.is_empty() {
+                match parse(&buf[..n], counts) {
+                    Ok(Some((ask, len))) => {
+                        pending.extend_from_slice(&buf[len..n]);
+                        Read::Head(ask)
+                    }
+                    Ok(None) => {
+                        pending.extend_from_slice(&buf[..n]);
+                        Read::Again
+                    }
+                    Err(_) => Read::Close,
+                }
+            } else {
+                pending.extend_from_slice(&buf[..n]);
+                parse_pending(pending, counts).unwrap_or(Read::Again)
+            }
+        })
+    }
+
+    fn parse_pending(pending: &mut Vec<u8>, counts: &Counts) -> Option<Read> {
+        match parse(pending, counts) {
+            Ok(Some((ask, len))) => {
+                pending.drain(..len);
+                if pending.is_empty() {
+                    *pending = Vec::new();
+                }
+                Some(Read::Head(ask))
+            }
+            Ok(None) if pending.len() > MAX_HEAD => Some(Read::Close),
+            Ok(None) => None,
+            Err(_) => Some(Read::Close),
+        }
+    }
+
+    /// One connection: heads in, answers out, until the client closes.
+    async fn connection(mut stream: TcpStream, counts: Arc<Counts>, hold: Duration) {
+        let mut pending = Vec::new();
+        loop {
+            let ask = match read_head(&stream, &mut pending, &counts) {
+                Read::Head(ask) => ask,
+                Read::Again => {
+                    if stream.readable().await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Read::Close => return,
+            };
+            let written = match ask {
+                Ask::Text(body) => {
+                    let mut out = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    out.extend_from_slice(body.as_bytes());
+                    stream.write_all(&out).await
+                }
+                Ask::Snapshot => {
+                    counts.answered.fetch_add(1, Ordering::Relaxed);
+                    stream.write_all(&SNAPSHOT).await
+                }
+                Ask::Live => {
+                    counts.parked.fetch_add(1, Ordering::Relaxed);
+                    let parked = Parked(&counts.parked);
+                    // Held: the hold's timer, or the client closing (any bytes are kept).
+                    let sleep = tokio::time::sleep(hold);
+                    tokio::pin!(sleep);
+                    loop {
+                        tokio::select! {
+                            () = &mut sleep => break,
+                            ready = stream.readable() => {
+                                if ready.is_err() { return; }
+                                let mut byte = [0u8; 1];
+                                match stream.try_read(&mut byte) {
+                                    Ok(0) => return,
+                                    Ok(_) => pending.push(byte[0]),
+                                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                                    Err(_) => return,
+                                }
+                            }
+                        }
+                    }
+                    drop(parked);
+                    counts.answered.fetch_add(1, Ordering::Relaxed);
+                    stream.write_all(&LIVE).await
+                }
+            };
+            if written.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Accepts connections on `listen` and serves each on a task of its own.
+    pub(super) async fn serve(
+        listen: &str,
+        counts: Arc<Counts>,
+        hold: Duration,
+    ) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        println!("bare listening on http://{}", listener.local_addr()?);
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    eprintln!("bare: accept: {err}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(connection(stream, counts.clone(), hold));
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use tokio::io::AsyncReadExt;
+
+        use super::*;
+
+        /// Reads one whole answer (head and its `content-length` body) off `client`.
+        async fn answer(client: &mut TcpStream) -> String {
+            let mut got = Vec::new();
+            loop {
+                let mut chunk = [0u8; 4096];
+                let n = client.read(&mut chunk).await.expect("read");
+                assert!(n > 0, "the server closed before answering");
+                got.extend_from_slice(&chunk[..n]);
+                let text = String::from_utf8_lossy(&got).to_string();
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .and_then(|v| v.parse().ok())
+                        .expect("content-length");
+                    if body.len() >= len {
+                        return text;
+                    }
+                }
+            }
+        }
+
+        /// A head split over two reads is answered once complete, and a second request on the
+        /// same connection (sent with the first, pipelined) is answered after it.
+        #[tokio::test]
+        async fn a_raw_connection_answers_split_and_pipelined_heads_in_order() {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let counts = Arc::new(Counts::default());
+            let server = {
+                let counts = counts.clone();
+                tokio::spawn(async move {
+                    let (stream, _) = listener.accept().await.expect("accept");
+                    connection(stream, counts, Duration::from_millis(20)).await;
+                })
+            };
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            client
+                .write_all(b"GET /v1/shape?offset=-1 HTTP/1.1\r\nhost: x\r")
+                .await
+                .expect("write");
+            client.flush().await.expect("flush");
+            tokio::task::yield_now().await;
+            client
+                .write_all(b"\n\r\nGET /v1/shape?live=true&offset=1_2 HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .expect("write");
+            let first = answer(&mut client).await;
+            assert!(
+                first.contains("electric-schema"),
+                "the snapshot first: {first}"
+            );
+            let second = answer(&mut client).await;
+            assert!(
+                !second.contains("electric-schema"),
+                "then the live answer: {second}"
+            );
+            assert!(second.contains("up-to-date"));
+            assert_eq!(counts.answered.load(Ordering::Relaxed), 2);
+            assert_eq!(counts.parked.load(Ordering::Relaxed), 0, "the hold ended");
+            drop(client);
+            server
+                .await
+                .expect("the connection ends when the client closes");
+        }
+
+        /// A malformed head closes the connection without an answer.
+        #[tokio::test]
+        async fn a_raw_connection_closes_on_a_malformed_head() {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let counts = Arc::new(Counts::default());
+            let server = tokio::spawn(async move {
+                let (stream, _) = listener.accept().await.expect("accept");
+                connection(stream, counts, Duration::from_millis(20)).await;
+            });
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            client
+                .write_all(b"\x01\x02 nonsense\r\n\r\n")
+                .await
+                .expect("write");
+            let mut rest = Vec::new();
+            client.read_to_end(&mut rest).await.expect("read");
+            assert!(rest.is_empty(), "no answer to garbage");
+            server.await.expect("server task");
+        }
     }
 }
 

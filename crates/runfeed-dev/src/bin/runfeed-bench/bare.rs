@@ -177,7 +177,24 @@ pub(crate) async fn bare(a: BareArgs) -> anyhow::Result<()> {
         .header_read_timeout(
             (a.header_read_timeout_ms > 0).then(|| Duration::from_millis(a.header_read_timeout_ms)),
         );
-    let listener = tokio::net::TcpListener::bind(&a.listen).await?;
+    accept_loop(&a.listen, |stream| {
+        let counts = counts.clone();
+        let service = hyper::service::service_fn(move |req| handle(req, counts.clone(), hold));
+        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    })
+    .await
+}
+
+/// Listens on `listen`, prints the banner the scripts wait for, and hands every accepted
+/// connection (`TCP_NODELAY` set) to `serve`. Accept errors are printed and retried.
+async fn accept_loop(
+    listen: &str,
+    mut serve: impl FnMut(tokio::net::TcpStream),
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(listen).await?;
     println!("bare listening on http://{}", listener.local_addr()?);
     loop {
         let stream = match listener.accept().await {
@@ -189,12 +206,7 @@ pub(crate) async fn bare(a: BareArgs) -> anyhow::Result<()> {
             }
         };
         let _ = stream.set_nodelay(true);
-        let counts = counts.clone();
-        let service = hyper::service::service_fn(move |req| handle(req, counts.clone(), hold));
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
+        serve(stream);
     }
 }
 
@@ -399,20 +411,10 @@ mod raw {
         counts: Arc<Counts>,
         hold: Duration,
     ) -> anyhow::Result<()> {
-        let listener = tokio::net::TcpListener::bind(listen).await?;
-        println!("bare listening on http://{}", listener.local_addr()?);
-        loop {
-            let stream = match listener.accept().await {
-                Ok((stream, _)) => stream,
-                Err(err) => {
-                    eprintln!("bare: accept: {err}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
+        super::accept_loop(listen, |stream| {
             tokio::spawn(connection(stream, counts.clone(), hold));
-        }
+        })
+        .await
     }
 
     #[cfg(test)]
@@ -443,10 +445,9 @@ mod raw {
             }
         }
 
-        /// A head split over two reads is answered once complete, and a second request on the
-        /// same connection (sent with the first, pipelined) is answered after it.
-        #[tokio::test]
-        async fn a_raw_connection_answers_split_and_pipelined_heads_in_order() {
+        /// A client connected to one raw connection task (20 ms holds): the client, the
+        /// server's counts, and the task, which ends when the connection does.
+        async fn one_connection() -> (TcpStream, Arc<Counts>, tokio::task::JoinHandle<()>) {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                 .await
                 .expect("bind");
@@ -459,7 +460,15 @@ mod raw {
                     connection(stream, counts, Duration::from_millis(20)).await;
                 })
             };
-            let mut client = TcpStream::connect(addr).await.expect("connect");
+            let client = TcpStream::connect(addr).await.expect("connect");
+            (client, counts, server)
+        }
+
+        /// A head split over two reads is answered once complete, and a second request on the
+        /// same connection (sent with the first, pipelined) is answered after it.
+        #[tokio::test]
+        async fn a_raw_connection_answers_split_and_pipelined_heads_in_order() {
+            let (mut client, counts, server) = one_connection().await;
             client
                 .write_all(b"GET /v1/shape?offset=-1 HTTP/1.1\r\nhost: x\r")
                 .await
@@ -492,16 +501,7 @@ mod raw {
         /// A malformed head closes the connection without an answer.
         #[tokio::test]
         async fn a_raw_connection_closes_on_a_malformed_head() {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            let addr = listener.local_addr().expect("addr");
-            let counts = Arc::new(Counts::default());
-            let server = tokio::spawn(async move {
-                let (stream, _) = listener.accept().await.expect("accept");
-                connection(stream, counts, Duration::from_millis(20)).await;
-            });
-            let mut client = TcpStream::connect(addr).await.expect("connect");
+            let (mut client, _counts, server) = one_connection().await;
             client
                 .write_all(b"\x01\x02 nonsense\r\n\r\n")
                 .await

@@ -19,10 +19,11 @@
 #   SCENARIO=delivery bash scripts/bench-callgrind.sh
 #   SCENARIO=change bash scripts/bench-callgrind.sh
 #   SERVER=bare bash scripts/bench-callgrind.sh           # the floor: `runfeed-bench bare` under the poll load
+#   SERVER=bare BARE_ENGINE=raw bash scripts/bench-callgrind.sh   # the same without hyper (`bare --engine raw`)
 # CALLGRIND_ARGS adds valgrind options, e.g. `--cache-sim=yes` (simulated cache misses per function,
 # with HELD=4000 HOLD_MS=8000 SETUP_S=150 for a working set beyond the caches at a rate valgrind
 # keeps up with).
-# Env: BIN, BENCH (the runfeed-bench binary), CALLGRIND_ARGS, SCENARIO (poll | delivery | change), SERVER (runfeed | bare), HELD (100), HOLD_MS (poll: 1000), SETUP_S (poll: 30, the load's
+# Env: BIN, BENCH (the runfeed-bench binary), CALLGRIND_ARGS, SCENARIO (poll | delivery | change), SERVER (runfeed | bare), BARE_ENGINE (hyper | raw), HELD (100), HOLD_MS (poll: 1000), SETUP_S (poll: 30, the load's
 # set-up before the window), WINDOW_S (20), SERVER_LOG (the server's RUST_LOG,
 # default info, the default configuration), PG_ADMIN, REDIS_URL,
 # OUT (target/bench-callgrind).
@@ -69,7 +70,7 @@ case "$SERVER" in
     # answers its own /metrics.
     [ "$SCENARIO" = poll ] || { log "SERVER=bare runs the poll scenario only"; exit 2; }
     valgrind --tool=callgrind ${CALLGRIND_ARGS:-} --compress-strings=no --compress-pos=no --callgrind-out-file="$OUT/callgrind.out.%p" \
-      "$BENCH" bare --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$LOG" 2>&1 &
+      "$BENCH" bare --engine "${BARE_ENGINE:-hyper}" --listen 127.0.0.1:0 --hold-ms "$HOLD_MS" >"$LOG" 2>&1 &
     BANNER='s/^bare listening on //p' ;;
   *) log "SERVER must be runfeed or bare"; exit 2 ;;
 esac

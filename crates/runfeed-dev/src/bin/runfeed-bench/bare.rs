@@ -90,6 +90,23 @@ struct Counts {
     answered: AtomicU64,
 }
 
+impl Counts {
+    /// The text answer of `/count` (the parked count) or `/metrics` (both counts, under the
+    /// names runfeed exports); `None` for any other path.
+    fn text(&self, path: &str) -> Option<String> {
+        let parked = self.parked.load(Ordering::Relaxed);
+        match path {
+            "/count" => Some(parked.to_string()),
+            "/metrics" => Some(format!(
+                "# runfeed-bench bare: parked and answered feed requests\n\
+                 runfeed_router_held_feeds {parked}\nrunfeed_http_requests_total {}\n",
+                self.answered.load(Ordering::Relaxed),
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// Takes a request off the parked count when its hold ends or its connection goes.
 struct Parked<'a>(&'a AtomicUsize);
 
@@ -139,17 +156,8 @@ async fn handle(
     counts: Arc<Counts>,
     hold: Duration,
 ) -> Result<Response, std::convert::Infallible> {
-    match req.uri().path() {
-        "/count" => return Ok(text(counts.parked.load(Ordering::Relaxed).to_string())),
-        "/metrics" => {
-            return Ok(text(format!(
-                "# runfeed-bench bare: parked and answered feed requests\n\
-                 runfeed_router_held_feeds {}\nrunfeed_http_requests_total {}\n",
-                counts.parked.load(Ordering::Relaxed),
-                counts.answered.load(Ordering::Relaxed),
-            )))
-        }
-        _ => {}
+    if let Some(body) = counts.text(req.uri().path()) {
+        return Ok(text(body));
     }
     let live = is_live(req.uri().query());
     drop(req);
@@ -220,7 +228,7 @@ mod raw {
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpStream;
 
-    use super::{feed_answer, is_live, Counts, Parked};
+    use super::{feed_answer, is_live, text, Counts, Parked};
 
     /// Bytes read per `read` call, in one buffer per thread.
     const SCRATCH: usize = 16 * 1024;
@@ -272,15 +280,10 @@ mod raw {
             Some((p, q)) => (p, Some(q)),
             None => (target, None),
         };
-        let ask = match path {
-            "/count" => Ask::Text(counts.parked.load(Ordering::Relaxed).to_string()),
-            "/metrics" => Ask::Text(format!(
-                "runfeed_router_held_feeds {}\nrunfeed_http_requests_total {}\n",
-                counts.parked.load(Ordering::Relaxed),
-                counts.answered.load(Ordering::Relaxed),
-            )),
-            _ if is_live(query) => Ask::Live,
-            _ => Ask::Snapshot,
+        let ask = match counts.text(path) {
+            Some(body) => Ask::Text(body),
+            None if is_live(query) => Ask::Live,
+            None => Ask::Snapshot,
         };
         Ok(Some((ask, len)))
     }
@@ -361,13 +364,9 @@ mod raw {
             };
             let written = match ask {
                 Ask::Text(body) => {
-                    let mut out = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
-                        body.len()
-                    )
-                    .into_bytes();
-                    out.extend_from_slice(body.as_bytes());
-                    stream.write_all(&out).await
+                    stream
+                        .write_all(&encode(&text(body.clone()), body.as_bytes()))
+                        .await
                 }
                 Ask::Snapshot => {
                     counts.answered.fetch_add(1, Ordering::Relaxed);
@@ -376,7 +375,8 @@ mod raw {
                 Ask::Live => {
                     counts.parked.fetch_add(1, Ordering::Relaxed);
                     let parked = Parked(&counts.parked);
-                    // Held: the hold's timer, or the client closing (any bytes are kept).
+                    // Held: the hold's timer, or the client closing (bytes sent meanwhile are
+                    // kept for the next head, at most MAX_HEAD of them).
                     let sleep = tokio::time::sleep(hold);
                     tokio::pin!(sleep);
                     loop {
@@ -387,6 +387,7 @@ mod raw {
                                 let mut byte = [0u8; 1];
                                 match stream.try_read(&mut byte) {
                                     Ok(0) => return,
+                                    Ok(_) if pending.len() >= MAX_HEAD => return,
                                     Ok(_) => pending.push(byte[0]),
                                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                                     Err(_) => return,

@@ -11,9 +11,11 @@
 #   ROUNDS=5 WINDOW_S=30 bash scripts/bench-floor.sh
 #   STRACE=1 bash scripts/bench-floor.sh      # also system calls per request (strace -c -f)
 #   RAW=1 bash scripts/bench-floor.sh         # also `runfeed-bench bare --engine raw` (no hyper)
+#   BEFORE_BIN=/path/to/old/runfeed bash scripts/bench-floor.sh   # also a second runfeed build
+#                                             # (a before/after pair in one run)
 # Env: BIN (target/release/runfeed), BENCH (target/release/runfeed-bench), ROUNDS (3), WINDOW_S
 # (15), SETTLE_S (3, after all feeds are held), HELD (4000), DISTINCT (100), SOURCE_ADDRS (4),
-# HOLD_MS (2000), STRACE (0), STRACE_S (10), RAW (0), SERVER_LOG (runfeed's RUST_LOG, default info),
+# HOLD_MS (2000), STRACE (0), STRACE_S (10), RAW (0), BEFORE_BIN (none), SERVER_LOG (runfeed's RUST_LOG, default info),
 # PG_ADMIN, REDIS_URL, OUT (target/bench-floor).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -69,13 +71,14 @@ TICKS=$(getconf CLK_TCK)
 start() {
   local name=$1 logf="$OUT/server-$1.log" banner
   : >"$logf"
-  if [ "$name" = runfeed ]; then
-    local admin_port
+  if [ "$name" = runfeed ] || [ "$name" = before ]; then
+    local admin_port bin="$BIN"
+    [ "$name" = before ] && bin="$BEFORE_BIN"
     admin_port=$(free_port)
     RUNFEED_TELEMETRY__ADMIN_LISTEN="127.0.0.1:$admin_port" RUNFEED_FEEDS__LIVE_POLL_TIMEOUT_MS="$HOLD_MS" \
     RUNFEED_FEEDS__DEFAULT_CONCURRENCY_LIMIT=1000000 RUNFEED_SERVER__HANDLE_SECRET=bench-floor-secret \
     RUST_LOG="${SERVER_LOG:-info}" \
-      "$BIN" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$logf" 2>&1 &
+      "$bin" serve --listen 127.0.0.1:0 --database-url "$DB_URL" --redis-url "$REDIS_URL" >"$logf" 2>&1 &
     PID=$!
     banner='s/^runfeed listening on //p'
     ADMIN="http://127.0.0.1:$admin_port"
@@ -95,7 +98,7 @@ start() {
   done
   [ -n "$BASE" ] || { log "$name never listened"; return 1; }
   # The bare server answers its own /metrics.
-  [ "$name" = runfeed ] || ADMIN="$BASE"
+  [ "$name" = runfeed ] || [ "$name" = before ] || ADMIN="$BASE"
 }
 
 metric() { curl -s "$ADMIN/metrics" | awk -v n="$1" '$1 == n || index($1, n "{") == 1 { s += $NF } END { print s + 0 }'; }
@@ -164,6 +167,7 @@ pass() {
 for round in $(seq 1 "$ROUNDS"); do
   if [ $((round % 2)) = 1 ]; then order="runfeed bare"; else order="bare runfeed"; fi
   [ "${RAW:-0}" = 1 ] && order="$order raw"
+  [ -n "${BEFORE_BIN:-}" ] && order="before $order"
   for name in $order; do
     pass "$round" "$name" || exit 1
   done
@@ -191,4 +195,10 @@ awk -v strace="$STRACE" '
     if (k > 0 && m > 0)
       printf "raw (bare --engine raw, no hyper), mean: %.1f (%.1f / %.1f) µs, %.2f × bare hyper\n",
         (tu["raw"] + ts["raw"]) / k, tu["raw"] / k, ts["raw"] / k, (tu["raw"] + ts["raw"]) / (tu["bare"] + ts["bare"]) * m / k
+    k = cnt["before"]
+    if (k > 0 && m > 0 && n > 0)
+      printf "before (BEFORE_BIN), mean: %.1f (%.1f / %.1f) µs, %.2f × bare hyper; runfeed / before %.2f\n",
+        (tu["before"] + ts["before"]) / k, tu["before"] / k, ts["before"] / k,
+        (tu["before"] + ts["before"]) / (tu["bare"] + ts["bare"]) * m / k,
+        (tu["runfeed"] + ts["runfeed"]) / n / ((tu["before"] + ts["before"]) / k)
   }' "$RESULTS"

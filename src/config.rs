@@ -70,11 +70,13 @@ pub struct ServerConfig {
     /// default: docs/faults.md note 1). A reading client still gets about twice this per round
     /// trip (5 MiB/s at 100 ms with 262 144). 0 = the kernel's autotuning.
     pub socket_send_buffer_bytes: usize,
-    /// Hand the pages of a connection's 8 KiB read buffer back to the kernel when it goes idle
-    /// (`madvise(MADV_DONTNEED)`, once per request): ≈ 4 KiB less memory per held feed, at a
-    /// system-CPU price per request, most of it the other cores' TLB flush (7–18 % of an ended
-    /// poll's CPU in BENCHMARKS.md "Cost per unit of work").
-    /// `false` keeps that page resident: less CPU per request, more memory per held feed.
+    /// On a connection handed to hyper (an SSE stream, a `HEAD`, `POST` or `OPTIONS`, a
+    /// request runfeed's own `GET` path does not take: docs/http-api.md "Connections"), hand
+    /// the pages of hyper's 8 KiB read buffer back to the kernel when it goes idle
+    /// (`madvise(MADV_DONTNEED)`, once per request): ≈ 4 KiB less memory per held SSE stream,
+    /// at a system-CPU price per request (about 10 µs on the VM of BENCHMARKS.md). Polls on
+    /// runfeed's own path hold no read buffer, so this does not apply to them.
+    /// `false` keeps that page resident: less CPU per request, more memory per held stream.
     pub release_idle_read_buffers: bool,
 }
 

@@ -16,6 +16,7 @@ pub mod cors;
 mod dispatch;
 pub mod error;
 pub mod forward;
+mod h1;
 mod handlers;
 mod limits;
 mod params;

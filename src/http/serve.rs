@@ -1,18 +1,25 @@
 //! The HTTP/1.1 accept loop: one tokio task per connection, with the per-connection bounds
-//! axum's own `serve` does not expose (docs/http-api.md "Request limits").
+//! axum's own `serve` does not expose (docs/http-api.md "Request limits", "Connections").
+//!
+//! Each connection starts on runfeed's own path for plain `GET`s ([`super::h1`]: no buffer of
+//! its own while a poll is held, one write per answer); the first request that is anything
+//! else hands the connection, with the bytes already read, to hyper for the rest of its life.
+//! The bounds below hold on both.
 //!
 //! - **Slow clients (slowloris):** a request head must arrive complete within
-//!   `header_read_timeout` (hyper's `header_read_timeout`, measured from the first poll of an
-//!   idle connection, so it also closes idle keep-alive connections); a response write that
-//!   makes no progress for `write_stall_timeout` closes the connection (a client that stops
-//!   reading cannot pin a response in memory).
+//!   `header_read_timeout` (measured from the moment an idle connection waits for one, so it
+//!   also closes idle keep-alive connections; hyper's `header_read_timeout` once handed over);
+//!   a response write that makes no progress for `write_stall_timeout` closes the connection
+//!   (a client that stops reading cannot pin a response in memory).
 //! - **Bytes buffered per connection:** hyper's read and write buffers are capped at
 //!   `max_buf_bytes`; a request head larger than that is refused by hyper with a bare 431.
-//! - **Memory per held feed:** the pages of hyper's 8 KiB read buffer that a request head
-//!   touched are handed back to the kernel when the connection goes idle (see [`IdleRelease`]),
-//!   so a held poll keeps none of them resident for its ~20 s; HTTP/1 only (no HTTP/2 state per connection; runfeed sits
-//!   behind a load balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection
-//!   clone of the make-service machinery.
+//!   runfeed's own path reads heads into one scratch buffer per worker thread.
+//! - **Memory per held feed:** a poll held on runfeed's own path keeps no read or write
+//!   buffer. On a connection handed to hyper, the pages of hyper's 8 KiB read buffer that a
+//!   request head touched are handed back to the kernel when the connection goes idle (see
+//!   [`IdleRelease`]). HTTP/1 only (no HTTP/2 state per connection; runfeed sits behind a load
+//!   balancer that speaks HTTP/1.1 to it), `TCP_NODELAY` set, no per-connection clone of the
+//!   make-service machinery.
 //! - **Kernel memory per connection:** the listener ([`bind`]) sets `SO_SNDBUF`
 //!   (`server.socket_send_buffer_bytes`), which the accepted connections inherit: a client that
 //!   stops reading pins at most that much in the kernel, and the tokio workers copy at most
@@ -29,7 +36,8 @@
 //!   (reachable from the handlers running on it through [`current_connection`]); a response
 //!   that gives up on its client (an SSE stream whose client stopped reading, `http::sse`)
 //!   aborts it, and the connection's next or pending write fails at once, so hyper drops the
-//!   connection and every buffer it pinned instead of waiting for the write-stall timeout.
+//!   connection and every buffer it pinned instead of waiting for the write-stall timeout
+//!   (SSE streams are always hyper's).
 //! - **Graceful shutdown:** when the shutdown token is cancelled the listener is closed at once,
 //!   every connection is told to finish its in-flight response and close (no reset), and the
 //!   returned future completes when all connections are gone, or after the grace period, when
@@ -46,7 +54,6 @@ use axum::body::Body;
 use futures::FutureExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -257,10 +264,16 @@ pub async fn serve<S>(
         );
     let write_stall = (limits.write_stall_timeout_ms > 0)
         .then(|| Duration::from_millis(limits.write_stall_timeout_ms));
-    let service = TowerToHyperService::new(
-        app.map_request(|req: http::Request<Incoming>| req.map(Body::new)),
-    );
-    let graceful = GracefulShutdown::new();
+    let shared = std::sync::Arc::new(Shared {
+        builder,
+        bounds: super::h1::Bounds {
+            header_read: (limits.header_read_timeout_ms > 0)
+                .then(|| Duration::from_millis(limits.header_read_timeout_ms)),
+            write_stall,
+        },
+        read_buffers: limits.read_buffers,
+    });
+    let connections = tokio_util::task::TaskTracker::new();
     let mut spare = spare_descriptor();
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
@@ -300,30 +313,79 @@ pub async fn serve<S>(
         }
         let _ = stream.set_nodelay(true);
         let abort = std::sync::Arc::new(ConnAbort::default());
-        let io = IdleRelease {
-            inner: stream,
-            touched: false,
-            read_buffers: limits.read_buffers,
-            write_stall,
-            stall: None,
-            abort: abort.clone(),
-        };
-        let conn = builder.serve_connection(TokioIo::new(io), service.clone());
-        let conn = graceful.watch(conn);
-        tokio::spawn(CONNECTION.scope(abort, async move {
-            if let Err(err) = conn.await {
-                tracing::trace!(error = %err, "connection ended with an error");
-            }
-        }));
+        connections.spawn(CONNECTION.scope(
+            abort.clone(),
+            connection(stream, app.clone(), shared.clone(), shutdown.clone(), abort),
+        ));
     }
     drop(listener);
+    connections.close();
     let grace = Duration::from_millis(limits.shutdown_grace_ms);
-    if tokio::time::timeout(grace, graceful.shutdown())
+    if tokio::time::timeout(grace, connections.wait())
         .await
         .is_err()
     {
         // The connection tasks end with the runtime, or when their clients close.
         tracing::info!("shutdown grace period over; closing the remaining connections");
+    }
+}
+
+/// What every connection of one [`serve`] shares.
+struct Shared {
+    /// hyper's connection settings, for the connections handed to it.
+    builder: hyper::server::conn::http1::Builder,
+    /// The bounds of runfeed's own path (`http::h1`).
+    bounds: super::h1::Bounds,
+    /// What hyper's read buffer does while its connection is idle.
+    read_buffers: ReadBuffers,
+}
+
+/// One connection's life: runfeed's own path ([`super::h1::drive`]) for as long as its
+/// requests are plain `GET`s, then hyper for the rest, given the bytes already read. Both end
+/// gracefully on `shutdown` (the answer in flight is completed, then the connection closes).
+async fn connection<S>(
+    stream: TcpStream,
+    mut app: S,
+    shared: std::sync::Arc<Shared>,
+    shutdown: CancellationToken,
+    abort: std::sync::Arc<ConnAbort>,
+) where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let rewound = match super::h1::drive(&stream, &mut app, shared.bounds, &shutdown).await {
+        super::h1::Ended::Closed => return,
+        super::h1::Ended::HandOff(bytes) => bytes,
+    };
+    let io = IdleRelease {
+        inner: stream,
+        rewound,
+        touched: false,
+        read_buffers: shared.read_buffers,
+        write_stall: shared.bounds.write_stall,
+        stall: None,
+        abort,
+    };
+    let service = TowerToHyperService::new(
+        app.map_request(|req: http::Request<Incoming>| req.map(Body::new)),
+    );
+    let conn = shared.builder.serve_connection(TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        () = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(err) = ended {
+        tracing::trace!(error = %err, "connection ended with an error");
     }
 }
 
@@ -347,8 +409,9 @@ impl ConnLimits {
     }
 }
 
-/// The connection's stream: the write-stall timeout, and the release of hyper's read buffer
-/// pages while the connection has nothing to read (a held poll, an idle keep-alive connection).
+/// A connection's stream once handed to hyper: the bytes runfeed's own path already read
+/// (replayed first), the write-stall timeout, and the release of hyper's read buffer pages
+/// while the connection has nothing to read (a held request, an idle keep-alive connection).
 ///
 /// **Write stall:** a write, flush or shutdown that stays pending for `write_stall` fails with
 /// `TimedOut` (hyper then closes the connection); any progress disarms the timer. The timer is
@@ -364,6 +427,8 @@ impl ConnLimits {
 /// of a `ReadBuf`. One syscall per request; none while the connection stays idle.
 struct IdleRelease {
     inner: TcpStream,
+    /// Bytes runfeed's own path read before handing the connection over: read first.
+    rewound: bytes::Bytes,
     /// Bytes were read since the last release.
     touched: bool,
     /// Whether the release happens at all (`server.release_idle_read_buffers`).
@@ -493,6 +558,11 @@ impl AsyncRead for IdleRelease {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        if !self.rewound.is_empty() && buf.remaining() > 0 {
+            let n = self.rewound.len().min(buf.remaining());
+            buf.put_slice(&self.rewound.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         match polled {
@@ -569,6 +639,7 @@ mod tests {
         let (server, _) = listener.accept().await.expect("accept");
         let io = IdleRelease {
             inner: server,
+            rewound: bytes::Bytes::new(),
             touched: false,
             read_buffers,
             write_stall,
@@ -821,5 +892,252 @@ mod tests {
             );
             assert!(zeroed || page_bytes.iter().all(|b| *b == 0xAA), "{mode:?}");
         }
+    }
+
+    /// A `serve` of its own: `/` answers `hello`; `/hold` reports its start on `started`, waits
+    /// for `release`, and reports on `dropped` when its future is dropped (answered or not).
+    struct Served {
+        addr: std::net::SocketAddr,
+        shutdown: CancellationToken,
+        done: tokio::task::JoinHandle<()>,
+        started: tokio::sync::mpsc::Receiver<()>,
+        dropped: tokio::sync::mpsc::Receiver<()>,
+        release: std::sync::Arc<tokio::sync::Notify>,
+    }
+
+    /// Sends on its channel when dropped.
+    struct DropSignal(tokio::sync::mpsc::Sender<()>);
+
+    impl Drop for DropSignal {
+        fn drop(&mut self) {
+            let _ = self.0.try_send(());
+        }
+    }
+
+    async fn served(limits: ConnLimits) -> Served {
+        use axum::routing::get;
+        let (started_tx, started) = tokio::sync::mpsc::channel(8);
+        let (dropped_tx, dropped) = tokio::sync::mpsc::channel(8);
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let notify = release.clone();
+        let app = axum::Router::new()
+            .route("/", get(|| async { "hello" }))
+            .route(
+                "/hold",
+                get(move || {
+                    let (started, dropped, release) =
+                        (started_tx.clone(), dropped_tx.clone(), notify.clone());
+                    async move {
+                        let _signal = DropSignal(dropped);
+                        let _ = started.send(()).await;
+                        release.notified().await;
+                        "held"
+                    }
+                }),
+            );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shutdown = CancellationToken::new();
+        let done = tokio::spawn(serve(listener, app, limits, shutdown.clone()));
+        Served {
+            addr,
+            shutdown,
+            done,
+            started,
+            dropped,
+            release,
+        }
+    }
+
+    /// Reads one response head (status line and headers, lowercased).
+    async fn head_of<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> String {
+        use tokio::io::AsyncBufReadExt;
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            let n = tokio::time::timeout(Duration::from_secs(10), reader.read_line(&mut line))
+                .await
+                .expect("a response in time")
+                .expect("read");
+            assert!(n > 0, "the connection closed mid-head: {head:?}");
+            if line == "\r\n" {
+                return head;
+            }
+            head.push_str(&line.to_ascii_lowercase());
+        }
+    }
+
+    /// Reads one response: its head ([`head_of`]) and its body (`content-length` bytes).
+    async fn response<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> (String, String) {
+        let head = head_of(reader).await;
+        let len = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length:"))
+            .map_or(0, |value| value.trim().parse().expect("a length"));
+        let mut body = vec![0u8; len];
+        reader.read_exact(&mut body).await.expect("body");
+        (head, String::from_utf8(body).expect("utf-8"))
+    }
+
+    /// Whether the peer closed `reader`'s connection (EOF within 10 s).
+    async fn closed<R: tokio::io::AsyncRead + Unpin>(reader: &mut R) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(10), reader.read(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
+    /// Plain `GET`s on one kept-alive connection, one at a time and pipelined, each answered
+    /// in order with `content-length` and `date`.
+    #[tokio::test]
+    async fn plain_gets_are_answered_in_order_on_a_kept_alive_connection() {
+        let srv = served(ConnLimits::default()).await;
+        let stream = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut reader = tokio::io::BufReader::new(stream);
+        for _ in 0..2 {
+            reader
+                .get_mut()
+                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .expect("write");
+            let (head, body) = response(&mut reader).await;
+            assert!(head.starts_with("http/1.1 200 ok\r\n"), "{head}");
+            assert!(head.contains("content-length: 5\r\n"), "{head}");
+            assert!(head.contains("\r\ndate: "), "{head}");
+            assert!(!head.contains("connection: close"), "{head}");
+            assert_eq!(body, "hello");
+        }
+        reader
+            .get_mut()
+            .write_all(b"GET / HTTP/1.1\r\n\r\nGET /nowhere HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        let statuses = [
+            response(&mut reader).await.0,
+            response(&mut reader).await.0,
+            response(&mut reader).await.0,
+        ];
+        assert!(statuses[0].starts_with("http/1.1 200"), "{statuses:?}");
+        assert!(statuses[1].starts_with("http/1.1 404"), "{statuses:?}");
+        assert!(statuses[2].starts_with("http/1.1 200"), "{statuses:?}");
+    }
+
+    /// A request that is not a plain `GET` (here `HEAD`, then a head split over two reads)
+    /// hands the connection to hyper with the bytes already read, and hyper answers it and the
+    /// requests after it.
+    #[tokio::test]
+    async fn other_requests_are_answered_by_hyper_with_the_bytes_already_read() {
+        let srv = served(ConnLimits::default()).await;
+        let stream = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut reader = tokio::io::BufReader::new(stream);
+        reader
+            .get_mut()
+            .write_all(b"GET / HTTP/1.1\r\n\r\nHEAD / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(response(&mut reader).await.1, "hello");
+        // HEAD: hyper's answer carries the length but no body.
+        let head = head_of(&mut reader).await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert_eq!(
+            response(&mut reader).await.1,
+            "hello",
+            "no HEAD body in between"
+        );
+
+        let stream = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut reader = tokio::io::BufReader::new(stream);
+        reader
+            .get_mut()
+            .write_all(b"GET / HT")
+            .await
+            .expect("write");
+        reader.get_mut().flush().await.expect("flush");
+        // The first part is read alone when the server is faster than this gap; either way the
+        // answer is the same.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        reader
+            .get_mut()
+            .write_all(b"TP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(response(&mut reader).await.1, "hello");
+    }
+
+    /// A client that closes its connection while its `GET` is held ends the request: its future
+    /// (the hold) is dropped at once, not when it would have been answered.
+    #[tokio::test]
+    async fn a_client_that_leaves_during_a_held_get_drops_its_request() {
+        let mut srv = served(ConnLimits::default()).await;
+        let mut stream = TcpStream::connect(srv.addr).await.expect("connect");
+        stream
+            .write_all(b"GET /hold HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        srv.started.recv().await.expect("the hold started");
+        assert!(srv.dropped.try_recv().is_err(), "still held");
+        drop(stream);
+        tokio::time::timeout(Duration::from_secs(10), srv.dropped.recv())
+            .await
+            .expect("the hold is dropped when its client leaves")
+            .expect("signal");
+    }
+
+    /// On shutdown an idle connection is closed, and a request in flight is answered with
+    /// `connection: close` before its connection closes; `serve` then returns.
+    #[tokio::test]
+    async fn shutdown_answers_the_request_in_flight_then_closes_every_connection() {
+        let mut srv = served(ConnLimits::default()).await;
+        let idle = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut idle = tokio::io::BufReader::new(idle);
+        idle.get_mut()
+            .write_all(b"GET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(response(&mut idle).await.1, "hello");
+        let held = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut held = tokio::io::BufReader::new(held);
+        held.get_mut()
+            .write_all(b"GET /hold HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        srv.started.recv().await.expect("the hold started");
+        srv.shutdown.cancel();
+        assert!(closed(&mut idle).await, "the idle connection closes");
+        srv.release.notify_waiters();
+        let (head, body) = response(&mut held).await;
+        assert_eq!(body, "held");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(closed(&mut held).await, "then the connection closes");
+        tokio::time::timeout(Duration::from_secs(10), srv.done)
+            .await
+            .expect("serve returns")
+            .expect("no panic");
+    }
+
+    /// A connection that sends no request head within `header_read_timeout` is closed, on a
+    /// fresh connection and after an answered request alike.
+    #[tokio::test]
+    async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
+        let srv = served(ConnLimits {
+            header_read_timeout_ms: 200,
+            ..ConnLimits::default()
+        })
+        .await;
+        let fresh = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut fresh = tokio::io::BufReader::new(fresh);
+        assert!(closed(&mut fresh).await, "a fresh idle connection closes");
+        let used = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut used = tokio::io::BufReader::new(used);
+        used.get_mut()
+            .write_all(b"GET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(response(&mut used).await.1, "hello");
+        assert!(
+            closed(&mut used).await,
+            "a kept-alive idle connection closes"
+        );
     }
 }

@@ -43,7 +43,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Uri, Version};
 use http_body::Body as _;
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tower::ServiceExt;
 
 /// Size of each worker thread's scratch buffer, bytes: the largest request head this path
@@ -113,8 +113,12 @@ where
 {
     // Bytes read beyond the current request (pipelined heads); usually empty, unallocated.
     let mut pending = Vec::new();
+    // One wait for shutdown for the connection's life: registered with the token once, not
+    // once per request (a lock shared by every connection).
+    let mut cancelled = std::pin::pin!(shutdown.cancelled());
     loop {
-        let (request, close) = match next_head(stream, &mut pending, bounds, shutdown).await {
+        let next = next_head(stream, &mut pending, bounds, cancelled.as_mut()).await;
+        let (request, close) = match next {
             Next::Request(request, close) => (request, close),
             Next::HandOff(bytes) => return Ended::HandOff(bytes),
             Next::Closed => return Ended::Closed,
@@ -140,7 +144,7 @@ async fn next_head(
     stream: &TcpStream,
     pending: &mut Vec<u8>,
     bounds: Bounds,
-    shutdown: &CancellationToken,
+    mut cancelled: Pin<&mut WaitForCancellationFuture<'_>>,
 ) -> Next {
     if !pending.is_empty() {
         return take_head(Bytes::from(std::mem::take(pending)), pending);
@@ -151,7 +155,7 @@ async fn next_head(
     loop {
         tokio::select! {
             biased;
-            () = shutdown.cancelled() => return Next::Closed,
+            () = &mut cancelled => return Next::Closed,
             ready = stream.readable() => {
                 if ready.is_err() {
                     return Next::Closed;

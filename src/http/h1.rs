@@ -33,6 +33,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io::IoSlice;
 use std::pin::Pin;
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -42,6 +43,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Uri, Version};
 use http_body::Body as _;
+use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tower::ServiceExt;
@@ -103,7 +105,7 @@ enum Close {
 /// Serves `stream`'s requests with `service` until one is not for this path (handed off), the
 /// client leaves, a bound is broken, or `shutdown` ends it (see the module docs).
 pub(super) async fn drive<S>(
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     service: &mut S,
     bounds: Bounds,
     shutdown: &CancellationToken,
@@ -141,7 +143,7 @@ where
 
 /// Waits for the next request head (see [`Next`]).
 async fn next_head(
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     pending: &mut Vec<u8>,
     bounds: Bounds,
     mut cancelled: Pin<&mut WaitForCancellationFuture<'_>>,
@@ -152,28 +154,37 @@ async fn next_head(
     let deadline = bounds
         .header_read
         .map(|limit| tokio::time::Instant::now() + limit);
-    loop {
-        tokio::select! {
-            biased;
-            () = &mut cancelled => return Next::Closed,
-            ready = stream.readable() => {
-                if ready.is_err() {
-                    return Next::Closed;
-                }
-            }
-            () = until(deadline) => return Next::Closed,
-        }
-        let read = SCRATCH.with_borrow_mut(|scratch| match stream.try_read(scratch) {
-            Ok(0) => Some(Next::Closed),
-            // One copy of what was read: the request's path and header values are slices of it.
-            Ok(n) => Some(take_head(Bytes::copy_from_slice(&scratch[..n]), pending)),
-            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => None,
-            Err(_) => Some(Next::Closed),
-        });
-        if let Some(next) = read {
-            return next;
-        }
+    let read = read_with(stream, |read| match read {
+        [] => Next::Closed,
+        // One copy of what was read: the request's path and header values are slices of it.
+        read => take_head(Bytes::copy_from_slice(read), pending),
+    });
+    tokio::select! {
+        biased;
+        () = &mut cancelled => Next::Closed,
+        next = read => next,
+        () = until(deadline) => Next::Closed,
     }
+}
+
+/// Reads what the client sent into the thread's scratch buffer and returns what `take` makes
+/// of it; `take` sees no bytes when the client closed the connection or the read failed.
+///
+/// The read goes through `AsyncRead::poll_read`, which, after a read that took less than the
+/// buffer, marks the socket drained (tokio's edge-triggered readiness, race-free): the next
+/// wait parks at once instead of spending a system call on a read that finds nothing.
+async fn read_with<T>(stream: &mut TcpStream, mut take: impl FnMut(&[u8]) -> T) -> T {
+    std::future::poll_fn(|cx| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            let mut buf = ReadBuf::new(scratch);
+            match Pin::new(&mut *stream).poll_read(cx, &mut buf) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Ok(())) => Poll::Ready(take(buf.filled())),
+                Poll::Ready(Err(_)) => Poll::Ready(take(&[])),
+            }
+        })
+    })
+    .await
 }
 
 /// The request at the start of `bytes` (read from the connection, `pending` empty), what
@@ -199,7 +210,7 @@ async fn until(deadline: Option<tokio::time::Instant>) {
 /// Runs `answering` to its response while watching the connection: `None` when the client
 /// closed it (or sent more than [`SCRATCH_BYTES`] meanwhile), which drops `answering`.
 async fn answer(
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     answering: impl Future<Output = Result<Response, Infallible>>,
     pending: &mut Vec<u8>,
 ) -> Option<Response> {
@@ -216,19 +227,13 @@ async fn answer(
 /// Completes when the client has closed `stream` or sent more than [`SCRATCH_BYTES`] beyond
 /// its current request (kept in `pending`, the next heads). Its own loop absorbs spurious
 /// readiness, so the request's future is not polled again for it.
-async fn left(stream: &TcpStream, pending: &mut Vec<u8>) {
+async fn left(stream: &mut TcpStream, pending: &mut Vec<u8>) {
     loop {
-        if stream.readable().await.is_err() {
-            return;
-        }
-        let gone = SCRATCH.with_borrow_mut(|scratch| match stream.try_read(scratch) {
-            Ok(0) => true,
-            Ok(n) => {
-                pending.extend_from_slice(&scratch[..n]);
-                pending.len() > SCRATCH_BYTES
-            }
-            Err(err) => err.kind() != std::io::ErrorKind::WouldBlock,
-        });
+        let gone = read_with(stream, |read| {
+            pending.extend_from_slice(read);
+            read.is_empty() || pending.len() > SCRATCH_BYTES
+        })
+        .await;
         if gone {
             return;
         }

@@ -359,7 +359,8 @@ async fn connection<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let rewound = match super::h1::drive(&stream, &mut app, shared.bounds, &shutdown).await {
+    let mut stream = stream;
+    let rewound = match super::h1::drive(&mut stream, &mut app, shared.bounds, &shutdown).await {
         super::h1::Ended::Closed => return,
         super::h1::Ended::HandOff(bytes) => bytes,
     };

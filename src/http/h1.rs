@@ -402,6 +402,10 @@ async fn write_response(
         while let Some(data) = next_data(&mut body).await? {
             chunks.push(data);
         }
+        if chunks.iter().map(|chunk| chunk.len() as u64).sum::<u64>() != len {
+            // A body that broke its own length: the answer cannot be framed.
+            return Err(std::io::ErrorKind::InvalidData.into());
+        }
         let mut slices = Vec::with_capacity(1 + chunks.len());
         slices.push(IoSlice::new(&head));
         slices.extend(chunks.iter().map(|chunk| IoSlice::new(chunk)));
@@ -414,12 +418,11 @@ async fn write_response(
         if data.is_empty() {
             continue;
         }
-        let mut size = Vec::with_capacity(20);
-        size.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        let size = format!("{:x}\r\n", data.len());
         write_all(
             stream,
             &mut [
-                IoSlice::new(&size),
+                IoSlice::new(size.as_bytes()),
                 IoSlice::new(&data),
                 IoSlice::new(b"\r\n"),
             ],

@@ -924,6 +924,13 @@ mod tests {
         let app = axum::Router::new()
             .route("/", get(|| async { "hello" }))
             .route(
+                "/stream",
+                get(|| async {
+                    let chunks = ["a", "", "bc"].map(Ok::<_, std::convert::Infallible>);
+                    Body::from_stream(futures::stream::iter(chunks))
+                }),
+            )
+            .route(
                 "/hold",
                 get(move || {
                     let (started, dropped, release) =
@@ -1022,6 +1029,38 @@ mod tests {
         assert!(statuses[0].starts_with("http/1.1 200"), "{statuses:?}");
         assert!(statuses[1].starts_with("http/1.1 404"), "{statuses:?}");
         assert!(statuses[2].starts_with("http/1.1 200"), "{statuses:?}");
+    }
+
+    /// A body of unknown length goes out chunked, and the connection stays usable after it.
+    #[tokio::test]
+    async fn a_body_of_unknown_length_is_sent_chunked() {
+        use tokio::io::AsyncBufReadExt;
+        let srv = served(ConnLimits::default()).await;
+        let stream = TcpStream::connect(srv.addr).await.expect("connect");
+        let mut reader = tokio::io::BufReader::new(stream);
+        reader
+            .get_mut()
+            .write_all(b"GET /stream HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        let head = head_of(&mut reader).await;
+        assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
+        assert!(!head.contains("content-length"), "{head}");
+        let mut body = Vec::new();
+        loop {
+            let mut size = String::new();
+            reader.read_line(&mut size).await.expect("size line");
+            let size = usize::from_str_radix(size.trim_end(), 16).expect("hex size");
+            let mut chunk = vec![0u8; size + 2];
+            reader.read_exact(&mut chunk).await.expect("chunk");
+            assert_eq!(&chunk[size..], b"\r\n");
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+        assert_eq!(body, b"abc");
+        assert_eq!(response(&mut reader).await.1, "hello");
     }
 
     /// A request that is not a plain `GET` (here `HEAD`, then a head split over two reads)

@@ -231,24 +231,40 @@ impl Default for ConnLimits {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` is cancelled, then drains: see the module docs.
-/// Accept errors (e.g. `EMFILE` when out of file descriptors) are logged and retried after a
-/// short pause instead of ending the server.
-pub async fn serve<S>(
-    listener: TcpListener,
-    app: S,
-    limits: ConnLimits,
-    shutdown: CancellationToken,
-) where
+/// What [`serve`] serves: the app's tower service, cloned per connection and per request.
+pub trait App:
+    tower::Service<
+        axum::extract::Request,
+        Response = axum::response::Response,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> App for S where
     S: tower::Service<
             axum::extract::Request,
             Response = axum::response::Response,
             Error = std::convert::Infallible,
+            Future: Send + 'static,
         > + Clone
         + Send
-        + 'static,
-    S::Future: Send + 'static,
+        + 'static
 {
+}
+
+/// Serves `app` on `listener` until `shutdown` is cancelled, then drains: see the module docs.
+/// Accept errors (e.g. `EMFILE` when out of file descriptors) are logged and retried after a
+/// short pause instead of ending the server.
+pub async fn serve<S: App>(
+    listener: TcpListener,
+    app: S,
+    limits: ConnLimits,
+    shutdown: CancellationToken,
+) {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -343,22 +359,13 @@ struct Shared {
 /// One connection's life: runfeed's own path ([`super::h1::drive`]) for as long as its
 /// requests are plain `GET`s, then hyper for the rest, given the bytes already read. Both end
 /// gracefully on `shutdown` (the answer in flight is completed, then the connection closes).
-async fn connection<S>(
+async fn connection<S: App>(
     stream: TcpStream,
     mut app: S,
     shared: std::sync::Arc<Shared>,
     shutdown: CancellationToken,
     abort: std::sync::Arc<ConnAbort>,
-) where
-    S: tower::Service<
-            axum::extract::Request,
-            Response = axum::response::Response,
-            Error = std::convert::Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
+) {
     let mut stream = stream;
     let rewound = match super::h1::drive(&mut stream, &mut app, shared.bounds, &shutdown).await {
         super::h1::Ended::Closed => return,
@@ -957,6 +964,13 @@ mod tests {
         }
     }
 
+    /// A client connection to `addr` that has sent `sent`.
+    async fn client(addr: std::net::SocketAddr, sent: &[u8]) -> tokio::io::BufReader<TcpStream> {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(sent).await.expect("write");
+        tokio::io::BufReader::new(stream)
+    }
+
     /// Reads one response head (status line and headers, lowercased).
     async fn head_of<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> String {
         use tokio::io::AsyncBufReadExt;
@@ -1001,8 +1015,7 @@ mod tests {
     #[tokio::test]
     async fn plain_gets_are_answered_in_order_on_a_kept_alive_connection() {
         let srv = served(ConnLimits::default()).await;
-        let stream = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut reader = tokio::io::BufReader::new(stream);
+        let mut reader = client(srv.addr, b"").await;
         for _ in 0..2 {
             reader
                 .get_mut()
@@ -1036,13 +1049,11 @@ mod tests {
     async fn a_body_of_unknown_length_is_sent_chunked() {
         use tokio::io::AsyncBufReadExt;
         let srv = served(ConnLimits::default()).await;
-        let stream = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut reader = tokio::io::BufReader::new(stream);
-        reader
-            .get_mut()
-            .write_all(b"GET /stream HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
+        let mut reader = client(
+            srv.addr,
+            b"GET /stream HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+        )
+        .await;
         let head = head_of(&mut reader).await;
         assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
         assert!(!head.contains("content-length"), "{head}");
@@ -1069,13 +1080,11 @@ mod tests {
     #[tokio::test]
     async fn other_requests_are_answered_by_hyper_with_the_bytes_already_read() {
         let srv = served(ConnLimits::default()).await;
-        let stream = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut reader = tokio::io::BufReader::new(stream);
-        reader
-            .get_mut()
-            .write_all(b"GET / HTTP/1.1\r\n\r\nHEAD / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
+        let mut reader = client(
+            srv.addr,
+            b"GET / HTTP/1.1\r\n\r\nHEAD / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+        )
+        .await;
         assert_eq!(response(&mut reader).await.1, "hello");
         // HEAD: hyper's answer carries the length but no body.
         let head = head_of(&mut reader).await;
@@ -1086,13 +1095,7 @@ mod tests {
             "no HEAD body in between"
         );
 
-        let stream = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut reader = tokio::io::BufReader::new(stream);
-        reader
-            .get_mut()
-            .write_all(b"GET / HT")
-            .await
-            .expect("write");
+        let mut reader = client(srv.addr, b"GET / HT").await;
         reader.get_mut().flush().await.expect("flush");
         // The first part is read alone when the server is faster than this gap; either way the
         // answer is the same.
@@ -1129,19 +1132,9 @@ mod tests {
     #[tokio::test]
     async fn shutdown_answers_the_request_in_flight_then_closes_every_connection() {
         let mut srv = served(ConnLimits::default()).await;
-        let idle = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut idle = tokio::io::BufReader::new(idle);
-        idle.get_mut()
-            .write_all(b"GET / HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
+        let mut idle = client(srv.addr, b"GET / HTTP/1.1\r\n\r\n").await;
         assert_eq!(response(&mut idle).await.1, "hello");
-        let held = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut held = tokio::io::BufReader::new(held);
-        held.get_mut()
-            .write_all(b"GET /hold HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
+        let mut held = client(srv.addr, b"GET /hold HTTP/1.1\r\n\r\n").await;
         srv.started.recv().await.expect("the hold started");
         srv.shutdown.cancel();
         assert!(closed(&mut idle).await, "the idle connection closes");
@@ -1165,15 +1158,9 @@ mod tests {
             ..ConnLimits::default()
         })
         .await;
-        let fresh = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut fresh = tokio::io::BufReader::new(fresh);
+        let mut fresh = client(srv.addr, b"").await;
         assert!(closed(&mut fresh).await, "a fresh idle connection closes");
-        let used = TcpStream::connect(srv.addr).await.expect("connect");
-        let mut used = tokio::io::BufReader::new(used);
-        used.get_mut()
-            .write_all(b"GET / HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
+        let mut used = client(srv.addr, b"GET / HTTP/1.1\r\n\r\n").await;
         assert_eq!(response(&mut used).await.1, "hello");
         assert!(
             closed(&mut used).await,
